@@ -1,0 +1,485 @@
+"""Control-plane messages between shard clients and the reference server.
+
+Every message is a frozen, slotted dataclass registered under a wire kind (see
+:mod:`tensorhub.wire`). Requests carry ``req``, a client-chosen id that the reply echoes
+(0 for none), and ``session``, the id the server gave the shard at :class:`OpenShard`.
+Model-parallel calls (§5.4 of the design) carry ``call``: the replica-wide call number, counted
+by each shard from 1.
+
+A request gets exactly one final reply: :class:`Ack`, :class:`Failed` or the call's own answer
+(:class:`Opened`, :class:`Replicated`, :class:`Updated`, :class:`Listing` with ``final``,
+:class:`HeartbeatAck`). Notifications (:class:`Grant`, :class:`Revoke`, :class:`OffloadRequest`,
+...) may arrive at any time; those tied to a request echo its ``req``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+from scheduling.topology import Location
+
+from .errors import TensorHubError
+from .layout import Layout
+from .naming import parse_version_spec, validate_model, validate_replica, validate_shard, validate_version
+from .wire import Opaque, message, struct
+
+U64 = (1 << 64) - 1
+
+#: Holder kinds as the wire names them.
+KIND_NORMAL = "normal"
+KIND_OFFLOAD = "offload"
+
+
+def _nonneg(what: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+
+
+def _timeout(value: float | None) -> None:
+    if value is not None and not 0 <= value <= 1e7:
+        raise ValueError(f"timeout must be None or in [0, 1e7] seconds, got {value}")
+
+
+def _checksums(values: tuple[int, ...] | None) -> None:
+    if values is not None:
+        for v in values:
+            if not 0 <= v <= U64:
+                raise ValueError("checksums must be unsigned 64-bit integers")
+
+
+def _version_spec(spec: int | str) -> None:
+    parse_version_spec(spec)
+
+
+# --- nested structs ---------------------------------------------------------------------------
+
+
+@struct
+class SourceInfo:
+    """Where a granted reader pulls from."""
+
+    session: int
+    replica: str
+    shard_idx: int
+    kind: str
+    complete: bool
+    location: Location
+    endpoint: Opaque
+
+
+@struct
+class ReplicaEntry:
+    """One replica holding a version completely (all its shards)."""
+
+    replica: str
+    kind: str
+    spot: bool
+
+
+@struct
+class VersionEntry:
+    """One available version and the replicas that hold it completely."""
+
+    version: int
+    replicas: tuple[ReplicaEntry, ...]
+
+
+@struct
+class Held:
+    """A holding re-announced after failover."""
+
+    version: int
+    kind: str
+    checksums: tuple[int, ...] | None
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        if self.kind not in (KIND_NORMAL, KIND_OFFLOAD):
+            raise ValueError(f"holding kind must be normal or offload, got {self.kind!r}")
+        _checksums(self.checksums)
+
+
+@struct
+class PartialHeld:
+    """A partial holding re-announced after failover: what was verified so far."""
+
+    version: int
+    verified: int
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        _nonneg("verified", self.verified)
+
+
+@struct
+class CallAnswer:
+    """The answer a shard last got for a model-parallel call, re-announced after failover so that
+    the other shards get the same one."""
+
+    call: int
+    kind: str
+    version: int | None
+    moved: bool | None
+
+    def __post_init__(self) -> None:
+        if self.call < 1:
+            raise ValueError(f"call numbers start at 1, got {self.call}")
+
+
+# --- client -> server -------------------------------------------------------------------------
+
+
+@message("open")
+class OpenShard:
+    req: int
+    model: str
+    replica: str
+    num_shards: int
+    shard_idx: int
+    incarnation: str = field(metadata={"max_len": 64})
+    location: Location
+    spot: bool
+    retain: int | None
+
+    def __post_init__(self) -> None:
+        validate_model(self.model)
+        validate_replica(self.replica, model=self.model)
+        validate_shard(self.num_shards, self.shard_idx, model=self.model, replica=self.replica)
+        if not self.incarnation:
+            raise ValueError("incarnation must be a non-empty nonce")
+        if not isinstance(self.location, Location):
+            raise ValueError("location is required")
+        if self.retain is not None:
+            _nonneg("retain", self.retain)
+
+
+@message("register")
+class Register:
+    req: int
+    session: int
+    layout: Layout
+    endpoint: Opaque
+
+
+@message("unregister")
+class Unregister:
+    req: int
+    session: int
+
+
+@message("publish")
+class Publish:
+    req: int
+    session: int
+    call: int
+    version: int
+    checksums: tuple[int, ...] | None
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        _checksums(self.checksums)
+
+
+@message("checksums")
+class DeclareChecksums:
+    req: int
+    session: int
+    version: int
+    checksums: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        _checksums(self.checksums)
+
+
+@message("unpublish")
+class Unpublish:
+    req: int
+    session: int
+    call: int
+
+
+@message("offloaded")
+class PublishOffload:
+    """The answer to :class:`OffloadRequest`: the copy is in CPU memory (``ok``), or could not be
+    made."""
+
+    req: int
+    session: int
+    version: int
+    ok: bool
+
+
+@message("replicate")
+class Replicate:
+    req: int
+    session: int
+    call: int
+    spec: int | str
+    timeout: float | None
+
+    def __post_init__(self) -> None:
+        _version_spec(self.spec)
+        _timeout(self.timeout)
+
+
+@message("update")
+class Update:
+    req: int
+    session: int
+    call: int
+    spec: int | str
+    timeout: float | None
+
+    def __post_init__(self) -> None:
+        _version_spec(self.spec)
+        _timeout(self.timeout)
+
+
+@message("list")
+class ListVersions:
+    """``call`` is set for ``list(consistent=True)`` (a model-parallel transaction), else None."""
+
+    req: int
+    session: int
+    call: int | None
+
+
+@message("wait")
+class Wait:
+    """Long-poll for a listing newer than ``known_epoch``; ``satisfied_epoch`` reports that the
+    predicate held on the listing of that epoch, which then becomes the replica's answer."""
+
+    req: int
+    session: int
+    call: int
+    known_epoch: int
+    satisfied_epoch: int | None
+    timeout: float | None
+
+    def __post_init__(self) -> None:
+        _timeout(self.timeout)
+
+
+@message("progress")
+class Progress:
+    req: int
+    session: int
+    grant: int
+    term: int
+    verified: int
+
+    def __post_init__(self) -> None:
+        _nonneg("verified", self.verified)
+
+
+@message("complete")
+class Complete:
+    req: int
+    session: int
+    grant: int
+    term: int
+
+
+@message("source_failed")
+class SourceFailed:
+    req: int
+    session: int
+    grant: int
+    term: int
+    verified: int
+    reason: str = field(metadata={"max_len": 1024})
+
+    def __post_init__(self) -> None:
+        _nonneg("verified", self.verified)
+
+
+@message("checksum_failed")
+class ChecksumFailed:
+    req: int
+    session: int
+    grant: int
+    term: int
+    verified: int
+    unit: int
+
+    def __post_init__(self) -> None:
+        _nonneg("verified", self.verified)
+        _nonneg("unit", self.unit)
+
+
+@message("verify_result")
+class VerifyResult:
+    req: int
+    session: int
+    version: int
+    ok: bool
+
+
+@message("heartbeat")
+class Heartbeat:
+    req: int
+    sessions: tuple[int, ...] = field(metadata={"max_len": 65536})
+
+
+@message("announce")
+class Announce:
+    req: int
+    session: int
+    holdings: tuple[Held, ...] = field(metadata={"max_len": 4096})
+    partial: PartialHeld | None
+    last: CallAnswer | None
+
+
+@message("close")
+class CloseShard:
+    req: int
+    session: int
+
+
+# --- server -> client -------------------------------------------------------------------------
+
+
+@message("opened")
+class Opened:
+    req: int
+    session: int
+    term: int
+    heartbeat_interval: float
+    heartbeat_timeout: float
+
+
+@message("ack")
+class Ack:
+    req: int
+
+
+@message("failed")
+class Failed:
+    """A typed error reply; :meth:`error` rebuilds the exception."""
+
+    req: int
+    code: str = field(metadata={"max_len": 64})
+    message: str = ""
+    model: str | None = None
+    version: int | None = None
+    replica: str | None = None
+    shard: int | None = None
+
+    @classmethod
+    def of(cls, req: int, err: TensorHubError) -> "Failed":
+        return cls(req, type(err).code, err.message, err.model, err.version, err.replica, err.shard)
+
+    def error(self) -> TensorHubError:
+        from .errors import error_from_wire
+
+        return error_from_wire(
+            self.code, self.message, model=self.model, version=self.version, replica=self.replica, shard=self.shard
+        )
+
+
+@message("grant")
+class Grant:
+    """Pull ``shard_idx`` of ``version`` from ``source``. Echoes the replicate/update ``req``."""
+
+    req: int
+    session: int
+    grant: int
+    term: int
+    version: int
+    shard_idx: int
+    source: SourceInfo
+    checksums: tuple[int, ...] | None
+
+
+@message("revoke")
+class Revoke:
+    """The grant is void: discard what was not verified; a new grant (or the call's error)
+    follows."""
+
+    session: int
+    grant: int
+    term: int
+    reason: str
+
+
+@message("checksums_ready")
+class ChecksumsReady:
+    session: int
+    grant: int
+    term: int
+    version: int
+    checksums: tuple[int, ...]
+
+
+@message("offload_request")
+class OffloadRequest:
+    """Your holding is the last non-spot copy of a retained version: copy it to CPU memory and
+    answer with :class:`PublishOffload` before the unpublish can go on."""
+
+    session: int
+    version: int
+
+
+@message("free_offload")
+class FreeOffload:
+    """Your offload copy of ``version`` is no longer needed and no reader is using it: free it."""
+
+    session: int
+    version: int
+
+
+@message("verify_request")
+class VerifyRequest:
+    """A reader reported a checksum mismatch on your copy: re-verify it and answer with
+    :class:`VerifyResult`."""
+
+    session: int
+    version: int
+
+
+@message("quarantined")
+class Quarantined:
+    """Your copy of ``version`` failed verification and is no longer served."""
+
+    session: int
+    version: int
+
+
+@message("removed")
+class Removed:
+    """Your session is void (its replica was removed, or a newer incarnation opened)."""
+
+    session: int
+    code: str
+    reason: str
+
+
+@message("replicated")
+class Replicated:
+    req: int
+    version: int
+
+
+@message("updated")
+class Updated:
+    req: int
+    moved: bool
+    version: int | None
+
+
+@message("listing")
+class Listing:
+    req: int
+    epoch: int
+    final: bool
+    versions: tuple[VersionEntry, ...]
+
+    def as_dict(self) -> dict[int, dict[str, ReplicaEntry]]:
+        return {v.version: {r.replica: r for r in v.replicas} for v in self.versions}
+
+
+@message("heartbeat_ack")
+class HeartbeatAck:
+    req: int
+    unknown: tuple[int, ...]

@@ -1,0 +1,153 @@
+"""Names: models, replicas, shards, absolute and relative versions, retention declarations.
+
+A *version spec* is what callers pass to ``replicate``/``update``: an absolute version (an
+``int`` >= 0), ``"latest"``, or ``"latest-k"``. :func:`parse_version_spec` turns it into a
+:class:`VersionSpec`; its wire form is the canonical string (``"latest"``, ``"latest-2"``) or
+the integer itself.
+
+A *retention declaration* (``retain=`` at open) is ``None`` (retain nothing), ``"latest"`` or
+``"latest-k"``: the highest published version and the k before it must stay available. It is
+carried as the integer k (``None`` for no declaration).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import InvalidName
+
+__all__ = [
+    "MAX_NAME_LEN",
+    "MAX_SHARDS",
+    "MAX_VERSION",
+    "VersionSpec",
+    "parse_version_spec",
+    "parse_retain",
+    "retain_to_str",
+    "validate_model",
+    "validate_replica",
+    "validate_shard",
+    "validate_version",
+]
+
+MAX_NAME_LEN = 128
+MAX_SHARDS = 65536
+MAX_VERSION = 2**63 - 1
+MAX_RELATIVE = 1 << 20
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*\Z")
+_LATEST_RE = re.compile(r"latest(?:-(\d{1,7}))?\Z")
+
+
+def _validate_name(what: str, name: object, **ctx) -> str:
+    if not isinstance(name, str):
+        raise InvalidName(f"{what} name must be a str, got {type(name).__name__}", **ctx)
+    if not name or len(name) > MAX_NAME_LEN:
+        raise InvalidName(f"{what} name must have 1 to {MAX_NAME_LEN} characters, got {len(name)}", **ctx)
+    if not _NAME_RE.match(name):
+        raise InvalidName(
+            f"{what} name {name!r} may only hold letters, digits and . _ : @ + - "
+            "and must start with a letter or digit",
+            **ctx,
+        )
+    return name
+
+
+def validate_model(model: object) -> str:
+    """Return ``model`` if it is a valid model name, else raise :class:`InvalidName`."""
+    return _validate_name("model", model)
+
+
+def validate_replica(replica: object, *, model: str | None = None) -> str:
+    """Return ``replica`` if it is a valid replica name, else raise :class:`InvalidName`."""
+    return _validate_name("replica", replica, model=model)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_shard(num_shards: object, shard_idx: object, **ctx) -> tuple[int, int]:
+    """Check ``num_shards`` in [1, MAX_SHARDS] and ``shard_idx`` in [0, num_shards)."""
+    if not _is_int(num_shards) or not 1 <= num_shards <= MAX_SHARDS:
+        raise InvalidName(f"num_shards must be an int in [1, {MAX_SHARDS}], got {num_shards!r}", **ctx)
+    if not _is_int(shard_idx) or not 0 <= shard_idx < num_shards:
+        raise InvalidName(f"shard_idx must be an int in [0, {num_shards}), got {shard_idx!r}", **ctx)
+    return num_shards, shard_idx
+
+
+def validate_version(version: object, **ctx) -> int:
+    """Return ``version`` if it is an absolute version (int in [0, 2**63)), else raise."""
+    if not _is_int(version) or not 0 <= version <= MAX_VERSION:
+        raise InvalidName(f"a version must be an int in [0, 2**63), got {version!r}", **ctx)
+    return version
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSpec:
+    """A parsed version spec: absolute (``version`` set) or relative (``back`` versions before
+    the latest available one)."""
+
+    version: int | None = None
+    back: int | None = None
+
+    @property
+    def relative(self) -> bool:
+        return self.back is not None
+
+    def resolve(self, latest: int) -> int:
+        """The absolute version this spec names when ``latest`` is the highest available one.
+        May be negative for ``latest-k`` past version 0 (the caller reports that)."""
+        return latest - self.back if self.back is not None else self.version  # type: ignore[return-value]
+
+    def wire(self) -> int | str:
+        """The canonical form: the int, ``"latest"`` or ``"latest-k"``."""
+        if self.back is None:
+            return self.version  # type: ignore[return-value]
+        return "latest" if self.back == 0 else f"latest-{self.back}"
+
+    def __str__(self) -> str:
+        return str(self.wire())
+
+
+LATEST = VersionSpec(back=0)
+
+
+def parse_version_spec(spec: object, **ctx) -> VersionSpec:
+    """Parse a version spec: an int >= 0, ``"latest"`` or ``"latest-k"`` (k >= 0).
+
+    Raises:
+        InvalidName: anything else, naming what was given.
+    """
+    if isinstance(spec, VersionSpec):
+        return spec
+    if _is_int(spec):
+        return VersionSpec(version=validate_version(spec, **ctx))
+    if isinstance(spec, str):
+        m = _LATEST_RE.match(spec)
+        if m:
+            back = int(m.group(1) or 0)
+            if back <= MAX_RELATIVE:
+                return VersionSpec(back=back)
+    raise InvalidName(
+        f"a version must be an int >= 0, 'latest' or 'latest-k' (0 <= k <= {MAX_RELATIVE}), got {spec!r}", **ctx
+    )
+
+
+def parse_retain(retain: object, **ctx) -> int | None:
+    """Parse ``retain=``: ``None`` -> None; ``"latest"`` -> 0; ``"latest-k"`` -> k."""
+    if retain is None:
+        return None
+    if isinstance(retain, str):
+        spec = parse_version_spec(retain, **ctx) if retain.startswith("latest") else None
+        if spec is not None:
+            return spec.back
+    raise InvalidName(f"retain must be None, 'latest' or 'latest-k', got {retain!r}", **ctx)
+
+
+def retain_to_str(back: int | None) -> str | None:
+    """Inverse of :func:`parse_retain`."""
+    if back is None:
+        return None
+    return VersionSpec(back=back).wire()  # type: ignore[return-value]
