@@ -73,7 +73,7 @@ def check_invariants(table: ReferenceTable) -> list[str]:
                 n = sum(1 for h in hs.values() if h.state in SERVING)
                 if n != ver.serving[i]:
                     bad.append(f"model {model.name} v{v} shard {i}: serving count {ver.serving[i]} != {n}")
-                if n == 0 and not table.in_grace and any(h.state is P for h in hs.values()):
+                if n == 0 and not table.in_grace and any(h.state is P and not table._viable(h) for h in hs.values()):
                     bad.append(f"model {model.name} v{v} shard {i}: partial holders with no complete source")
                 offl = [h for h in hs.values() if h.kind == "offload" and h.state is not U]
                 if len(offl) > 1:

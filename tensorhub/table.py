@@ -71,6 +71,7 @@ from .errors import (
     StaleGrant,
     TensorHubError,
     Timeout,
+    TransportError,
     UnknownGrant,
     UnknownSession,
     UpdateAborted,
@@ -89,6 +90,7 @@ SERVING = (C, O)  # states that make a (version, shard) available
 Outbox = list[tuple[Hashable, Any]]
 
 _FENCED_MEMORY = 65536  # how many removed session ids are remembered (to answer Fenced)
+_MAX_SOURCE_FAILURES = 3  # a reader retries sources that failed it, this many times in all
 _GONE_MEMORY = 1024  # how far below the highest published version gone versions are remembered
 
 
@@ -127,9 +129,9 @@ class _Grant:
 
 class _Holder:
     __slots__ = (
-        "id", "session", "version", "shard_idx", "state", "kind", "grants", "upstream", "excluded",
+        "id", "session", "version", "shard_idx", "state", "kind", "grants", "upstream", "excluded", "failures",
         "verified", "checksums", "reporters", "verify_pending", "offload_pending", "drain_deadline",
-        "on_drained", "on_offloaded", "call", "waiting",
+        "on_drained", "on_offloaded", "call", "waiting", "whole",
     )  # fmt: skip
 
     def __init__(self, hid: int, session: "_Session", version: int, kind: str) -> None:
@@ -141,7 +143,8 @@ class _Holder:
         self.kind = kind
         self.grants: dict[int, _Grant] = {}  # active grants where this holder is the source
         self.upstream: _Grant | None = None  # active grant where this holder is the reader
-        self.excluded: dict[int, None] = {}  # source holder ids this reader must not use again
+        self.excluded: dict[int, bool] = {}  # source holder id -> failed verification (else: failed)
+        self.failures = 0  # sources that failed this reader
         self.verified = 0
         self.checksums: tuple[int, ...] | None = None
         self.reporters: dict[str, None] = {}  # replicas that reported a mismatch on this holder
@@ -152,6 +155,7 @@ class _Holder:
         self.on_offloaded: Callable[[], None] | None = None
         self.call: tuple[_Txn, int] | None = None  # the replicate/update call this partial serves
         self.waiting = False  # a partial holder waiting for a source (grace period)
+        self.whole = False  # has held the whole shard (complete or offload), so can finish readers
 
     @property
     def replica(self) -> "_Replica":
@@ -498,6 +502,8 @@ class ReferenceTable:
         """Set ``h.state`` and keep the version's counts (availability, listing) in step."""
         old, h.state = h.state, state
         was, now = old in SERVING, state in SERVING
+        if now:
+            h.whole = True
         model = h.session.model
         if state is C or was != now:
             model.dirty_shards[(h.version, h.shard_idx)] = None
@@ -564,6 +570,7 @@ class ReferenceTable:
         if old is not None:
             self._remove_replica(old.replica, Fenced, f"shard {msg.shard_idx} opened as a new incarnation")
             replica = None
+            model = self.models.get(msg.model)  # it may have been dropped with the old replica
         if model is None:
             model = self.models[msg.model] = _Model(msg.model, msg.num_shards)
         if replica is None:
@@ -1148,13 +1155,18 @@ class ReferenceTable:
                     stack.append(g.reader)
         return seen
 
-    def _candidates(self, reader: _Holder) -> list[tuple[Candidate, _Holder]]:
+    def _candidates(self, reader: _Holder, retry_failed: bool) -> list[tuple[Candidate, _Holder]]:
+        """Eligible sources for ``reader``. Sources that failed it are eligible again only on
+        ``retry_failed`` (a transient failure of the only source); a failed verification never."""
         holders = self._holder_set(reader.session.model, reader.version, reader.shard_idx)
         below = self._downstream(reader) if reader.grants else {reader.id: None}
         own = reader.replica
+        excluded = reader.excluded
         out = []
         for h in holders.values():
-            if h.state is U or h.state is None or h.id in below or h.id in reader.excluded or h.replica is own:
+            if h.state is U or h.state is None or h.id in below or h.replica is own:
+                continue
+            if h.id in excluded and (excluded[h.id] or not retry_failed):
                 continue
             load = len(h.replica.serving)
             out.append((Candidate(h.id, h.replica.name, h.state is not P, h.session.location, load), h))
@@ -1165,13 +1177,18 @@ class ReferenceTable:
         if reader.state is not P or reader.upstream is not None or reader.call is None:
             return
         txn, _ = reader.call
-        cands = self._candidates(reader)
+        cands = self._candidates(reader, retry_failed=False)
+        if not cands and reader.excluded and reader.failures <= _MAX_SOURCE_FAILURES:
+            cands = self._candidates(reader, retry_failed=True)
         pick = select_source(reader.session.location, [c for c, _ in cands], self.rng, txn.source_replica)
         if pick is None:
             ctx = reader.session.ctx(reader.version)
             holders = self._holder_set(reader.session.model, reader.version, reader.shard_idx)
-            if any(h.state in SERVING and h.id in reader.excluded for h in holders.values()):
+            serving_excluded = [reader.excluded[h.id] for h in holders.values() if h.state in SERVING and h.id in reader.excluded]
+            if any(serving_excluded):
                 err: TensorHubError = ChecksumMismatch("every remaining holder of this shard failed verification", **ctx)
+            elif serving_excluded:
+                err = TransportError(f"every remaining source failed this reader ({reader.failures} failures)", **ctx)
             elif self.in_grace:
                 reader.waiting = True
                 reader.session.model.waiting_readers[reader] = None
@@ -1247,7 +1264,8 @@ class ReferenceTable:
         s = self._session(peer, msg.session)
         g = self._reader_grant(s, msg.grant, msg.term)
         reader = g.reader
-        reader.excluded[g.source.id] = None
+        reader.excluded[g.source.id] = False
+        reader.failures += 1
         self._end_grant(g, "failed")
         self._fire(reader, Event.SOURCE_FAILED)
         reader.verified = max(reader.verified, msg.verified)
@@ -1261,7 +1279,7 @@ class ReferenceTable:
             return
         g = self._reader_grant(s, msg.grant, msg.term)
         reader, source = g.reader, g.source
-        reader.excluded[source.id] = None
+        reader.excluded[source.id] = True
         self._end_grant(g, "failed")
         self._fire(reader, Event.SOURCE_FAILED)
         reader.verified = min(reader.verified, msg.verified)
@@ -1434,8 +1452,9 @@ class ReferenceTable:
                 continue
             holders = ver.holders[i]
             if not ver.serving[i] and not self.in_grace:
-                for h in [h for h in holders.values() if h.state is P]:
-                    self._source_gone(h)
+                for h in [h for h in holders.values() if h.state is P and not self._viable(h)]:
+                    if h.state is P:
+                        self._source_gone(h)
             for h in [h for h in model.waiting_readers if h.version == v and h.shard_idx == i]:
                 self._regrant(h)
             for h in [h for h in model.offload_holders.values() if h.version == v and h.shard_idx == i]:
@@ -1478,6 +1497,16 @@ class ReferenceTable:
             return
         self._fire(h, Event.RELEASE)
         self._begin_drain(h)
+
+    def _viable(self, h: _Holder) -> bool:
+        """A partial holder can still finish: its chain of sources ends at a holder of the whole
+        shard (one that is unpublishing finishes the grants it has)."""
+        x = h
+        for _ in range(1 << 20):
+            if x.upstream is None:
+                return x.whole and x.state is not None
+            x = x.upstream.source
+        raise AssertionError("grant cycle")
 
     def _source_gone(self, h: _Holder) -> None:
         call = h.call

@@ -60,6 +60,16 @@ class Driver:
         self.clock.t += dt
         return self.deliver(self.table.tick())
 
+    def run_for(self, dt: float, step: float = 1.0) -> None:
+        """Let ``dt`` seconds pass while every open shard heartbeats each ``step``."""
+        t_end = self.clock.t + dt
+        while self.clock.t < t_end:
+            self.advance(min(step, t_end - self.clock.t))
+            for s in list(self.shards.values()):
+                if s.session in self.table.sessions:
+                    self.send(s.peer, m.Heartbeat(0, (s.session,)))
+                    s.take(m.HeartbeatAck)
+
     def shard(self, replica: str, shard_idx: int = 0, num_shards: int = 1, **kw) -> "Shard":
         return Shard(self, replica=replica, shard_idx=shard_idx, num_shards=num_shards, **kw)
 

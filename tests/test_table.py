@@ -1,0 +1,673 @@
+"""Unit tests of the reference table, one behaviour of DESIGN.md §5 at a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorhub import errors as e
+from tensorhub import messages as m
+from tensorhub.invariants import assert_invariants
+from tensorhub.table import TableConfig
+
+from .table_driver import LAYOUT, Driver, complete_all, make_layout
+
+
+@pytest.fixture
+def d() -> Driver:
+    drv = Driver()
+    drv.advance(11)  # past the start-up grace period
+    yield drv
+    assert_invariants(drv.table)
+
+
+def published(d: Driver, name: str = "trainer", version: int = 1, num_shards: int = 1, **kw):
+    shards = d.replica(name, num_shards, **kw)
+    for s in shards:
+        s.expect_ok(s.publish(version))
+    return shards
+
+
+def close_all(d: Driver) -> None:
+    for s in list(d.shards.values()):
+        if s.session in d.table.sessions:
+            s.expect_ok(s.close())
+    assert d.table.counts() == dict.fromkeys(d.table.counts(), 0)
+
+
+# --- sessions, fencing ------------------------------------------------------------------------
+
+
+def test_open_gives_session_and_term(d):
+    s = d.shard("r")
+    assert s.session in d.table.sessions
+    again = s.open()  # the same incarnation opening again is the same session
+    assert again.session == s.session and again.term == d.table.term
+
+
+def test_num_shards_must_agree_within_a_model(d):
+    d.shard("a", 0, 2)
+    with pytest.raises(e.LayoutMismatch, match="num_shards"):
+        d.shard("b", 0, 4)
+    assert len(d.table.sessions) == 1
+
+
+def test_new_incarnation_fences_the_old_replica(d):
+    old = d.replica("r", 2)
+    for s in old:
+        s.expect_ok(s.publish(3))
+    new0 = d.shard("r", 0, 2, incarnation="i2")
+    # Both old shards are told, their holdings are gone, and the old session is fenced.
+    for s in old:
+        assert [x.code for x in s.take(m.Removed)] == ["fenced"]
+    assert d.table.sessions.keys() == {new0.session}
+    req = old[1].publish(4)
+    old[1].expect_error(req, e.Fenced)
+    assert new0.list().versions == ()
+
+
+def test_unknown_session_is_a_typed_error(d):
+    s = d.shard("r", open=False)
+    s.session = 999
+    s.expect_error(s.publish(1), e.UnknownSession)
+
+
+def test_spot_must_agree_within_a_replica(d):
+    d.shard("r", 0, 2, spot=True)
+    with pytest.raises(e.ContractViolation, match="spot"):
+        d.shard("r", 1, 2, spot=False)
+
+
+# --- layouts ----------------------------------------------------------------------------------
+
+
+def test_layout_mismatch_changes_nothing(d):
+    d.shard("a")
+    b = d.shard("b", layout=None)
+    err = b.expect_error(b.register(make_layout(4096, 4096)), e.LayoutMismatch)
+    assert "t1" in str(err) and "replica='b'" in str(err)
+    b.expect_ok(b.register(LAYOUT))
+
+
+def test_layout_is_forgotten_when_nobody_uses_it(d):
+    a = d.shard("a")
+    a.expect_ok(a.unregister())
+    a.expect_ok(a.register(make_layout(100)))
+
+
+def test_register_twice_and_unregister_rules(d):
+    a = d.shard("a")
+    a.expect_error(a.register(LAYOUT), e.ContractViolation)
+    a.expect_ok(a.publish(1))
+    a.expect_error(a.unregister(), e.ContractViolation)
+    b = d.shard("b", layout=None)
+    b.expect_error(b.unregister(), e.NotRegistered)
+
+
+# --- publish and checksums ----------------------------------------------------------------------
+
+
+def test_publish_before_register(d):
+    s = d.shard("a", layout=None)
+    s.expect_error(s.publish(1), e.NotRegistered)
+    assert d.table.counts()["holders"] == 0
+
+
+def test_publish_while_holding_another_version(d):
+    (s,) = published(d, version=1)
+    s.expect_error(s.publish(2), e.ContractViolation)
+
+
+def test_version_conflict_on_publish(d):
+    n = LAYOUT.checksum_count()
+    a = d.shard("a")
+    a.expect_ok(a.publish(5, (1,) * n))
+    b = d.shard("b")
+    b.expect_error(b.publish(5, (2,) * n), e.VersionConflict)
+    b.expect_error(b.publish(5, (1,) * (n + 1)), e.InvalidArgument)
+    assert [h.session.replica.name for h in d.table.holders()] == ["a"]
+
+
+def test_late_conflicting_checksums_quarantine_the_holding(d):
+    n = LAYOUT.checksum_count()
+    a = d.shard("a")
+    a.expect_ok(a.publish(5, (1,) * n))
+    b = d.shard("b")
+    b.expect_ok(b.publish(5))
+    b.expect_error(b.request(m.DeclareChecksums, b.session, 5, (2,) * n), e.VersionConflict)
+    assert b.take(m.Quarantined)
+    assert [h.session.replica.name for h in d.table.holders()] == ["a"]
+
+
+def test_checksums_reach_readers_that_started_without_them(d):
+    n = LAYOUT.checksum_count()
+    (t,) = published(d)
+    r = d.shard("r")
+    r.replicate(1)
+    g = r.grant()
+    assert g.checksums is None
+    t.expect_ok(t.request(m.DeclareChecksums, t.session, 1, (7,) * n))
+    (ready,) = r.take(m.ChecksumsReady)
+    assert ready.grant == g.grant and ready.checksums == (7,) * n
+
+
+def test_divergent_publish_across_shards(d):
+    a0, a1 = d.replica("t", 2)
+    a0.expect_ok(a0.publish(1))
+    err = a1.expect_error(a1.publish(2), e.ContractViolation)
+    assert "publish(1)" in str(err)
+
+
+# --- version resolution -------------------------------------------------------------------------
+
+
+def test_replicate_latest_waits_for_a_first_version(d):
+    r = d.shard("r")
+    req = r.replicate("latest")
+    assert r.inbox == []
+    published(d, version=4)
+    r.complete(r.grant())
+    assert r.expect_ok(req).version == 4
+
+
+def test_never_seen_version_is_waited_for(d):
+    published(d, version=1)
+    r = d.shard("r")
+    req = r.replicate(7)
+    assert r.inbox == []
+    published(d, "t2", version=7)
+    r.complete(r.grant())
+    assert r.expect_ok(req).version == 7
+
+
+def test_gone_version_raises_at_once(d):
+    (t,) = published(d, version=1)
+    t.expect_ok(t.unpublish())
+    r = d.shard("r")
+    r.expect_error(r.replicate(1), e.VersionUnavailable)
+
+
+def test_gone_version_waits_during_the_grace_period():
+    d = Driver()
+    (t,) = published(d, version=1)
+    t.expect_ok(t.unpublish())
+    r = d.shard("r")
+    req = r.replicate(1)
+    assert r.reply(req) is None
+    d.run_for(5)
+    assert r.reply(req) is None
+    d.run_for(6)  # the grace period is over: gone
+    r.expect_error(req, e.VersionUnavailable)
+
+
+def test_relative_versions(d):
+    for name, v in (("a", 3), ("b", 4), ("c", 5)):
+        published(d, name, version=v)
+    r = d.shard("r")
+    req = r.pull("latest-1")
+    assert r.expect_ok(req).version == 4
+    q = d.shard("q")
+    q.expect_error(q.replicate("latest-9"), e.VersionUnavailable)
+
+
+def test_replicate_timeout_is_decided_by_the_transaction(d):
+    r0, r1 = d.replica("r", 2)
+    q0 = r0.replicate(3, timeout=5)
+    d.advance(6)
+    r0.expect_error(q0, e.Timeout)
+    q1 = r1.replicate(3)  # the other shard joins late: same answer
+    r1.expect_error(q1, e.Timeout)
+    assert d.table.counts()["transactions"] == 0
+
+
+# --- source selection ---------------------------------------------------------------------------
+
+
+def test_pipeline_chain_in_a_burst(d):
+    published(d)
+    readers = [d.shard(f"r{i}") for i in range(4)]
+    grants = []
+    for r in readers:
+        r.replicate(1)
+        grants.append(r.grant())
+    assert [g.source.replica for g in grants] == ["trainer", "r0", "r1", "r2"]
+    for r, g in zip(readers, grants):
+        r.complete(g)
+    for r in readers:
+        assert isinstance(r.take(m.Replicated)[0], m.Replicated)
+
+
+def test_same_datacenter_first_then_cross(d):
+    published(d, "t-east", dc="east")
+    published(d, "t-west", dc="west")
+    r = d.shard("r", dc="west")
+    r.replicate(1)
+    assert r.grant().source.replica == "t-west"
+    far = d.shard("far", dc="north")
+    far.replicate(1)
+    assert far.grant().source.replica in ("t-east", "t-west")
+
+
+def test_complete_holders_win_ties_then_same_host(d):
+    published(d, "t1", host="h1")
+    published(d, "t2", host="h2")
+    r = d.shard("r", host="h2")
+    r.replicate(1)
+    assert r.grant().source.replica == "t2"
+
+
+def test_one_source_replica_per_reader_replica(d):
+    published(d, "a", num_shards=2)
+    published(d, "b", num_shards=2)
+    r = d.replica("r", 2)
+    for s in r:
+        s.replicate(1)
+    chosen = {s.grant().source.replica for s in r}
+    assert len(chosen) == 1
+
+
+def test_never_a_source_downstream_of_the_reader(d):
+    (t,) = published(d)
+    a, b = d.shard("a"), d.shard("b")
+    a.replicate(1)
+    ga = a.grant()
+    b.replicate(1)
+    assert b.grant().source.replica == "a"
+    # a's source fails: a must not be re-granted b (b pulls from a); it retries the trainer.
+    a.source_failed(ga)
+    g = a.grant()
+    assert g.source.replica == "trainer"
+    for _ in range(5):  # the only possible source keeps failing a: a retries a bounded number of times
+        a.source_failed(g)
+        gs = a.grants()
+        if not gs:
+            break
+        g = gs[0]
+    assert isinstance(a.take(m.Failed)[0].error(), e.TransportError)
+    # b, downstream of a, is told and pulls from the trainer instead.
+    assert b.take(m.Revoke)
+    assert b.grant().source.replica == "trainer"
+
+
+# --- complete, failures, checksums --------------------------------------------------------------
+
+
+def test_source_failure_regrants_and_keeps_progress(d):
+    published(d, "t1")
+    published(d, "t2")
+    r = d.shard("r")
+    req = r.replicate(1)
+    g1 = r.grant()
+    r.progress(g1, 4096)
+    r.source_failed(g1, verified=4096)
+    g2 = r.grant()
+    assert g2.source.replica != g1.source.replica
+    reader = d.table.sessions[r.session].holder
+    assert reader.verified == 4096 and g1.source.session in [h.session.id for h in d.table.holders()]
+    r.complete(g2)
+    assert r.expect_ok(req).version == 1
+
+
+def test_checksum_mismatch_excludes_then_self_check_quarantines(d):
+    t1 = published(d, "t1")[0]
+    published(d, "t2")
+    r = d.shard("r")
+    req = r.replicate(1)
+    g1 = r.grant()
+    bad = d.shards[[p for p, s in d.shards.items() if s.session == g1.source.session][0]]
+    r.checksum_failed(g1)
+    g2 = r.grant()
+    assert g2.source.session != g1.source.session
+    (vr,) = bad.take(m.VerifyRequest)
+    bad.expect_ok(bad.request(m.VerifyResult, bad.session, 1, False))
+    assert bad.take(m.Quarantined)
+    assert bad.session not in [h.session.id for h in d.table.holders()]
+    r.complete(g2)
+    r.expect_ok(req)
+    assert t1 is not None
+
+
+def test_two_replicas_reporting_quarantine_without_self_check(d):
+    published(d, "t1")
+    published(d, "t2")
+    r1, r2 = d.shard("r1"), d.shard("r2")
+    r1.replicate(1)
+    g1 = r1.grant()
+    r2.replicate(1)
+    g2 = r2.grant()
+    assert g1.source.session != g2.source.session  # load spreads
+    r2.source_failed(g2)  # move r2 to g1's source
+    g2b = r2.grant()
+    if g2b.source.session != g1.source.session:
+        pytest.skip("selection sent r2 elsewhere")
+    r1.checksum_failed(g1)
+    r2.checksum_failed(g2b)
+    assert d.table.stats["quarantined"] == 1
+
+
+def test_mismatch_on_a_revoked_grant_blames_nobody(d):
+    published(d, "t1")
+    published(d, "t2")
+    r = d.shard("r")
+    r.replicate(1)
+    g = r.grant()
+    src = next(s for s in d.shards.values() if s.session == g.source.session)
+    src.unpublish()
+    d.run_for(31)  # drain timeout: the grant is revoked
+    assert r.take(m.Revoke)
+    r.checksum_failed(g)
+    assert not src.take(m.VerifyRequest) and d.table.stats["quarantined"] == 0
+
+
+def test_partial_fails_when_no_complete_holder_is_left(d):
+    (t,) = published(d)
+    r = d.shard("r")
+    req = r.replicate(1)
+    r.grant()
+    d.advance(9)
+    r.heartbeat()
+    d.advance(2)  # the trainer missed its heartbeats
+    r.expect_error(req, e.VersionUnavailable)
+    assert d.table.counts()["holders"] == 0
+
+
+# --- unpublish and drain ------------------------------------------------------------------------
+
+
+def test_unpublish_waits_for_readers_to_drain(d):
+    (t,) = published(d)
+    r = d.shard("r")
+    r.replicate(1)
+    g = r.grant()
+    req = t.unpublish()
+    assert t.reply(req) is None
+    rr = d.shard("late")
+    rr.expect_error(rr.replicate(1), e.VersionUnavailable)  # unpublishing: no new grants; r is partial
+    r.complete(g)
+    t.expect_ok(req)
+
+
+def test_drain_timeout_revokes(d):
+    (t,) = published(d)
+    published(d, "t2")
+    r = d.shard("r")
+    r.replicate(1)
+    g = r.grant()
+    src = next(s for s in d.shards.values() if s.session == g.source.session)
+    req = src.unpublish()
+    d.run_for(29)
+    assert src.reply(req) is None
+    d.run_for(2)
+    src.expect_ok(req)
+    assert [x.grant for x in r.take(m.Revoke)] == [g.grant]
+    assert r.grant().source.session != src.session
+
+
+# --- retention and offload ----------------------------------------------------------------------
+
+
+def test_last_retained_copy_is_offloaded_first(d):
+    (t,) = published(d, retain=0)
+    req = t.unpublish()
+    (o,) = t.take(m.OffloadRequest)
+    assert t.reply(req) is None
+    t.expect_ok(t.request(m.PublishOffload, t.session, o.version, True))
+    t.expect_ok(req)
+    listing = d.shard("x").list()
+    assert listing.versions[0].replicas[0].kind == "offload"
+    # A reader gets it from the offload copy; the copy is then released.
+    r = d.shard("r")
+    q = r.replicate(1)
+    g = r.grant()
+    assert g.source.kind == "offload"
+    r.complete(g)
+    r.expect_ok(q)
+    assert t.take(m.FreeOffload) == [m.FreeOffload(t.session, 1)]
+
+
+def test_newer_version_releases_offload_copies(d):
+    (t,) = published(d, retain=0)
+    req = t.unpublish()
+    t.expect_ok(t.request(m.PublishOffload, t.session, 1, True))
+    t.expect_ok(req)
+    t.expect_ok(t.publish(2))
+    assert t.take(m.FreeOffload) == [m.FreeOffload(t.session, 1)]
+
+
+def test_spot_holders_do_not_count_for_retention(d):
+    (t,) = published(d, retain=0)
+    s = d.shard("spot", spot=True)
+    s.pull(1)
+    t.unpublish()
+    assert t.take(m.OffloadRequest)
+
+
+def test_unretained_versions_are_not_offloaded(d):
+    (t,) = published(d)
+    t.expect_ok(t.unpublish())
+    assert not t.take(m.OffloadRequest)
+
+
+def test_offload_refused_still_unpublishes(d):
+    (t,) = published(d, retain=0)
+    req = t.unpublish()
+    t.expect_ok(t.request(m.PublishOffload, t.session, 1, False))
+    t.expect_ok(req)
+    assert d.shard("x").list().versions == ()
+
+
+def test_declaration_survives_a_crash_not_a_clean_close(d):
+    t = d.shard("t", retain=0)
+    t.expect_ok(t.publish(1))
+    r = d.shard("r")
+    r.pull(1)
+    r.take(m.Replicated)
+    d.advance(11)  # t crashes (no heartbeats); r too, so heartbeat it
+    assert d.table.models["actor"].declarations
+    r.open()  # r's session expired as well; open a fresh one
+    assert d.table.models["actor"].declarations
+
+
+# --- update -------------------------------------------------------------------------------------
+
+
+def test_update_without_versions_returns_false(d):
+    r = d.shard("r")
+    u = r.expect_ok(r.update())
+    assert (u.moved, u.version) == (False, None)
+
+
+def test_update_moves_only_to_a_newer_latest(d):
+    a = published(d, "a", version=1)[0]
+    r = d.shard("r")
+    req = r.update()
+    complete_all([r])
+    assert r.expect_ok(req).moved and d.table.sessions[r.session].holder.version == 1
+    req = r.update()
+    u = r.expect_ok(req)
+    assert (u.moved, u.version) == (False, 1)
+    a.expect_ok(a.unpublish())
+    b = published(d, "b", version=2)[0]
+    req = r.update()
+    complete_all([r])
+    assert r.expect_ok(req) == m.Updated(req, True, 2)
+    assert b.session
+
+
+def test_update_aborted_leaves_the_handle_empty(d):
+    (t,) = published(d, version=1)
+    r = d.shard("r")
+    r.pull(1)
+    r.take(m.Replicated)
+    t.expect_ok(t.unpublish())
+    t2 = published(d, "t2", version=2)[0]
+    req = r.update()
+    r.grant()
+    # The only source of version 2 crashes mid-pull.
+    d.advance(9)
+    r.heartbeat()
+    d.advance(2)
+    r.expect_error(req, e.UpdateAborted)
+    assert d.table.sessions[r.session].holder is None
+    assert t2.session not in d.table.sessions
+
+
+# --- model-parallel transactions ----------------------------------------------------------------
+
+
+def test_shards_see_one_latest(d):
+    """The paper's Figure 6: shard 0 resolves latest=12; 13 is published; shard 1 gets 12."""
+    published(d, "t12", version=12, num_shards=2)
+    r0, r1 = d.replica("r", 2)
+    q0 = r0.replicate("latest")
+    published(d, "t13", version=13, num_shards=2)
+    q1 = r1.replicate("latest")
+    complete_all([r0, r1])
+    assert r0.expect_ok(q0).version == r1.expect_ok(q1).version == 12
+
+
+def test_replicate_answers_only_when_every_shard_is_done(d):
+    published(d, num_shards=2)
+    r0, r1 = d.replica("r", 2)
+    q0 = r0.replicate(1)
+    r0.complete(r0.grant())
+    assert r0.reply(q0) is None
+    q1 = r1.replicate(1)
+    r1.complete(r1.grant())
+    assert r0.expect_ok(q0).version == r1.expect_ok(q1).version == 1
+    assert d.table.counts()["transactions"] == 0
+
+
+def test_divergent_calls_are_contract_violations(d):
+    published(d, num_shards=2)
+    r0, r1 = d.replica("r", 2)
+    r0.replicate(1)
+    err = r1.expect_error(r1.update("latest"), e.ContractViolation)
+    assert "call 1" in str(err)
+
+
+def test_wait_is_one_transaction(d):
+    d.shard("t", 0, 2)  # a 2-shard model
+    r0, r1 = d.replica("r", 2)
+    w0 = r0.request(m.Wait, r0.session, 1, -1, None, None)
+    first = r0.inbox.pop()
+    assert isinstance(first, m.Listing) and not first.final and first.versions == ()
+    w0 = r0.request(m.Wait, r0.session, 1, first.epoch, None, None)
+    assert r0.reply(w0) is None  # parked until the listing changes
+    published(d, version=3, num_shards=2)
+    offer = r0.inbox.pop()
+    assert offer.versions[0].version == 3
+    r0.expect_ok(r0.request(m.Wait, r0.session, 1, offer.epoch, offer.epoch, None))
+    published(d, "t2", version=4, num_shards=2)
+    # shard 1 arrives later, when the listing is different: it gets the recorded snapshot.
+    q = r1.request(m.Wait, r1.session, 1, -1, None, None)
+    got = r1.expect_ok(q)
+    assert got.final and [v.version for v in got.versions] == [3]
+    assert d.table.counts()["transactions"] == 0
+
+
+def test_consistent_list(d):
+    published(d, version=1, num_shards=2)
+    r0, r1 = d.replica("r", 2)
+    r0.call = r1.call = 0
+    a = r0.list(consistent=True)
+    published(d, "t2", version=2, num_shards=2)
+    b = r1.list(consistent=True)
+    assert a.versions == b.versions and a.epoch == b.epoch
+
+
+# --- heartbeats ---------------------------------------------------------------------------------
+
+
+def test_expiry_removes_the_whole_replica_and_readers_move_on(d):
+    published(d, "t1")
+    t2 = published(d, "t2")[0]
+    r = d.shard("reader")
+    q = r.replicate(1)
+    g = r.grant()
+    src = next(s for s in d.shards.values() if s.session == g.source.session)
+    others = [s for s in d.shards.values() if s is not src]
+    d.advance(9)
+    for s in others:
+        s.heartbeat()
+    d.advance(2)
+    assert r.take(m.Revoke)
+    g2 = r.grant()
+    r.complete(g2)
+    r.expect_ok(q)
+    assert src.session not in d.table.sessions
+    hb = src.request(m.Heartbeat, (src.session,))
+    assert src.expect_ok(hb).unknown == (src.session,)
+    assert t2
+
+
+def test_expiry_of_one_shard_removes_its_live_sibling(d):
+    r0, r1 = d.replica("r", 2)
+    d.advance(9)
+    r1.heartbeat()
+    d.advance(2)
+    assert [x.code for x in r1.take(m.Removed)] == ["replica_removed"]
+    r1.expect_error(r1.publish(1), e.ReplicaRemoved)
+
+
+# --- failover re-announce -----------------------------------------------------------------------
+
+
+def test_announce_restores_holdings_and_last_answers():
+    d = Driver(term=2)
+    n = LAYOUT.checksum_count()
+    for t in d.replica("t", 2):
+        t.expect_ok(t.request(m.Announce, t.session, (m.Held(5, "normal", (3,) * n),), None, None))
+    r0, r1 = d.replica("r", 2)
+    # Shard 0 had got the answer "version 5" to its call 1 on the old server; shard 1 had not.
+    r0.expect_ok(r0.request(m.Announce, r0.session, (m.Held(5, "normal", None),), None, m.CallAnswer(1, "replicate", 5, None)))
+    r1.call = 0
+    q = r1.replicate("latest")
+    published(d, "t9", version=9, num_shards=2)
+    r1.complete(r1.grant())
+    assert r1.expect_ok(q).version == 5
+    # A conflicting announcement is dropped.
+    x = d.shard("x", 0, 2)
+    x.expect_error(x.request(m.Announce, x.session, (m.Held(5, "normal", (4,) * n),), None, None), e.VersionConflict)
+    assert d.table.sessions[x.session].holder is None
+
+
+def test_grant_from_an_older_term_is_stale(d):
+    (t,) = published(d)
+    r = d.shard("r")
+    r.replicate(1)
+    g = r.grant()
+    r.expect_error(r.request(m.Complete, r.session, g.grant, g.term + 1), e.StaleGrant)
+    r.expect_error(r.request(m.Complete, r.session, g.grant + 100, g.term), e.UnknownGrant)
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_bad_requests_change_nothing(d):
+    (t,) = published(d)
+    r = d.shard("r")
+    r.replicate(1)
+    g = r.grant()
+    before = d.table.counts()
+    r.expect_error(r.request(m.Progress, r.session, g.grant, g.term, 10**12), e.InvalidArgument)
+    r.expect_error(r.request(m.PublishOffload, r.session, 1, True), e.ContractViolation)
+    r.expect_error(r.request(m.VerifyResult, r.session, 1, False), e.ContractViolation)
+    r.expect_error(r.request(m.Replicate, r.session, 0, 1, None), e.InvalidArgument)
+    t.expect_error(t.request(m.DeclareChecksums, t.session, 9, (1,)), e.ContractViolation)
+    out = d.send("stranger", m.Ack(77))
+    assert isinstance(out[0][1], m.Failed) and out[0][1].error().__class__ is e.ProtocolError
+    assert d.table.counts() == before
+
+
+def test_close_leaves_nothing(d):
+    published(d, num_shards=2, retain=1)
+    r = d.replica("r", 2)
+    for s in r:
+        s.replicate(1)
+    complete_all(r)
+    close_all(d)
+
+
+def test_config_requires_heartbeat_margin():
+    with pytest.raises(e.InvalidArgument):
+        TableConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0)
