@@ -120,10 +120,16 @@ class CallAnswer:
     kind: str
     version: int | None
     moved: bool | None
+    epoch: int | None
+    listing: tuple[VersionEntry, ...] | None
+    error: str | None = field(default=None, metadata={"max_len": 64})
+    message: str | None = None
 
     def __post_init__(self) -> None:
         if self.call < 1:
             raise ValueError(f"call numbers start at 1, got {self.call}")
+        if self.kind not in ("publish", "unpublish", "replicate", "update", "list", "wait"):
+            raise ValueError(f"not a model-parallel call: {self.kind!r}")
 
 
 # --- client -> server -------------------------------------------------------------------------
@@ -328,7 +334,13 @@ class Announce:
     session: int
     holdings: tuple[Held, ...] = field(metadata={"max_len": 4096})
     partial: PartialHeld | None
-    last: CallAnswer | None
+    answered: int  # the last call number this shard got a final answer for (0: none)
+    answers: tuple[CallAnswer, ...] = field(metadata={"max_len": 64})  # its most recent answers
+
+    def __post_init__(self) -> None:
+        for a in self.answers:
+            if a.call > self.answered:
+                raise ValueError(f"answer to call {a.call} announced beyond the last answered call {self.answered}")
 
 
 @message("close")

@@ -77,6 +77,7 @@ from .errors import (
     UpdateAborted,
     VersionConflict,
     VersionUnavailable,
+    error_from_wire,
 )
 from .layout import Layout
 from .lifecycle import Event, HolderState, transition
@@ -169,7 +170,7 @@ class _Holder:
 class _Session:
     __slots__ = (
         "id", "peer", "model", "replica", "shard_idx", "incarnation", "location", "spot", "retain",
-        "last_seen", "layout", "endpoint", "holder", "offloads",
+        "last_seen", "layout", "endpoint", "holder", "offloads", "announced", "answered",
     )  # fmt: skip
 
     def __init__(self, sid: int, peer: Hashable, model: "_Model", replica: "_Replica", msg: m.OpenShard, now: float):
@@ -187,6 +188,8 @@ class _Session:
         self.endpoint: Any = None
         self.holder: _Holder | None = None  # the holding in the registered buffers
         self.offloads: dict[int, _Holder] = {}  # version -> offload holder (CPU copies)
+        self.announced = False  # re-announced its state after a failover
+        self.answered = 0  # the last call it had an answer for, as it announced
 
     def ctx(self, version: int | None = None) -> dict[str, Any]:
         return {"model": self.model.name, "replica": self.replica.name, "shard": self.shard_idx, "version": version}
@@ -694,12 +697,15 @@ class ReferenceTable:
     def _remove_holder(self, h: _Holder, event: Event, reason: str) -> None:
         """Remove ``h`` now (crash, fencing, quarantine, close): end its upstream grant and
         revoke its readers, who get re-granted elsewhere."""
+        if h.state is None:
+            return  # already gone (a cascade of this same removal got to it first)
         if h.upstream is not None:
             self._end_grant(h.upstream, "cancelled")
         readers = [g.reader for g in h.grants.values()]
         for g in list(h.grants.values()):
             self._revoke(g, reason)
-        self._fire(h, event)
+        if h.state is not None:  # an unpublishing holder is gone once its last grant is revoked
+            self._fire(h, event)
         for r in readers:
             self._regrant(r)
 
@@ -1101,6 +1107,10 @@ class ReferenceTable:
             self._error_shard(txn, call)
             return
         s = call.session
+        if not txn.decided and self._awaiting_announcements(txn.replica):
+            txn.waiting = True
+            s.model.parked[txn] = None
+            return
         if not txn.decided:
             try:
                 self._decide(txn, s)
@@ -1134,6 +1144,16 @@ class ReferenceTable:
         ver = s.model.versions[v]
         h.checksums = ver.checksums.get(s.shard_idx)
         self._regrant(h)
+
+    def _awaiting_announcements(self, replica: _Replica) -> bool:
+        """After a failover, a replica that existed before decides nothing until all its shards
+        have re-announced (their last answers may fix this decision), or the grace period ends."""
+        if not self.in_grace:
+            return False
+        shards = replica.shards.values()
+        return any(s.announced for s in shards) and not (
+            len(replica.shards) == replica.num_shards and all(s.announced for s in shards)
+        )
 
     def _maybe_answer(self, txn: _Txn) -> None:
         if txn.error is not None or not _all_done(txn):
@@ -1415,13 +1435,29 @@ class ReferenceTable:
             h = s.holder = self._new_holder(s, msg.partial.version, m.KIND_NORMAL, Event.GRANT)
             h.verified = min(msg.partial.verified, s.layout.total_bytes)
             h.checksums = s.model.versions[h.version].checksums.get(s.shard_idx)
-        last = msg.last
-        if last is not None and last.kind in ("replicate", "update", "publish") and last.call not in s.replica.txns:
-            txn = s.replica.txns[last.call] = _Txn(last.call, last.kind, _AnnouncedArgs(), s.replica)
+        # The answers this shard got may be ones its siblings have yet to get: record them, so a
+        # sibling re-sending that call gets the same answer. Calls at or below a shard's last
+        # answered one are consumed for it.
+        s.answered = msg.answered
+        s.announced = True
+        replica = s.replica
+        for last in msg.answers:
+            if last.call in replica.txns:
+                continue
+            txn = replica.txns[last.call] = _Txn(last.call, last.kind, _AnnouncedArgs(), replica)
             txn.decided, txn.version, txn.moved = True, last.version, bool(last.moved) or last.kind == "replicate"
-            txn.consumed[s.shard_idx] = None
-            if len(txn.consumed) >= s.replica.num_shards:
+            if last.kind in ("list", "wait"):
+                txn.answer = (last.epoch or 0, last.listing or ())
+            if last.error is not None:
+                txn.error = error_from_wire(last.error, last.message or "the call failed before the failover", **s.ctx())
+        for txn in list(replica.txns.values()):
+            for sib in replica.shards.values():
+                if sib.announced and txn.n <= sib.answered:
+                    txn.consumed[sib.shard_idx] = None
+            if len(txn.consumed) >= replica.num_shards:
                 self._drop_txn(txn)
+        s.model.availability_changed = True  # wake calls parked until the replica re-announced
+        self._mark_dirty(s.model)
         self._regrant_waiting(s.model)
         if dropped:
             raise VersionConflict(

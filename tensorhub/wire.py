@@ -300,6 +300,9 @@ def decode(frame: bytes) -> Any:
             max_ext_len=0,
         )
     except Exception as e:  # msgpack raises several unrelated types for bad input
+        # msgpack enforces the collection limits itself, as a plain ValueError naming the limit.
+        if isinstance(e, ValueError) and ("max_array_len" in str(e) or "max_map_len" in str(e)):
+            raise OversizeMessage(f"frame holds a collection over {MAX_COLLECTION} items: {e}") from None
         raise MalformedMessage(f"frame is not valid msgpack: {e}") from None
     if type(obj) is not list or len(obj) != 3:
         raise MalformedMessage("a frame must be the array [wire_version, kind, body]")

@@ -616,10 +616,11 @@ def test_announce_restores_holdings_and_last_answers():
     d = Driver(term=2)
     n = LAYOUT.checksum_count()
     for t in d.replica("t", 2):
-        t.expect_ok(t.request(m.Announce, t.session, (m.Held(5, "normal", (3,) * n),), None, None))
+        t.expect_ok(t.request(m.Announce, t.session, (m.Held(5, "normal", (3,) * n),), None, 0, ()))
     r0, r1 = d.replica("r", 2)
     # Shard 0 had got the answer "version 5" to its call 1 on the old server; shard 1 had not.
-    r0.expect_ok(r0.request(m.Announce, r0.session, (m.Held(5, "normal", None),), None, m.CallAnswer(1, "replicate", 5, None)))
+    answer = m.CallAnswer(1, "replicate", 5, None, None, None)
+    r0.expect_ok(r0.request(m.Announce, r0.session, (m.Held(5, "normal", None),), None, 1, (answer,)))
     r1.call = 0
     q = r1.replicate("latest")
     published(d, "t9", version=9, num_shards=2)
@@ -627,7 +628,7 @@ def test_announce_restores_holdings_and_last_answers():
     assert r1.expect_ok(q).version == 5
     # A conflicting announcement is dropped.
     x = d.shard("x", 0, 2)
-    x.expect_error(x.request(m.Announce, x.session, (m.Held(5, "normal", (4,) * n),), None, None), e.VersionConflict)
+    x.expect_error(x.request(m.Announce, x.session, (m.Held(5, "normal", (4,) * n),), None, 0, ()), e.VersionConflict)
     assert d.table.sessions[x.session].holder is None
 
 

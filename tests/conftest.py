@@ -1,0 +1,56 @@
+"""Test configuration: one seed for every randomized test, and the hypothesis profiles.
+
+``TENSORHUB_SEED`` (default 20261121) seeds hypothesis and the ``seed`` fixture; it is printed
+in the header and on every failure. ``TENSORHUB_HYPOTHESIS_PROFILE`` picks ``ci`` (default)
+or ``long`` (the state machine runs at least 10,000 steps).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+SEED = int(os.environ.get("TENSORHUB_SEED", "20261121"))
+
+settings.register_profile(
+    "ci",
+    max_examples=40,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile(
+    "long",
+    max_examples=250,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.load_profile(os.environ.get("TENSORHUB_HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = SEED
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"tensorhub: TENSORHUB_SEED={SEED} hypothesis profile={os.environ.get('TENSORHUB_HYPOTHESIS_PROFILE', 'ci')}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("tensorhub seed", f"TENSORHUB_SEED={SEED} (rerun with this environment variable)"))
+
+
+@pytest.fixture
+def seed() -> int:
+    """The run's seed: derive every random source of a test from it."""
+    return SEED

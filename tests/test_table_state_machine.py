@@ -1,0 +1,502 @@
+"""A hypothesis state machine driving the reference table with many simulated clients.
+
+Replicas of 2 shards (trainers that publish, rollouts that replicate and update, some spot)
+follow per-replica call scripts, one shard at a time so that shards interleave; transfers
+complete, fail and report checksum mismatches; clients crash, close, reopen as new
+incarnations; time passes; the server fails over to a new term and clients re-announce. After
+every step the table's invariants are checked, and so are the promises clients rely on:
+
+- no grant from an unpublishing, excluded, quarantined or removed holder, and no grant cycle;
+- every grant ends exactly once (the table refuses a second end);
+- an unpublish is answered only when no reader is left on the holding;
+- a retained version stays available unless its last holder died;
+- all shards of a replica get identical answers per call number;
+- once every client has closed, the table holds nothing.
+
+Profiles: ``ci`` (default) and ``long`` (>= 10,000 steps): TENSORHUB_HYPOTHESIS_PROFILE=long.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tensorhub import messages as m
+from tensorhub.invariants import check_invariants
+from tensorhub.lifecycle import HolderState
+from tensorhub.table import ReferenceTable, TableConfig
+
+from .table_driver import LAYOUT, VirtualClock
+
+NUM_SHARDS = 2
+TRAINERS = ("trainer-0", "trainer-1")
+ROLLOUTS = ("rollout-0", "rollout-1", "rollout-2", "spot-0", "spot-1")
+NAMES = TRAINERS + ROLLOUTS
+CONFIG = TableConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0, drain_timeout=30.0)
+SPECS = ("latest", "latest-1", 0, 1, 2, 3, 5)
+N_CHECKSUMS = LAYOUT.checksum_count()
+
+
+@dataclass
+class ShardClient:
+    """One shard's client side: its protocol state as a real client would keep it."""
+
+    replica: "ReplicaClient"
+    idx: int
+    session: int | None = None
+    cursor: int = 0  # next entry of the replica's script to issue
+    inflight: tuple[int, int, tuple] | None = None  # (req, call n, script entry)
+    grants: dict[int, m.Grant] = field(default_factory=dict)
+    held: int | None = None  # version in the registered buffers, as the client believes
+    epoch: int = -1  # for wait long-polls
+
+    @property
+    def peer(self) -> str:
+        return f"{self.replica.name}/{self.idx}/{self.replica.incarnation}"
+
+
+@dataclass
+class ReplicaClient:
+    name: str
+    incarnation: int
+    spot: bool
+    retain: int | None
+    shards: list[ShardClient] = field(default_factory=list)
+    script: list[tuple] = field(default_factory=list)
+    crashed: bool = False
+    closed: bool = False
+    removed: bool = False
+
+    @property
+    def live(self) -> bool:
+        return not (self.crashed or self.closed or self.removed)
+
+    def idle(self) -> bool:
+        return all(s.inflight is None and s.cursor == len(self.script) for s in self.shards)
+
+
+class TableMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = VirtualClock()
+        self.term = 1
+        self.table: ReferenceTable | None = None
+        self.replicas: dict[str, ReplicaClient] = {}
+        self.by_peer: dict[str, ShardClient] = {}
+        self.req = 0
+        self.next_version = 0
+        self.answers: dict[tuple[str, int, int], tuple] = {}  # (replica, incarnation, call) -> answer
+        self.unpublishing: dict[int, tuple[ShardClient, int]] = {}  # req -> (shard, session)
+        self.step_removed = False  # a crash/expiry/close/quarantine happened in this step
+        self.retained_available: set[int] = set()
+        self.trace: list[str] = []
+
+    # ---- plumbing -----------------------------------------------------------------------------
+
+    @initialize(seed=st.integers(0, 2**32 - 1), retain=st.sampled_from([None, 0, 1]))
+    def start(self, seed: int, retain: int | None) -> None:
+        self.rng = random.Random(seed)
+        self.table = ReferenceTable(self.clock, random.Random(seed), CONFIG, term=self.term)
+        self.time_passes(11.0)  # past the start-up grace period
+        for name in ("trainer-0", "rollout-0", "rollout-1", "spot-0"):
+            self.open(name, retain)
+
+    def send(self, sc: ShardClient, msg: Any) -> None:
+        out = self.table.handle(sc.peer, msg)
+        self.deliver(out)
+
+    def new_req(self) -> int:
+        self.req += 1
+        return self.req
+
+    def deliver(self, out: list) -> None:
+        queue = list(out)
+        for _ in range(10000):
+            if not queue:
+                return
+            peer, msg = queue.pop(0)
+            self.check_message(msg)
+            sc = self.by_peer.get(peer)
+            if sc is None or not sc.replica.live and not isinstance(msg, m.Opened):
+                continue
+            more = self.react(sc, msg)
+            for x in more:
+                queue.extend(self.table.handle(sc.peer, x))
+        raise AssertionError("message storm")
+
+    def check_message(self, msg: Any) -> None:
+        t = self.table
+        if isinstance(msg, m.Grant) and msg.grant in t.grants:
+            g = t.grants[msg.grant]
+            src = g.source
+            assert src.state in (HolderState.COMPLETE, HolderState.OFFLOAD, HolderState.PARTIAL), src.state
+            assert src.id not in g.reader.excluded or not g.reader.excluded[src.id], "granted an excluded source"
+            assert src.session.id in t.sessions
+        if isinstance(msg, m.Ack) and msg.req in self.unpublishing:
+            sc, sid = self.unpublishing.pop(msg.req)
+            for g in t.grants.values():
+                assert not (g.source.session.id == sid and g.source.kind == "normal"), "unpublish answered with a reader left"
+
+    def react(self, sc: ShardClient, msg: Any) -> list:
+        """The client's automatic side: what a real client does on each message."""
+        sid = sc.session
+        if isinstance(msg, m.Opened):
+            sc.session = msg.session
+            return []
+        if isinstance(msg, m.OffloadRequest):
+            return [m.PublishOffload(self.new_req(), sid, msg.version, True)]
+        if isinstance(msg, m.VerifyRequest):
+            return [m.VerifyResult(self.new_req(), sid, msg.version, self.rng.random() < 0.7)]
+        if isinstance(msg, m.Grant):
+            sc.grants[msg.grant] = msg
+            return []
+        if isinstance(msg, m.Revoke):
+            sc.grants.pop(msg.grant, None)
+            return []
+        if isinstance(msg, m.Removed):
+            sc.replica.removed = True
+            self.step_removed = True
+            return []
+        if isinstance(msg, m.Quarantined):
+            self.step_removed = True
+            if sc.held == msg.version:
+                sc.held = None
+            return []
+        if isinstance(msg, (m.FreeOffload, m.ChecksumsReady, m.HeartbeatAck)):
+            return []
+        if isinstance(msg, m.Listing) and not msg.final and sc.inflight is not None:
+            req, n, entry = sc.inflight
+            if msg.req != req:
+                return []
+            sc.epoch = msg.epoch
+            nreq = self.new_req()
+            sc.inflight = (nreq, n, entry)
+            satisfied = msg.epoch if msg.versions else None  # predicate: some version is available
+            return [m.Wait(nreq, sid, n, msg.epoch, satisfied, entry[1])]
+        req = getattr(msg, "req", None)
+        if sc.inflight is not None and req == sc.inflight[0]:
+            _, n, entry = sc.inflight
+            sc.inflight = None
+            self.record_answer(sc, n, entry, msg)
+            sc.grants.clear()
+        return []
+
+    def record_answer(self, sc: ShardClient, n: int, entry: tuple, msg: Any) -> None:
+        kind = entry[0]
+        if isinstance(msg, m.Failed):
+            answer: tuple = ("error", msg.code)
+            if kind in ("replicate", "update"):
+                sc.held = None if msg.code != "timeout" or sc.held is None else sc.held
+        elif isinstance(msg, m.Replicated):
+            answer = ("version", msg.version)
+            sc.held = msg.version
+        elif isinstance(msg, m.Updated):
+            answer = ("updated", msg.moved, msg.version)
+            if msg.moved:
+                sc.held = msg.version
+        elif isinstance(msg, m.Listing):
+            answer = ("listing", msg.epoch, msg.versions)
+        elif isinstance(msg, m.Ack):
+            answer = ("ack",)
+            if kind == "publish":
+                sc.held = entry[1]
+            elif kind == "unpublish":
+                sc.held = None
+        else:
+            raise AssertionError(f"unexpected reply {msg}")
+        if kind == "publish" and answer[0] == "error":
+            return  # publish errors are per shard (the call itself agreed)
+        if kind == "unpublish":
+            return  # per-shard outcome
+        key = (sc.replica.name, sc.replica.incarnation, n)
+        if answer[0] == "error" and answer[1] in ("replica_removed", "fenced", "unknown_session"):
+            return
+        prev = self.answers.setdefault(key, answer)
+        assert prev == answer, f"shards of {key} got different answers: {prev} vs {answer}"
+
+    def heartbeat_all(self) -> None:
+        for rc in self.replicas.values():
+            if rc.live:
+                for sc in rc.shards:
+                    if sc.session is not None:
+                        self.send(sc, m.Heartbeat(self.new_req(), (sc.session,)))
+
+    def open_replica(self, rc: ReplicaClient) -> None:
+        for sc in rc.shards:
+            self.by_peer[sc.peer] = sc
+            self.send(sc, m.OpenShard(self.new_req(), "actor", rc.name, NUM_SHARDS, sc.idx, f"i{rc.incarnation}",
+                                      _loc(rc.name), rc.spot, rc.retain))
+            if rc.removed or sc.session is None:
+                return
+            self.send(sc, m.Register(self.new_req(), sc.session, LAYOUT, {"tcp": sc.peer}))
+
+    def issue(self, sc: ShardClient) -> None:
+        rc = sc.replica
+        entry = rc.script[sc.cursor]
+        sc.cursor += 1
+        n = sc.cursor
+        req = self.new_req()
+        sc.inflight = (req, n, entry)
+        kind = entry[0]
+        if kind == "publish":
+            msg: Any = m.Publish(req, sc.session, n, entry[1], (entry[1],) * N_CHECKSUMS)
+        elif kind == "unpublish":
+            msg = m.Unpublish(req, sc.session, n)
+            self.unpublishing[req] = (sc, sc.session)
+        elif kind == "replicate":
+            msg = m.Replicate(req, sc.session, n, entry[1], entry[2])
+        elif kind == "update":
+            msg = m.Update(req, sc.session, n, entry[1], entry[2])
+        elif kind == "list":
+            msg = m.ListVersions(req, sc.session, n)
+        else:
+            msg = m.Wait(req, sc.session, n, -1, None, entry[1])
+        self.send(sc, msg)
+
+    # ---- rules --------------------------------------------------------------------------------
+
+    @rule(name=st.sampled_from(NAMES), retain=st.sampled_from([None, 0, 1]))
+    def open(self, name: str, retain: int | None) -> None:
+        rc = self.replicas.get(name)
+        if rc is not None and rc.live:
+            return
+        inc = rc.incarnation + 1 if rc else 1
+        if rc is not None and not rc.closed:
+            self.step_removed = True  # a new incarnation fences the old one, as if it crashed
+        rc = ReplicaClient(name, inc, name.startswith("spot"), retain if name in TRAINERS else None)
+        rc.shards = [ShardClient(rc, i) for i in range(NUM_SHARDS)]
+        self.replicas[name] = rc
+        self.trace.append(f"open {name}#{inc}")
+        self.open_replica(rc)
+
+    @rule(name=st.sampled_from(TRAINERS))
+    def trainer_publishes(self, name: str) -> None:
+        rc = self.replicas.get(name)
+        if rc is None or not rc.live or not rc.idle():
+            return
+        if rc.shards[0].held is not None:
+            rc.script.append(("unpublish",))
+        self.next_version += 1
+        rc.script.append(("publish", self.next_version))
+        self.pump_replica(rc)
+
+    def pump_replica(self, rc: ReplicaClient, order: list[int] | None = None) -> None:
+        for idx in order or range(NUM_SHARDS):
+            sc = rc.shards[idx]
+            if rc.live and sc.inflight is None and sc.cursor < len(rc.script) and sc.session is not None:
+                self.issue(sc)
+
+    @rule(mask=st.integers(0, 2 ** len(NAMES) - 1))
+    def pump(self, mask: int) -> None:
+        """Everyone makes progress: idle rollouts picked by ``mask`` update to the latest
+        version (the rollout loop), shards issue their next call, transfers complete."""
+        for i, name in enumerate(NAMES):
+            rc = self.replicas.get(name)
+            if rc is not None and rc.live and name in ROLLOUTS and mask >> i & 1 and rc.idle():
+                rc.script.append(("update", "latest", None))
+        for rc in list(self.replicas.values()):
+            self.pump_replica(rc)
+            for sc in rc.shards:
+                for g in list(sc.grants.values()):
+                    if rc.live and g.grant in sc.grants:
+                        del sc.grants[g.grant]
+                        self.send(sc, m.Complete(self.new_req(), sc.session, g.grant, g.term))
+
+    @rule(name=st.sampled_from(NAMES), kind=st.sampled_from(["replicate", "update", "update", "unpublish", "list", "wait"]),
+          spec=st.sampled_from(SPECS), timeout=st.sampled_from([None, 5.0, 20.0]), now=st.sampled_from([[], [0], [1], [1, 0]]))
+    def replica_calls(self, name: str, kind: str, spec: Any, timeout: float | None, now: list[int]) -> None:
+        rc = self.replicas.get(name)
+        if rc is None or not rc.live or len(rc.script) - min(s.cursor for s in rc.shards) > 2:
+            return
+        if kind in ("replicate", "update"):
+            rc.script.append((kind, spec, timeout))
+        elif kind == "wait":
+            rc.script.append(("wait", timeout or 20.0))
+        else:
+            rc.script.append((kind,))
+        if now:
+            self.pump_replica(rc, now)
+
+    @rule(name=st.sampled_from(NAMES), idx=st.integers(0, NUM_SHARDS - 1))
+    def shard_steps(self, name: str, idx: int) -> None:
+        rc = self.replicas.get(name)
+        if rc is None or not rc.live:
+            return
+        sc = rc.shards[idx]
+        if sc.inflight is None and sc.cursor < len(rc.script) and sc.session is not None:
+            self.issue(sc)
+
+    @rule(name=st.sampled_from(NAMES), action=st.sampled_from(["complete", "complete", "complete", "fail", "corrupt", "progress"]))
+    def transfer(self, name: str, action: str) -> None:
+        rc = self.replicas.get(name)
+        if rc is None or not rc.live:
+            return
+        for sc in rc.shards:
+            if not sc.grants:
+                continue
+            g = next(iter(sc.grants.values()))
+            if action != "progress":
+                del sc.grants[g.grant]
+            req = self.new_req()
+            if action == "complete":
+                self.send(sc, m.Complete(req, sc.session, g.grant, g.term))
+            elif action == "fail":
+                self.send(sc, m.SourceFailed(req, sc.session, g.grant, g.term, 4096, "test"))
+            elif action == "corrupt":
+                self.send(sc, m.ChecksumFailed(req, sc.session, g.grant, g.term, 0, 1))
+            else:
+                self.send(sc, m.Progress(req, sc.session, g.grant, g.term, 4096))
+            return
+
+    @rule(name=st.sampled_from(NAMES), roll=st.integers(0, 3))
+    def crash(self, name: str, roll: int) -> None:
+        rc = self.replicas.get(name)
+        if roll == 0 and rc is not None and rc.live:
+            rc.crashed = True
+            self.trace.append(f"crash {name}")
+
+    @rule(name=st.sampled_from(NAMES))
+    def close(self, name: str) -> None:
+        rc = self.replicas.get(name)
+        if rc is None or not rc.live or any(s.inflight for s in rc.shards):
+            return
+        rc.closed = True
+        self.step_removed = True
+        for sc in rc.shards:
+            if sc.session is not None:
+                self.send(sc, m.CloseShard(self.new_req(), sc.session))
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 3.0, 11.0, 31.0]))
+    def time_passes(self, dt: float) -> None:
+        end = self.clock.t + dt
+        while self.clock.t < end:
+            self.clock.t = min(end, self.clock.t + 1.0)
+            before = self.table.stats["expired"]
+            self.deliver(self.table.tick())
+            if self.table.stats["expired"] != before:
+                self.step_removed = True
+            self.heartbeat_all()
+
+    @precondition(lambda self: self.term < 4)
+    @rule(roll=st.integers(0, 9))
+    def failover(self, roll: int) -> None:
+        """The server dies; a new one (next term) starts; live clients re-open, re-register,
+        re-announce what they hold and their last answers, then re-send calls in flight."""
+        if roll:
+            return
+        self.term += 1
+        self.trace.append(f"failover to term {self.term}")
+        self.table = ReferenceTable(self.clock, random.Random(self.term), CONFIG, term=self.term)
+        self.step_removed = True
+        self.unpublishing.clear()
+        live = [rc for rc in self.replicas.values() if rc.live]
+        for rc in live:
+            for sc in rc.shards:
+                sc.session = None
+                sc.grants.clear()
+            self.open_replica(rc)
+        for rc in live:
+            for sc in rc.shards:
+                if sc.session is None or not rc.live:
+                    continue
+                holdings = (m.Held(sc.held, "normal", (sc.held,) * N_CHECKSUMS),) if sc.held is not None else ()
+                answered = sc.cursor - (1 if sc.inflight else 0)
+                answers = []
+                for n in range(max(1, answered - 15), answered + 1):
+                    entry = rc.script[n - 1]
+                    ans = self.answers.get((rc.name, rc.incarnation, n))
+                    if ans is None:
+                        continue
+                    if ans[0] in ("version", "updated"):
+                        answers.append(m.CallAnswer(n, entry[0], ans[1] if ans[0] == "version" else ans[2],
+                                                    ans[1] if ans[0] == "updated" else None, None, None))
+                    elif ans[0] == "listing":
+                        answers.append(m.CallAnswer(n, entry[0], None, None, ans[1], ans[2]))
+                    elif ans[0] == "error":
+                        answers.append(m.CallAnswer(n, entry[0], None, None, None, None, ans[1], "announced"))
+                self.send(sc, m.Announce(self.new_req(), sc.session, holdings, None, answered, tuple(answers)))
+        for rc in live:
+            for sc in rc.shards:
+                if sc.inflight is not None and rc.live and sc.session is not None:
+                    sc.cursor -= 1
+                    sc.inflight = None
+                    self.issue(sc)
+
+    # ---- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def table_invariants(self) -> None:
+        if self.table is None:
+            return
+        bad = check_invariants(self.table)
+        assert not bad, "\n".join(bad + self.trace[-20:])
+        t = self.table
+        assert t.stats["grants"] == t.stats["grants_ended"] + len(t.grants)
+
+    @invariant()
+    def retained_versions_stay_available(self) -> None:
+        if self.table is None:
+            return
+        model = self.table.models.get("actor")
+        now = set()
+        if model is not None:
+            # Protected: retained, and every shard has a non-spot copy (spot copies never count).
+            now = {
+                v for v in model.available
+                if model.retained(v) and all(
+                    any(h.state in (HolderState.COMPLETE, HolderState.OFFLOAD) and not h.spot for h in hs.values())
+                    for hs in model.versions[v].holders
+                )
+            }
+            lost = {v for v in self.retained_available - now if model.retained(v) and v not in model.available}
+            assert not lost or self.step_removed, f"retained versions {lost} lost without a holder dying"
+        self.retained_available = now
+        self.step_removed = False
+
+    def teardown(self) -> None:
+        if self.table is None:
+            return
+        # Every client closes: live ones finish and close; crashed or removed ones restart (a new
+        # incarnation, which re-declares their retention) and close cleanly. Nothing may be left.
+        for _ in range(200):
+            for rc in self.replicas.values():
+                if rc.live:
+                    for sc in rc.shards:
+                        for g in list(sc.grants.values()):
+                            sc.grants.pop(g.grant)
+                            self.send(sc, m.Complete(self.new_req(), sc.session, g.grant, g.term))
+            if all(rc.idle() or not rc.live for rc in self.replicas.values()):
+                break
+            self.time_passes(1.0)
+        for rc in self.replicas.values():
+            if rc.live:
+                rc.closed = True
+                for sc in rc.shards:
+                    if sc.session is not None and sc.session in self.table.sessions:
+                        self.send(sc, m.CloseShard(self.new_req(), sc.session))
+        self.time_passes(11.0)
+        for name, rc in list(self.replicas.items()):
+            if rc.crashed or rc.removed:
+                self.open(name, rc.retain)
+                fresh = self.replicas[name]
+                fresh.closed = True
+                for sc in fresh.shards:
+                    if sc.session is not None and sc.session in self.table.sessions:
+                        self.send(sc, m.CloseShard(self.new_req(), sc.session))
+        self.time_passes(31.0)
+        bad = check_invariants(self.table)
+        assert not bad, bad
+        counts = self.table.counts()
+        assert counts == dict.fromkeys(counts, 0), counts
+
+
+def _loc(name: str) -> m.Location:
+    dc = "dc1" if name.endswith("2") else "dc0"
+    return m.Location(dc, f"host-{name}", "")
+
+
+TestTableStateMachine = TableMachine.TestCase
