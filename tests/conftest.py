@@ -16,8 +16,8 @@ SEED = int(os.environ.get("TENSORHUB_SEED", "20261121"))
 
 settings.register_profile(
     "ci",
-    max_examples=40,
-    stateful_step_count=40,
+    max_examples=150,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,

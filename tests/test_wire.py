@@ -95,7 +95,15 @@ SAMPLES: list[Any] = [
         session=7,
         holdings=(m.Held(version=12, kind=m.KIND_NORMAL, checksums=(1, 2)), m.Held(11, m.KIND_OFFLOAD, None)),
         partial=m.PartialHeld(version=13, verified=1),
-        last=m.CallAnswer(call=4, kind="list", version=None, moved=None, epoch=3, listing=LISTED),
+        answered=5,
+        answers=(
+            m.CallAnswer(call=3, kind="update", version=12, moved=True, epoch=None, listing=None),
+            m.CallAnswer(call=4, kind="list", version=None, moved=None, epoch=3, listing=LISTED),
+            m.CallAnswer(
+                call=5, kind="replicate", version=None, moved=None, epoch=None, listing=None,
+                error="version_unavailable", message="version 9 is gone",
+            ),
+        ),
     ),
     m.CloseShard(req=19, session=7),
     m.Opened(req=1, session=7, term=2, heartbeat_interval=1.0, heartbeat_timeout=10.0),
@@ -120,7 +128,7 @@ SAMPLES: list[Any] = [
     m.HeartbeatAck(req=17, unknown=(8,)),
 ]
 BY_KIND = {type(s).KIND: s for s in SAMPLES}
-LAST = wire.to_plain(BY_KIND["announce"].last)
+ANSWER = wire.to_plain(BY_KIND["announce"].answers[0])  # a plain CallAnswer, to spoil
 
 
 def frame(body: Any, kind: str = "ack", version: Any = WIRE_VERSION) -> bytes:
@@ -540,9 +548,12 @@ NESTED_WRONG = [
     ("listing", {**body_of(BY_KIND["listing"]), "versions": [{"version": "1", "replicas": []}]}),
     ("listing", {**body_of(BY_KIND["listing"]), "versions": [[1, []]]}),
     ("announce", {**body_of(BY_KIND["announce"]), "holdings": [{"version": 1, "kind": "normal", "checksums": ["1"]}]}),
-    ("announce", {**body_of(BY_KIND["announce"]), "last": {**LAST, "moved": 0}}),
-    ("announce", {**body_of(BY_KIND["announce"]), "last": {**LAST, "epoch": "3"}}),
-    ("announce", {**body_of(BY_KIND["announce"]), "last": {**LAST, "listing": {"version": 1}}}),
+    ("announce", {**body_of(BY_KIND["announce"]), "answers": [{**ANSWER, "moved": 0}]}),
+    ("announce", {**body_of(BY_KIND["announce"]), "answers": [{**ANSWER, "epoch": "3"}]}),
+    ("announce", {**body_of(BY_KIND["announce"]), "answers": [{**ANSWER, "listing": {"version": 1}}]}),
+    ("announce", {**body_of(BY_KIND["announce"]), "answers": [{**ANSWER, "error": 5}]}),
+    ("announce", {**body_of(BY_KIND["announce"]), "answers": ANSWER}),
+    ("announce", {**body_of(BY_KIND["announce"]), "answered": None}),
 ]
 
 
@@ -574,6 +585,8 @@ OVERSIZE = [
     ("failed", "code", "c" * 65),
     ("heartbeat", "sessions", [1] * 65537),
     ("announce", "holdings", [{"version": 1, "kind": "normal", "checksums": None}] * 4097),
+    ("announce", "answers", [ANSWER] * 65),
+    ("announce", "answers", [{**ANSWER, "error": "e" * 65}]),  # max_len inside a nested struct
     ("heartbeat_ack", "unknown", [0] * (MAX_COLLECTION + 1)),  # global collection limit
     ("register", "endpoint", [0] * (MAX_COLLECTION + 1)),
 ]
@@ -593,6 +606,7 @@ AT_LIMIT = [
     ("failed", "code", "c" * 64),
     ("heartbeat", "sessions", [1] * 65536),
     ("announce", "holdings", [{"version": 1, "kind": "normal", "checksums": None}] * 4096),
+    ("announce", "answers", [ANSWER] * 64),
 ]
 
 
@@ -691,8 +705,11 @@ SEMANTIC = [
     ("announce", {"holdings": [{"version": 1, "kind": "normal", "checksums": [-5]}]}),
     ("announce", {"partial": {"version": 1, "verified": -1}}),
     ("announce", {"partial": {"version": -1, "verified": 0}}),
-    ("announce", {"last": {**LAST, "call": 0}}),
-    ("announce", {"last": {**LAST, "kind": "bogus"}}),
+    ("announce", {"answers": [{**ANSWER, "call": 0}]}),
+    ("announce", {"answers": [{**ANSWER, "kind": "bogus"}]}),
+    ("announce", {"answers": [{**ANSWER, "kind": "open"}]}),
+    ("announce", {"answered": 4}),  # an answer to call 5 announced beyond the last answered call
+    ("announce", {"answered": 0}),
 ]
 
 
@@ -1003,11 +1020,28 @@ BY_FIELD: dict[tuple[type, str], st.SearchStrategy] = {
     (m.Held, "kind"): st.sampled_from([m.KIND_NORMAL, m.KIND_OFFLOAD]),
     (m.CallAnswer, "kind"): st.sampled_from(["publish", "unpublish", "replicate", "update", "list", "wait"]),
 }
+@st.composite
+def announces(draw) -> m.Announce:
+    # Answers may only name calls up to the last answered one.
+    answered = draw(st.integers(min_value=0, max_value=U64))
+    calls = st.integers(min_value=1, max_value=answered) if answered else st.nothing()
+    answers = draw(st.lists(message_strategy(m.CallAnswer), max_size=3 if answered else 0))
+    return m.Announce(
+        req=draw(INTS),
+        session=draw(INTS),
+        holdings=tuple(draw(st.lists(message_strategy(m.Held), max_size=3))),
+        partial=draw(st.none() | message_strategy(m.PartialHeld)),
+        answered=answered,
+        answers=tuple(dataclasses.replace(a, call=draw(calls)) for a in answers),
+    )
+
+
 BY_CLASS: dict[type, st.SearchStrategy] = {
     Location: LOCATIONS,
     Layout: layouts(),
     TensorSpec: tensor_specs(),
     m.OpenShard: open_shards(),
+    m.Announce: announces(),
 }
 
 
