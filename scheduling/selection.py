@@ -77,3 +77,139 @@ def select_source(
         elif key == best_key:
             best.append(c)
     return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+
+
+class SourceIndex:
+    """The holders of one (version, shard), bucketed so that :meth:`select` follows the same
+    policy as :func:`select_source` without looking at every holder.
+
+    Holders live in buckets keyed by (datacenter, load, partial). Selection walks the reader's
+    datacenter's buckets in policy order (fewest load, then complete before partial) and stops
+    at the first bucket holding an eligible entry; within it the reader's host wins, then a
+    seeded random pick. Only when the reader's datacenter has no eligible entry are the other
+    datacenters' buckets walked, merged by the same order. Cost: the buckets visited plus the
+    ineligible entries skipped, not the number of holders.
+    """
+
+    __slots__ = ("_buckets", "_where", "_loc", "_replica", "_by_host", "_by_replica", "_loads")
+
+    def __init__(self) -> None:
+        self._buckets: dict[tuple[str, int, bool], list[int]] = {}
+        self._where: dict[int, tuple[tuple[str, int, bool], int]] = {}  # key -> (bucket, position)
+        self._loc: dict[int, Location] = {}
+        self._replica: dict[int, str] = {}
+        self._by_host: dict[tuple[str, str], dict[int, None]] = {}
+        self._by_replica: dict[str, dict[int, None]] = {}
+        self._loads: dict[str, dict[int, int]] = {}  # datacenter -> load -> entries
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._where
+
+    def put(self, key: int, replica: str, location: Location, load: int, complete: bool) -> None:
+        """Insert ``key`` or move it to the bucket its current load and completeness give."""
+        bucket = (location.datacenter, load, not complete)
+        where = self._where.get(key)
+        if where is not None:
+            if where[0] == bucket:
+                return
+            self._unlink(key)
+        entries = self._buckets.get(bucket)
+        if entries is None:
+            entries = self._buckets[bucket] = []
+        self._where[key] = (bucket, len(entries))
+        entries.append(key)
+        loads = self._loads.setdefault(location.datacenter, {})
+        loads[load] = loads.get(load, 0) + 1
+        if key not in self._loc:
+            self._loc[key] = location
+            self._replica[key] = replica
+            self._by_host.setdefault((location.datacenter, location.host), {})[key] = None
+            self._by_replica.setdefault(replica, {})[key] = None
+
+    def remove(self, key: int) -> None:
+        if key not in self._where:
+            return
+        self._unlink(key)
+        loc = self._loc.pop(key)
+        replica = self._replica.pop(key)
+        host = (loc.datacenter, loc.host)
+        del self._by_host[host][key]
+        if not self._by_host[host]:
+            del self._by_host[host]
+        del self._by_replica[replica][key]
+        if not self._by_replica[replica]:
+            del self._by_replica[replica]
+
+    def _unlink(self, key: int) -> None:
+        bucket, pos = self._where.pop(key)
+        entries = self._buckets[bucket]
+        last = entries.pop()
+        if last != key:  # swap-remove: move the last entry into the hole
+            entries[pos] = last
+            self._where[last] = (bucket, pos)
+        if not entries:
+            del self._buckets[bucket]
+        dc, load, _ = bucket
+        loads = self._loads[dc]
+        loads[load] -= 1
+        if not loads[load]:
+            del loads[load]
+            if not loads:
+                del self._loads[dc]
+
+    def select(
+        self,
+        reader: Location,
+        rng: random.Random,
+        eligible,
+        prefer_replica: str | None = None,
+    ) -> int | None:
+        """The key of the source for a reader at ``reader``, or None.
+
+        Args:
+            eligible: ``key -> bool``; entries it refuses are skipped (excluded, downstream,
+                the reader's own replica, ...).
+            prefer_replica: the source replica chosen for the reader's other shards.
+        """
+        dc = reader.datacenter
+        best = self._best(reader, [dc], rng, eligible) if dc in self._loads else None
+        same_dc = best is not None
+        if best is None:
+            others = [d for d in self._loads if d != dc]
+            best = self._best(reader, others, rng, eligible) if others else None
+            if best is None:
+                return None
+        if prefer_replica is not None:
+            for key in self._by_replica.get(prefer_replica, ()):
+                if (self._loc[key].datacenter == dc) == same_dc and eligible(key):
+                    return key
+        return best
+
+    def _best(self, reader: Location, dcs: list[str], rng: random.Random, eligible) -> int | None:
+        loads = sorted({load for d in dcs for load in self._loads.get(d, ())})
+        for load in loads:
+            for partial in (False, True):
+                buckets = [self._buckets[(d, load, partial)] for d in dcs if (d, load, partial) in self._buckets]
+                if not buckets:
+                    continue
+                local = [
+                    k for k in self._by_host.get((reader.datacenter, reader.host), ())
+                    if self._where[k][0][1:] == (load, partial) and self._where[k][0][0] in dcs and eligible(k)
+                ]
+                if local:
+                    return local[0] if len(local) == 1 else local[rng.randrange(len(local))]
+                total = sum(len(b) for b in buckets)
+                start = rng.randrange(total)
+                for step in range(total):
+                    i = (start + step) % total
+                    for b in buckets:
+                        if i < len(b):
+                            key = b[i]
+                            break
+                        i -= len(b)
+                    if eligible(key):
+                        return key
+        return None

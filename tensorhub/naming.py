@@ -112,6 +112,7 @@ class VersionSpec:
 
 
 LATEST = VersionSpec(back=0)
+_SPEC_CACHE: dict[str, VersionSpec] = {}  # relative specs seen so far (a handful in practice)
 
 
 def parse_version_spec(spec: object, **ctx) -> VersionSpec:
@@ -122,6 +123,12 @@ def parse_version_spec(spec: object, **ctx) -> VersionSpec:
     """
     if isinstance(spec, VersionSpec):
         return spec
+    if type(spec) is int and 0 <= spec <= MAX_VERSION:
+        return VersionSpec(version=spec)
+    if type(spec) is str and not ctx:
+        cached = _SPEC_CACHE.get(spec)
+        if cached is not None:
+            return cached
     if _is_int(spec):
         return VersionSpec(version=validate_version(spec, **ctx))
     if isinstance(spec, str):
@@ -129,7 +136,10 @@ def parse_version_spec(spec: object, **ctx) -> VersionSpec:
         if m:
             back = int(m.group(1) or 0)
             if back <= MAX_RELATIVE:
-                return VersionSpec(back=back)
+                parsed = VersionSpec(back=back)
+                if len(_SPEC_CACHE) < 4096:
+                    _SPEC_CACHE[spec] = parsed
+                return parsed
     raise InvalidName(
         f"a version must be an int >= 0, 'latest' or 'latest-k' (0 <= k <= {MAX_RELATIVE}), got {spec!r}", **ctx
     )

@@ -55,7 +55,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
-from scheduling.selection import Candidate, select_source
+from scheduling.selection import SourceIndex
 from scheduling.topology import Location
 
 from . import messages as m
@@ -247,7 +247,9 @@ class _Version:
     """One version of a model: its holders per shard, and counts kept up to date on every
     holder transition so that availability and the listing cost O(1) per event."""
 
-    __slots__ = ("version", "holders", "ever_available", "checksums", "serving", "shards_serving", "per_replica", "full")
+    __slots__ = (
+        "version", "holders", "ever_available", "checksums", "serving", "shards_serving", "per_replica", "full", "index",
+    )  # fmt: skip
 
     def __init__(self, version: int, num_shards: int) -> None:
         self.version = version
@@ -258,6 +260,7 @@ class _Version:
         self.shards_serving = 0  # shards with at least one
         self.per_replica: dict[str, list[int]] = {}  # replica -> [serving shards, of which offload]
         self.full: dict[str, None] = {}  # replicas serving every shard
+        self.index = [SourceIndex() for _ in range(num_shards)]  # grantable holders per shard
 
     @property
     def available(self) -> bool:
@@ -276,7 +279,7 @@ class _Model:
     __slots__ = (
         "name", "num_shards", "layouts", "versions", "highest_published", "replicas", "declarations",
         "epoch", "listing", "available", "listing_stale", "changed", "availability_changed", "waits", "parked",
-        "offload_holders", "dirty_shards", "retention_changed", "waiting_readers",
+        "offload_holders", "dirty_shards", "retention_changed", "waiting_readers", "gc_needed",
     )  # fmt: skip
 
     def __init__(self, name: str, num_shards: int) -> None:
@@ -298,6 +301,7 @@ class _Model:
         self.offload_holders: dict[int, _Holder] = {}
         self.dirty_shards: dict[tuple[int, int], None] = {}  # (version, shard) to re-check when settling
         self.retention_changed = False
+        self.gc_needed = False  # a holder or replica went away: forget what is no longer needed
         self.waiting_readers: dict[_Holder, None] = {}  # partial holders parked without a source (grace)
 
     def retain_back(self) -> int | None:
@@ -339,6 +343,7 @@ class ReferenceTable:
         self.fenced: OrderedDict[int, str] = OrderedDict()  # removed session id -> error code
         self.expiry: OrderedDict[int, _Session] = OrderedDict()  # sessions by last_seen
         self.grants: dict[int, _Grant] = {}
+        self._by_id: dict[int, _Holder] = {}  # every holder in the table, by id
         self.revoked: OrderedDict[int, None] = OrderedDict()  # recently revoked grant ids
         self.grace_until = clock() + self.config.heartbeat_timeout
         self._ids = itertools.count(1)
@@ -479,6 +484,7 @@ class ReferenceTable:
         h = _Holder(next(self._ids), s, version, kind)
         state = transition(None, event, **s.ctx(version))
         self._holder_set(s.model, version, s.shard_idx)[h.id] = h
+        self._by_id[h.id] = h
         if kind == m.KIND_OFFLOAD:
             s.model.offload_holders[h.id] = h
         self._account(h, state)
@@ -492,6 +498,9 @@ class ReferenceTable:
             model = h.session.model
             model.versions[h.version].holders[h.shard_idx].pop(h.id, None)
             model.offload_holders.pop(h.id, None)
+            del self._by_id[h.id]
+            model.gc_needed = True
+            self._mark_dirty(model)
             s = h.session
             if s.holder is h:
                 s.holder = None
@@ -508,6 +517,11 @@ class ReferenceTable:
         if now:
             h.whole = True
         model = h.session.model
+        index = model.versions[h.version].index[h.shard_idx]
+        if state is None or state is U:
+            index.remove(h.id)
+        else:
+            index.put(h.id, h.replica.name, h.session.location, len(h.replica.serving), state is not P)
         if state is C or was != now:
             model.dirty_shards[(h.version, h.shard_idx)] = None
             self._mark_dirty(model)
@@ -733,6 +747,7 @@ class ReferenceTable:
         serving[key] -= 1
         if not serving[key]:
             del serving[key]
+            self._reindex(src.replica)
         if src.state is U and not src.grants:
             self._drained(src)
 
@@ -1175,32 +1190,35 @@ class ReferenceTable:
                     stack.append(g.reader)
         return seen
 
-    def _candidates(self, reader: _Holder, retry_failed: bool) -> list[tuple[Candidate, _Holder]]:
-        """Eligible sources for ``reader``. Sources that failed it are eligible again only on
-        ``retry_failed`` (a transient failure of the only source); a failed verification never."""
-        holders = self._holder_set(reader.session.model, reader.version, reader.shard_idx)
+    def _select(self, reader: _Holder, prefer: str | None, retry_failed: bool) -> _Holder | None:
+        """The source for ``reader`` by the policy of :mod:`scheduling.selection`. Eligible:
+        not unpublishing, not downstream of the reader, not of its replica, not excluded (a
+        source that failed it is eligible again only on ``retry_failed``; one that failed
+        verification never)."""
+        model = reader.session.model
+        index = model.versions[reader.version].index[reader.shard_idx]
         below = self._downstream(reader) if reader.grants else {reader.id: None}
         own = reader.replica
         excluded = reader.excluded
-        out = []
-        for h in holders.values():
-            if h.state is U or h.state is None or h.id in below or h.replica is own:
-                continue
-            if h.id in excluded and (excluded[h.id] or not retry_failed):
-                continue
-            load = len(h.replica.serving)
-            out.append((Candidate(h.id, h.replica.name, h.state is not P, h.session.location, load), h))
-        return out
+        by_id = self._by_id
+
+        def eligible(key: int) -> bool:
+            if key in below or (key in excluded and (excluded[key] or not retry_failed)):
+                return False
+            h = by_id[key]
+            return h.replica is not own and h.state is not U
+
+        key = index.select(reader.session.location, self.rng, eligible, prefer)
+        return by_id[key] if key is not None else None
 
     def _regrant(self, reader: _Holder) -> None:
         """Give a partial holder (whose call is in flight) a source, or fail / park its call."""
         if reader.state is not P or reader.upstream is not None or reader.call is None:
             return
         txn, _ = reader.call
-        cands = self._candidates(reader, retry_failed=False)
-        if not cands and reader.excluded and reader.failures <= _MAX_SOURCE_FAILURES:
-            cands = self._candidates(reader, retry_failed=True)
-        pick = select_source(reader.session.location, [c for c, _ in cands], self.rng, txn.source_replica)
+        pick = self._select(reader, txn.source_replica, retry_failed=False)
+        if pick is None and reader.excluded and reader.failures <= _MAX_SOURCE_FAILURES:
+            pick = self._select(reader, txn.source_replica, retry_failed=True)
         if pick is None:
             ctx = reader.session.ctx(reader.version)
             holders = self._holder_set(reader.session.model, reader.version, reader.shard_idx)
@@ -1217,7 +1235,7 @@ class ReferenceTable:
                 err = VersionUnavailable(f"no holder can serve version {reader.version} any more", **ctx)
             self._fail_txn(txn, err)
             return
-        source = next(h for c, h in cands if c is pick)
+        source = pick
         if txn.source_replica is None:
             txn.source_replica = source.replica.name
         reader.waiting = False
@@ -1228,7 +1246,10 @@ class ReferenceTable:
         source.grants[g.id] = g
         reader.upstream = g
         serving = source.replica.serving
-        serving[reader.replica.name] = serving.get(reader.replica.name, 0) + 1
+        count = serving.get(reader.replica.name, 0)
+        serving[reader.replica.name] = count + 1
+        if not count:
+            self._reindex(source.replica)
         src_session = source.session
         info = m.SourceInfo(
             src_session.id,
@@ -1241,6 +1262,15 @@ class ReferenceTable:
         )
         s = reader.session
         self._send(s, m.Grant(g.req, s.id, g.id, self.term, reader.version, reader.shard_idx, info, reader.checksums))
+
+    def _reindex(self, replica: _Replica) -> None:
+        """The replica's load changed: move its grantable holders to their new buckets."""
+        load = len(replica.serving)
+        versions = replica.model.versions
+        for s in replica.shards.values():
+            for h in (s.holder, *s.offloads.values()):
+                if h is not None and h.state is not None and h.state is not U:
+                    versions[h.version].index[h.shard_idx].put(h.id, replica.name, s.location, load, h.state is not P)
 
     def _regrant_waiting(self, model: _Model) -> None:
         for h in list(model.waiting_readers):
@@ -1511,8 +1541,10 @@ class ReferenceTable:
         if model.availability_changed:
             model.availability_changed = False
             self._wake_parked(model)
-        self._gc_versions(model)
-        self._gc_model(model)
+        if model.gc_needed:
+            model.gc_needed = False
+            self._gc_versions(model)
+            self._gc_model(model)
 
     def _wake_parked(self, model: _Model) -> None:
         parked, model.parked = model.parked, {}
