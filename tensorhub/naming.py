@@ -37,7 +37,7 @@ MAX_VERSION = 2**63 - 1
 MAX_RELATIVE = 1 << 20
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*\Z")
-_LATEST_RE = re.compile(r"latest(?:-(\d{1,7}))?\Z")
+_LATEST_RE = re.compile(r"latest(?:-([0-9]{1,7}))?\Z")
 
 
 def _validate_name(what: str, name: object, **ctx) -> str:

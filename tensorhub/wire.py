@@ -222,8 +222,10 @@ def _compile_decoder(tp: Any, max_len: int | None = None) -> _Conv:
                 raise OversizeMessage(f"field {path!r}: {len(v)} entries > {limit}")
             out = {}
             for k, x in v.items():
-                if type(k) is not str or len(k) > MAX_STR:
+                if type(k) is not str:
                     raise _bad(f"{path}.<key>", "str", k)
+                if len(k) > MAX_STR:
+                    raise OversizeMessage(f"field {path!r}: a key of {len(k)} characters > {MAX_STR}")
                 out[k] = inner(x, f"{path}.{k}")
             return out
 
@@ -259,7 +261,7 @@ def _decode_body(schema: _Schema, body: Any, path: str) -> Any:
     keys = body.keys()
     if keys != schema.nameset:
         missing = sorted(schema.nameset - set(keys))
-        unknown = sorted(str(k) for k in set(keys) - schema.nameset)
+        unknown = sorted(str(k)[:64] for k in set(keys) - schema.nameset)[:16]
         where = f" in {path!r}" if path else ""
         raise MalformedMessage(
             f"{schema.cls.__name__}{where}: "

@@ -327,21 +327,22 @@ def test_checksum_mismatch_excludes_then_self_check_quarantines(d):
 
 
 def test_two_replicas_reporting_quarantine_without_self_check(d):
-    published(d, "t1")
-    published(d, "t2")
-    r1, r2 = d.shard("r1"), d.shard("r2")
-    r1.replicate(1)
+    bad = published(d, "t1", dc="dc0")[0]
+    published(d, "t2", dc="dc1")
+    r1, r2 = d.shard("r1", dc="dc0"), d.shard("r2", dc="dc0")
+    q1 = r1.replicate(1)
     g1 = r1.grant()
+    assert g1.source.replica == "t1"  # same datacenter
+    r1.checksum_failed(g1)
+    assert r1.grant().source.replica == "t2"  # excluded for r1 only
+    assert bad.take(m.VerifyRequest)  # t1 is asked to check itself; it does not answer yet
     r2.replicate(1)
     g2 = r2.grant()
-    assert g1.source.session != g2.source.session  # load spreads
-    r2.source_failed(g2)  # move r2 to g1's source
-    g2b = r2.grant()
-    if g2b.source.session != g1.source.session:
-        pytest.skip("selection sent r2 elsewhere")
-    r1.checksum_failed(g1)
-    r2.checksum_failed(g2b)
-    assert d.table.stats["quarantined"] == 1
+    assert g2.source.replica == "t1"  # still serving others: one report is not enough
+    r2.checksum_failed(g2)
+    assert d.table.stats["quarantined"] == 1 and bad.take(m.Quarantined)
+    assert r2.grant().source.replica in ("t2", "r1")
+    assert r1.reply(q1) is None
 
 
 def test_mismatch_on_a_revoked_grant_blames_nobody(d):

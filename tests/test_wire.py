@@ -1172,7 +1172,7 @@ def mutated_frames(draw) -> bytes:
 
 
 @pytest.mark.property
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mutated_frames())
 def test_mutated_frames_never_escape_the_error_tree(data):
     _decode_or_protocol_error(data)
@@ -1196,7 +1196,7 @@ def plain_bodies(draw) -> tuple[str, dict]:
 
 
 @pytest.mark.property
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plain_bodies())
 def test_junk_field_values_never_escape_the_error_tree(kind_body):
     kind, body = kind_body
