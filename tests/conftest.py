@@ -50,6 +50,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         report.sections.append(("tensorhub seed", f"TENSORHUB_SEED={SEED} (rerun with this environment variable)"))
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    import sys
+
+    module = sys.modules.get("tests.test_table_state_machine")
+    if module is not None and module.STEPS[0]:
+        terminalreporter.write_line(f"tensorhub: reference-table state machine ran {module.STEPS[0]} steps")
+
+
 @pytest.fixture
 def seed() -> int:
     """The run's seed: derive every random source of a test from it."""

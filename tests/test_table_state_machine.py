@@ -38,6 +38,7 @@ ROLLOUTS = ("rollout-0", "rollout-1", "rollout-2", "spot-0", "spot-1")
 NAMES = TRAINERS + ROLLOUTS
 CONFIG = TableConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0, drain_timeout=30.0)
 SPECS = ("latest", "latest-1", 0, 1, 2, 3, 5)
+STEPS = [0]  # hypothesis state-machine steps run in this process (reported at the end of the session)
 N_CHECKSUMS = LAYOUT.checksum_count()
 
 
@@ -427,6 +428,10 @@ class TableMachine(RuleBasedStateMachine):
                     self.issue(sc)
 
     # ---- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def count_step(self) -> None:
+        STEPS[0] += 1
 
     @invariant()
     def table_invariants(self) -> None:
