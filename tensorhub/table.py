@@ -360,8 +360,8 @@ class ReferenceTable:
             m.DeclareChecksums: self._on_checksums,
             m.Unpublish: self._on_unpublish,
             m.PublishOffload: self._on_offloaded,
-            m.Replicate: self._on_replicate,
-            m.Update: self._on_update,
+            m.Replicate: self._on_pull,
+            m.Update: self._on_pull,
             m.ListVersions: self._on_list,
             m.Wait: self._on_wait,
             m.Progress: self._on_progress,
@@ -836,8 +836,6 @@ class ReferenceTable:
     def _on_publish(self, peer: Hashable, msg: m.Publish) -> None:
         s = self._session(peer, msg.session)
         txn, call = self._join(s, msg.req, msg.call, "publish", msg.version)
-        if txn is None:
-            return
         ctx = s.ctx(msg.version)
         try:
             if s.layout is None:
@@ -911,8 +909,6 @@ class ReferenceTable:
     def _on_unpublish(self, peer: Hashable, msg: m.Unpublish) -> None:
         s = self._session(peer, msg.session)
         txn, call = self._join(s, msg.req, msg.call, "unpublish", None)
-        if txn is None:
-            return
         h = s.holder
         if h is None:
             self._finish_call(txn, call, m.Ack(msg.req))
@@ -938,9 +934,13 @@ class ReferenceTable:
 
     # ---- transactions ------------------------------------------------------------------------
 
-    def _join(self, s: _Session, req: int, n: int, kind: str, args: Any) -> tuple[_Txn | None, _ShardCall | None]:
-        """Join call ``n`` of the session's replica (opening it if first). Divergence and
-        duplicates are answered here with an error (returns None, None)."""
+    def _join(self, s: _Session, req: int, n: int, kind: str, args: Any) -> tuple[_Txn, _ShardCall]:
+        """Join call ``n`` of the session's replica (opening it if first).
+
+        Raises:
+            ContractViolation: the call diverges from the one recorded for ``n``, or this shard
+                already made it (nothing changes).
+        """
         ctx = s.ctx()
         if n < 1:
             raise InvalidArgument(f"call numbers start at 1, got {n}", **ctx)
@@ -1070,21 +1070,12 @@ class ReferenceTable:
 
     # ---- replicate and update ------------------------------------------------------------------
 
-    def _on_replicate(self, peer: Hashable, msg: m.Replicate) -> None:
+    def _on_pull(self, peer: Hashable, msg: m.Replicate | m.Update) -> None:
+        """``replicate`` and ``update``: one transaction per call number, then each shard pulls."""
         s = self._session(peer, msg.session)
         spec = parse_version_spec(msg.spec)
-        txn, call = self._join(s, msg.req, msg.call, "replicate", spec.wire())
-        if txn is None:
-            return
-        self._set_deadline(txn, msg.timeout)
-        self._advance(txn, call)
-
-    def _on_update(self, peer: Hashable, msg: m.Update) -> None:
-        s = self._session(peer, msg.session)
-        spec = parse_version_spec(msg.spec)
-        txn, call = self._join(s, msg.req, msg.call, "update", spec.wire())
-        if txn is None:
-            return
+        kind = "replicate" if type(msg) is m.Replicate else "update"
+        txn, call = self._join(s, msg.req, msg.call, kind, spec.wire())
         self._set_deadline(txn, msg.timeout)
         self._advance(txn, call)
 
@@ -1371,8 +1362,6 @@ class ReferenceTable:
             self._send(s, m.Listing(msg.req, model.epoch, True, self._listing(model)))
             return
         txn, call = self._join(s, msg.req, msg.call, "list", None)
-        if txn is None:
-            return
         if not txn.decided:
             txn.answer = (model.epoch, self._listing(model))
             txn.decided = True
@@ -1383,8 +1372,6 @@ class ReferenceTable:
         s = self._session(peer, msg.session)
         model = s.model
         txn, call = self._join(s, msg.req, msg.call, "wait", None)
-        if txn is None:
-            return
         self._set_deadline(txn, msg.timeout)
         if txn.error is not None:
             self._error_shard(txn, call)
