@@ -189,18 +189,30 @@ class SourceIndex:
         return best
 
     def _best(self, reader: Location, dcs: list[str], rng: random.Random, eligible) -> int | None:
-        loads = sorted({load for d in dcs for load in self._loads.get(d, ())})
+        if len(dcs) == 1:
+            loads = sorted(self._loads.get(dcs[0], ()))
+        else:
+            loads = sorted({load for d in dcs for load in self._loads.get(d, ())})
+        local_keys = self._by_host.get((reader.datacenter, reader.host))
         for load in loads:
             for partial in (False, True):
-                buckets = [self._buckets[(d, load, partial)] for d in dcs if (d, load, partial) in self._buckets]
+                buckets = [b for d in dcs if (b := self._buckets.get((d, load, partial)))]
                 if not buckets:
                     continue
-                local = [
-                    k for k in self._by_host.get((reader.datacenter, reader.host), ())
-                    if self._where[k][0][1:] == (load, partial) and self._where[k][0][0] in dcs and eligible(k)
-                ]
-                if local:
-                    return local[0] if len(local) == 1 else local[rng.randrange(len(local))]
+                if local_keys:
+                    level = (load, partial)
+                    local = [k for k in local_keys if self._where[k][0][1:] == level and eligible(k)]
+                    if local:
+                        return local[0] if len(local) == 1 else local[rng.randrange(len(local))]
+                if len(buckets) == 1:
+                    b = buckets[0]
+                    total = len(b)
+                    start = rng.randrange(total)
+                    for step in range(total):
+                        key = b[(start + step) % total]
+                        if eligible(key):
+                            return key
+                    continue
                 total = sum(len(b) for b in buckets)
                 start = rng.randrange(total)
                 for step in range(total):
