@@ -1,10 +1,11 @@
 """Scheduling: the topology model and the policies the reference table uses to pick sources.
 
-``topology.Location`` says where a worker is; ``selection.select_source`` picks the holder that
-serves a reader. Pure functions of their inputs: no state, no IO.
+``topology.Location`` says where a worker is; ``selection.select_source`` is the policy that picks
+the holder serving a reader, and ``selection.SourceIndex`` applies the same policy incrementally
+to one (version, shard)'s holders so the table never scans them all. No IO.
 """
 
-from .selection import Candidate, select_source
+from .selection import Candidate, SourceIndex, select_source
 from .topology import Location
 
-__all__ = ["Candidate", "Location", "select_source"]
+__all__ = ["Candidate", "Location", "SourceIndex", "select_source"]
