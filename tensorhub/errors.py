@@ -31,6 +31,7 @@ __all__ = [
     "AlreadyRegistered",
     "ContractViolation",
     "LayoutMismatch",
+    "Cancelled",
     "CallInFlight",
     "ProtocolError",
     "MalformedMessage",
@@ -163,6 +164,12 @@ class LayoutMismatch(UsageError):
     """A shard's layout differs from the one other holders of the same shard index declared."""
 
     code = "layout_mismatch"
+
+
+class Cancelled(UsageError):
+    """The call was abandoned (by this shard or a sibling of the same replica)."""
+
+    code = "cancelled"
 
 
 class CallInFlight(UsageError):

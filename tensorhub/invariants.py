@@ -54,7 +54,7 @@ def check_invariants(table: ReferenceTable) -> list[str]:
         s = h.session
         if h.kind == "normal" and s.holder is not h:
             bad.append(f"holder {h.id} is not its session's holding")
-        if h.kind == "offload" and s.offloads.get(h.version) is not h:
+        if h.kind == "offload" and s.offloads.get(h.id) is not h:
             bad.append(f"offload holder {h.id} is not among its session's offloads")
 
     # Serving counts per replica: the number of active grants from each replica to each reader.

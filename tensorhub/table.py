@@ -60,6 +60,7 @@ from scheduling.topology import Location
 
 from . import messages as m
 from .errors import (
+    Cancelled,
     ChecksumMismatch,
     ContractViolation,
     Fenced,
@@ -91,6 +92,7 @@ SERVING = (C, O)  # states that make a (version, shard) available
 Outbox = list[tuple[Hashable, Any]]
 
 _FENCED_MEMORY = 65536  # how many removed session ids are remembered (to answer Fenced)
+_OFFERS_KEPT = 8  # listings remembered per undecided wait, for its shards to report satisfied
 _MAX_SOURCE_FAILURES = 3  # a reader retries sources that failed it, this many times in all
 _GONE_MEMORY = 1024  # how far below the highest published version gone versions are remembered
 
@@ -187,7 +189,7 @@ class _Session:
         self.layout: Layout | None = None
         self.endpoint: Any = None
         self.holder: _Holder | None = None  # the holding in the registered buffers
-        self.offloads: dict[int, _Holder] = {}  # version -> offload holder (CPU copies)
+        self.offloads: dict[int, _Holder] = {}  # holder id -> offload holder (CPU copies, draining ones too)
         self.announced = False  # re-announced its state after a failover
         self.answered = 0  # the last call it had an answer for, as it announced
 
@@ -504,8 +506,7 @@ class ReferenceTable:
             s = h.session
             if s.holder is h:
                 s.holder = None
-            if s.offloads.get(h.version) is h:
-                del s.offloads[h.version]
+            s.offloads.pop(h.id, None)
             h.call = None
             h.waiting = False
             model.waiting_readers.pop(h, None)
@@ -634,6 +635,9 @@ class ReferenceTable:
                 f"unregister refused while version {s.holder.version} is published: unpublish first",
                 **s.ctx(s.holder.version),
             )
+        if s.offloads:  # the layout describes them too: it stays pinned until they are freed
+            versions = sorted({h.version for h in s.offloads.values()})
+            raise ContractViolation(f"unregister refused while offload copies of versions {versions} are held", **s.ctx())
         self._drop_layout(s)
         self._ack(s, msg.req)
 
@@ -668,9 +672,11 @@ class ReferenceTable:
 
     def _end_session(self, s: _Session, fenced_code: str | None = None) -> None:
         """Drop a session and every holding it has (readers of them are revoked)."""
-        for h in [s.holder, *s.offloads.values()]:
-            if h is not None:
-                self._remove_holder(h, Event.REMOVED, "its replica is gone")
+        for _ in range(1000):  # removing one holding can run callbacks; repeat until none is left
+            h = s.holder or next(iter(s.offloads.values()), None)
+            if h is None:
+                break
+            self._remove_holder(h, Event.REMOVED, "its replica is gone")
         self._drop_layout(s)
         del self.sessions[s.id]
         self.expiry.pop(s.id, None)
@@ -696,6 +702,7 @@ class ReferenceTable:
         ctx = {"model": replica.model.name, "replica": replica.name}
         err = error(f"replica removed: {reason}", **ctx)
         for txn in list(replica.txns.values()):
+            txn.error = txn.error or err
             for call in txn.shards.values():
                 if not call.done and call.session.id in self.sessions:
                     self._reply_error(call, err)
@@ -720,6 +727,11 @@ class ReferenceTable:
             self._revoke(g, reason)
         if h.state is not None:  # an unpublishing holder is gone once its last grant is revoked
             self._fire(h, event)
+            h.offload_pending = False
+            h.on_offloaded = None
+            callbacks, h.on_drained = h.on_drained, []
+            for cb in callbacks:  # whatever waited for this holding to go away goes on
+                cb()
         for r in readers:
             self._regrant(r)
 
@@ -791,20 +803,21 @@ class ReferenceTable:
                 then()
             return
         if h.offload_pending:
-            prev = h.on_offloaded
-            h.on_offloaded = (lambda: (prev(), then())) if prev else then  # type: ignore[func-returns-value]
+            h.on_drained.append(then)
             return
         if self._last_retained(h):
             self._fire(h, Event.UNPUBLISH_LAST_RETAINED)
             h.offload_pending = True
-            h.on_offloaded = lambda: self._unpublish_now(h, then)
+            h.on_drained.append(then)
+            h.on_offloaded = lambda: self._unpublish_now(h)
             self.stats["offloads"] += 1
             self._send(h.session, m.OffloadRequest(h.session.id, h.version))
             return
         self._unpublish_now(h, then)
 
-    def _unpublish_now(self, h: _Holder, then: Callable[[], None]) -> None:
-        h.on_drained.append(then)
+    def _unpublish_now(self, h: _Holder, then: Callable[[], None] | None = None) -> None:
+        if then is not None:
+            h.on_drained.append(then)
         self._fire(h, Event.UNPUBLISH)
         self._begin_drain(h)
 
@@ -821,7 +834,7 @@ class ReferenceTable:
             self._end_grant(h.upstream, "cancelled")
         h.waiting = False
         h.session.model.waiting_readers.pop(h, None)
-        h.call = None
+        call, h.call = h.call, None
         self._fire(h, Event.ABORT)
         readers = [g.reader for g in h.grants.values()]
         for g in list(h.grants.values()):
@@ -830,6 +843,9 @@ class ReferenceTable:
             self._drained(h)
         for r in readers:
             self._regrant(r)
+        if call is not None:  # the replica's call cannot finish without this shard
+            txn, idx = call
+            self._fail_txn(txn, Cancelled(f"shard {idx} abandoned call {txn.n}", **h.session.ctx(h.version)))
 
     # ---- publish, checksums, unpublish, offload ------------------------------------------------
 
@@ -891,7 +907,7 @@ class ReferenceTable:
 
     def _on_checksums(self, peer: Hashable, msg: m.DeclareChecksums) -> None:
         s = self._session(peer, msg.session)
-        h = s.holder if s.holder is not None and s.holder.version == msg.version else s.offloads.get(msg.version)
+        h = s.holder if s.holder is not None and s.holder.version == msg.version else _offload_of(s, msg.version)
         if h is None or h.state is P:
             raise ContractViolation("checksums declared for a version this shard has not published", **s.ctx(msg.version))
         if h.checksums is not None and h.checksums != msg.checksums:
@@ -902,6 +918,7 @@ class ReferenceTable:
             # The holding is not the version others hold under that number: it must not serve.
             self._remove_holder(h, Event.QUARANTINE, "the holder's checksums conflict with the version's")
             self._send(s, m.Quarantined(s.id, msg.version))
+            self._fail_pulls(s, msg.version, VersionConflict("this shard's copy conflicts with the version", **s.ctx(msg.version)))
             raise
         self._set_checksums(h, msg.checksums)
         self._ack(s, msg.req)
@@ -921,11 +938,11 @@ class ReferenceTable:
         if h is None or h.version != msg.version or not h.offload_pending:
             raise ContractViolation("no offload was requested for this version", **s.ctx(msg.version))
         if msg.ok:
-            if msg.version in s.offloads:
+            if _offload_of(s, msg.version) is not None:
                 raise ContractViolation("this shard already holds an offload copy of the version", **s.ctx(msg.version))
             o = self._new_holder(s, msg.version, m.KIND_OFFLOAD, Event.PUBLISH_OFFLOAD)
             o.checksums = h.checksums
-            s.offloads[msg.version] = o
+            s.offloads[o.id] = o
         h.offload_pending = False
         then, h.on_offloaded = h.on_offloaded, None
         self._ack(s, msg.req)
@@ -1109,6 +1126,8 @@ class ReferenceTable:
 
     def _advance(self, txn: _Txn, call: _ShardCall) -> None:
         """Move one shard's replicate/update call forward as far as it can go now."""
+        if call.done or txn.replica.txns.get(txn.n) is not txn or call.session.id not in self.sessions:
+            return  # answered, or dropped with its replica, while this step waited
         if txn.error is not None:
             self._error_shard(txn, call)
             return
@@ -1335,8 +1354,11 @@ class ReferenceTable:
 
     def _on_verify_result(self, peer: Hashable, msg: m.VerifyResult) -> None:
         s = self._session(peer, msg.session)
-        h = s.holder if s.holder is not None and s.holder.version == msg.version else s.offloads.get(msg.version)
-        if h is None or not h.verify_pending:
+        h = s.holder if s.holder is not None and s.holder.version == msg.version else _offload_of(s, msg.version)
+        if h is None:  # the holding went away meanwhile: nothing left to judge
+            self._ack(s, msg.req)
+            return
+        if not h.verify_pending:
             raise ContractViolation("no verification was requested for this version", **s.ctx(msg.version))
         h.verify_pending = False
         self._ack(s, msg.req)
@@ -1346,12 +1368,18 @@ class ReferenceTable:
     def _quarantine(self, h: _Holder) -> None:
         self.stats["quarantined"] += 1
         s = h.session
-        call = h.call
         self._send(s, m.Quarantined(s.id, h.version))
         self._remove_holder(h, Event.QUARANTINE, "the holder failed verification")
-        if call is not None:
-            txn, _ = call
-            self._fail_txn(txn, ChecksumMismatch("this shard's partial copy failed verification", **s.ctx(h.version)))
+        err = ChecksumMismatch("this shard's copy failed verification", **s.ctx(h.version))
+        self._fail_pulls(s, h.version, err)
+
+    def _fail_pulls(self, s: _Session, version: int, err: TensorHubError) -> None:
+        """A shard lost its holding of ``version``: a replicate/update of the replica that
+        counted on it (in flight, or done for this shard and waiting for the others) fails."""
+        for txn in list(s.replica.txns.values()):
+            call = txn.shards.get(s.shard_idx)
+            if txn.kind in ("replicate", "update") and txn.version == version and call is not None and not call.done:
+                self._fail_txn(txn, err)
 
     # ---- list and wait -----------------------------------------------------------------------
 
@@ -1371,15 +1399,18 @@ class ReferenceTable:
     def _on_wait(self, peer: Hashable, msg: m.Wait) -> None:
         s = self._session(peer, msg.session)
         model = s.model
+        known = s.replica.txns.get(msg.call)
+        if msg.satisfied_epoch is not None and not (
+            known is not None and (known.decided or msg.satisfied_epoch in known.offered)
+        ):
+            raise ContractViolation(f"epoch {msg.satisfied_epoch} was never offered to call {msg.call}", **s.ctx())
         txn, call = self._join(s, msg.req, msg.call, "wait", None)
         self._set_deadline(txn, msg.timeout)
         if txn.error is not None:
             self._error_shard(txn, call)
             return
         if not txn.decided and msg.satisfied_epoch is not None:
-            snap = txn.offered.get(msg.satisfied_epoch)
-            if snap is None:
-                raise ContractViolation(f"epoch {msg.satisfied_epoch} was never offered to this call", **s.ctx())
+            snap = txn.offered[msg.satisfied_epoch]
             txn.answer = (msg.satisfied_epoch, snap)
             txn.decided = True
             txn.offered.clear()
@@ -1400,6 +1431,8 @@ class ReferenceTable:
     def _offer(self, txn: _Txn, call: _ShardCall, model: _Model) -> None:
         snap = self._listing(model)
         txn.offered[model.epoch] = snap
+        while len(txn.offered) > _OFFERS_KEPT:  # a shard answers about the latest few offers
+            del txn.offered[next(iter(txn.offered))]
         call.done = True  # this request is answered; the shard polls again with a new one
         self._send(call.session, m.Listing(call.req, model.epoch, False, snap))
 
@@ -1444,7 +1477,8 @@ class ReferenceTable:
             if held.kind == m.KIND_NORMAL:
                 h = s.holder = self._new_holder(s, held.version, m.KIND_NORMAL, Event.PUBLISH)
             else:
-                h = s.offloads[held.version] = self._new_holder(s, held.version, m.KIND_OFFLOAD, Event.PUBLISH_OFFLOAD)
+                h = self._new_holder(s, held.version, m.KIND_OFFLOAD, Event.PUBLISH_OFFLOAD)
+                s.offloads[h.id] = h
             if held.checksums is not None:
                 self._set_checksums(h, held.checksums)
             self._published(s.model, held.version)
@@ -1462,7 +1496,8 @@ class ReferenceTable:
             if last.call in replica.txns:
                 continue
             txn = replica.txns[last.call] = _Txn(last.call, last.kind, _AnnouncedArgs(), replica)
-            txn.decided, txn.version, txn.moved = True, last.version, bool(last.moved) or last.kind == "replicate"
+            moved = last.moved if last.moved is not None else last.kind == "replicate" and last.error is None
+            txn.decided, txn.version, txn.moved = True, last.version, moved
             if last.kind in ("list", "wait"):
                 txn.answer = (last.epoch or 0, last.listing or ())
             if last.error is not None:
@@ -1628,6 +1663,14 @@ class _AnnouncedArgs:
         return False
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _offload_of(s: _Session, version: int) -> _Holder | None:
+    """The session's live (not draining) offload copy of ``version``."""
+    for h in s.offloads.values():
+        if h.version == version and h.state is O:
+            return h
+    return None
 
 
 def _all_done(txn: _Txn) -> bool:

@@ -29,6 +29,7 @@ PARENTS = {
     errors.AlreadyRegistered: errors.UsageError,
     errors.ContractViolation: errors.UsageError,
     errors.LayoutMismatch: errors.UsageError,
+    errors.Cancelled: errors.UsageError,
     errors.CallInFlight: errors.UsageError,
     errors.ProtocolError: errors.TensorHubError,
     errors.MalformedMessage: errors.ProtocolError,

@@ -673,3 +673,117 @@ def test_close_leaves_nothing(d):
 def test_config_requires_heartbeat_margin():
     with pytest.raises(e.InvalidArgument):
         TableConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0)
+
+
+# --- regressions found in review -------------------------------------------------------------
+
+
+def test_replica_removed_while_its_update_drains_leaves_nothing(d):
+    (t,) = published(d)
+    r = d.shard("r")
+    r.pull(1)
+    r.take(m.Replicated)
+    x = d.shard("x")
+    x.replicate(1)
+    assert x.grant().source.replica == "r"  # pipelining: r is less loaded than the trainer
+    published(d, "t2", version=2)
+    r.update("latest")  # unpublishes v1, which still serves x
+    d.shard("r", incarnation="i2")  # a new incarnation fences r mid-drain
+    assert not any(g.reader.session.replica.name == "r" for g in d.table.grants.values())
+
+
+def test_quarantine_of_a_finished_shard_fails_the_whole_replicate(d):
+    published(d, num_shards=2)
+    r0, r1 = d.replica("R", 2)
+    q0, q1 = r0.replicate(1), r1.replicate(1)
+    r0.complete(r0.grant())
+    r1.grant()
+    x = d.shard("x", 0, 2)
+    x.replicate(1)
+    gx = x.grant()
+    if gx.source.replica != "R":
+        x.source_failed(gx)
+        gx = x.grant()
+    assert gx.source.replica == "R"
+    x.checksum_failed(gx)
+    assert r0.take(m.VerifyRequest)
+    r0.expect_ok(r0.request(m.VerifyResult, r0.session, 1, False))  # R0 quarantined
+    r0.expect_error(q0, e.ChecksumMismatch)
+    r1.expect_error(q1, e.ChecksumMismatch)  # same error for every shard, nothing left hanging
+    assert not d.table.models["actor"].replicas["R"].txns
+
+
+def test_quarantine_while_offload_pending_answers_the_unpublish(d):
+    (t,) = published(d, retain=0)
+    r = d.shard("r")
+    r.replicate(1)
+    r.checksum_failed(r.grant())
+    assert t.take(m.VerifyRequest)
+    u = t.unpublish()
+    assert t.take(m.OffloadRequest)
+    t.expect_ok(t.request(m.VerifyResult, t.session, 1, False))
+    t.expect_ok(u)
+    # The client answers the offload request it had got: refused, the holding is gone.
+    t.expect_error(t.request(m.PublishOffload, t.session, 1, True), e.ContractViolation)
+    assert d.table.counts()["transactions"] == 0
+
+
+def test_a_shard_abandoning_its_replicate_fails_its_siblings(d):
+    published(d, num_shards=2)
+    r0, r1 = d.replica("R", 2)
+    q0, q1 = r0.replicate(1), r1.replicate(1)
+    r0.grant()
+    r1.grant()
+    r0.expect_ok(r0.unpublish())  # shard 0 cancels: its partial holding is unpublished
+    r0.expect_error(q0, e.Cancelled)
+    r1.expect_error(q1, e.Cancelled)
+    r1.expect_ok(r1.unpublish())  # SPMD: shard 1 makes the same call 2
+    assert d.table.counts()["grants"] == 0 and not d.table.models["actor"].replicas["R"].txns
+
+
+def test_wait_with_an_epoch_never_offered_changes_nothing(d):
+    r = d.shard("r")
+    r.expect_error(r.request(m.Wait, r.session, 1, -1, 5, 10.0), e.ContractViolation)
+    assert d.table.counts()["transactions"] == 0
+    d.run_for(11)
+    assert r.inbox == []
+
+
+def test_announced_error_without_a_move_keeps_sibling_holdings():
+    d = Driver(term=2)
+    r0, r1 = d.replica("r", 2)
+    ann = m.CallAnswer(2, "replicate", None, False, None, None, "version_unavailable", "version 7 is gone")
+    r0.expect_ok(r0.request(m.Announce, r0.session, (m.Held(5, "normal", None),), None, 2, (ann,)))
+    r1.expect_ok(r1.request(m.Announce, r1.session, (m.Held(5, "normal", None),), None, 1, ()))
+    r1.call = 1
+    r1.expect_error(r1.replicate(7), e.VersionUnavailable)
+    assert d.table.sessions[r1.session].holder.version == 5
+
+
+def test_unregister_refused_while_offload_copies_pin_the_layout(d):
+    (t,) = published(d, retain=0)
+    u = t.unpublish()
+    t.expect_ok(t.request(m.PublishOffload, t.session, 1, True))
+    t.expect_ok(u)
+    t.expect_error(t.unregister(), e.ContractViolation)
+    late = d.shard("late", layout=None)
+    late.expect_error(late.register(make_layout(64)), e.LayoutMismatch)
+
+
+def test_second_offload_while_the_first_drains(d):
+    s = d.shard("trainer", retain=0)
+    s.expect_ok(s.publish(1))
+    u = s.unpublish()
+    s.expect_ok(s.request(m.PublishOffload, s.session, 1, True))
+    s.expect_ok(u)
+    x = d.shard("x")
+    qx = x.replicate(1)
+    gx = x.grant()
+    assert gx.source.kind == "offload"
+    s.expect_ok(s.publish(1))  # v1 again: the first offload copy is released, still draining x
+    u2 = s.unpublish()
+    assert s.take(m.OffloadRequest)
+    s.expect_ok(s.request(m.PublishOffload, s.session, 1, True))
+    s.expect_ok(u2)
+    x.complete(gx)
+    x.expect_ok(qx)
