@@ -39,6 +39,3 @@ class Location:
     @classmethod
     def default(cls) -> "Location":
         return cls(datacenter="local", host=platform.node() or "localhost", nic="")
-
-    def same_host(self, other: "Location") -> bool:
-        return self.datacenter == other.datacenter and self.host == other.host

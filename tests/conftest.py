@@ -14,22 +14,9 @@ from hypothesis import HealthCheck, settings
 
 SEED = int(os.environ.get("TENSORHUB_SEED", "20261121"))
 
-settings.register_profile(
-    "ci",
-    max_examples=150,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
-settings.register_profile(
-    "long",
-    max_examples=250,
-    stateful_step_count=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
+settings.register_profile("ci", max_examples=150, stateful_step_count=50, **_COMMON)
+settings.register_profile("long", max_examples=250, stateful_step_count=60, **_COMMON)
 settings.load_profile(os.environ.get("TENSORHUB_HYPOTHESIS_PROFILE", "ci"))
 
 
