@@ -1,0 +1,529 @@
+"""Shard handles: the public API of DESIGN.md §2, async and sync.
+
+:class:`AsyncShardHandle` is the whole API, awaitable; :class:`ShardHandle` is a thin synchronous
+facade that runs it on the process's background event loop (one thread). Both are made by
+``tensorhub.aio.open`` / ``tensorhub.open``.
+
+Each event loop has one :class:`Runtime`: one :class:`~tensorhub.engine.EngineActor` with the
+process's transports, and one :class:`~tensorhub.client.ClientActor` per server address. It
+starts with the first handle opened on that loop and stops when the last one closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import zmq.asyncio
+
+from scheduling.topology import Location
+
+from . import messages as m
+from .actor import LoopThread
+from .buffers import ShardBuffers, layout_of
+from .client import Call, ClientActor
+from .embedded import resolve_server
+from .engine import AbortPull, AddSlot, DropSlot, EngineActor, PullStats, SetHolding
+from .errors import (
+    AlreadyRegistered,
+    CallInFlight,
+    ContractViolation,
+    InvalidArgument,
+    NotRegistered,
+    ServerUnavailable,
+    TensorHubError,
+    Timeout,
+    UsageError,
+)
+from .log import get_logger
+from .naming import (
+    parse_retain,
+    parse_version_spec,
+    validate_model,
+    validate_replica,
+    validate_shard,
+    validate_version,
+)
+
+__all__ = ["AsyncShardHandle", "ReplicaInfo", "Runtime", "ShardHandle", "open_async", "open_sync"]
+
+#: What :meth:`AsyncShardHandle.list` maps each (version, replica) to: ``replica``, ``kind``
+#: (``"normal"`` or ``"offload"``) and ``spot``.
+ReplicaInfo = m.ReplicaEntry
+Versions = dict[int, dict[str, m.ReplicaEntry]]
+
+DEFAULT_TRANSPORTS = ("tcp",)
+
+
+class Runtime:
+    """The actors of one event loop: an engine and a client per server address."""
+
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Runtime] = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.engine: EngineActor | None = None
+        self.clients: dict[str, ClientActor] = {}
+        self.handles = 0
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def current(cls) -> Runtime:
+        loop = asyncio.get_running_loop()
+        rt = cls._by_loop.get(loop)
+        if rt is None:
+            rt = cls._by_loop[loop] = cls()
+        return rt
+
+    async def acquire(self, server: str | None, transports: dict[str, dict] | None) -> tuple[ClientActor, EngineActor]:
+        async with self._lock:
+            self.handles += 1
+            try:
+                address = await resolve_server(self.ctx, server)
+                if self.engine is None:
+                    self.engine = await self._start_engine(transports)
+                client = self.clients.get(address)
+                if client is None or client.stopped or client.lost is not None:
+                    if client is not None:
+                        await client.stop()
+                    client = self.clients[address] = ClientActor(address, self.ctx, self.engine)
+                    await client.start()
+                return client, self.engine
+            except BaseException:
+                self.handles -= 1
+                await self._maybe_stop()
+                raise
+
+    async def _start_engine(self, transports: dict[str, dict] | None) -> EngineActor:
+        from transports.registry import get_transport
+
+        if transports is None:
+            names = [n.strip() for n in os.environ.get("TENSORHUB_TRANSPORTS", ",".join(DEFAULT_TRANSPORTS)).split(",")]
+            transports = {n: {} for n in names if n}
+        started = {}
+        try:
+            for name, options in transports.items():
+                t = get_transport(name)(options)
+                await t.start()
+                started[name] = t
+        except BaseException:
+            for t in started.values():
+                await t.close()
+            raise
+        engine = EngineActor(started)
+        await engine.start()
+        return engine
+
+    async def release(self) -> None:
+        async with self._lock:
+            self.handles -= 1
+            await self._maybe_stop()
+
+    async def _maybe_stop(self) -> None:
+        if self.handles > 0:
+            return
+        for c in self.clients.values():
+            await c.stop()
+        self.clients.clear()
+        if self.engine is not None:
+            await self.engine.stop()
+            self.engine = None
+
+
+class AsyncShardHandle:
+    """One shard of one replica of one model, as this process holds it. See DESIGN.md §2.
+
+    Only one call runs at a time on a handle; a second concurrent call raises
+    :class:`~tensorhub.errors.CallInFlight`.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        replica: str,
+        num_shards: int = 1,
+        shard_idx: int = 0,
+        retain: str | None = "latest",
+        server: str | None = None,
+        location: Location | None = None,
+        spot: bool = False,
+        transports: dict[str, dict] | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.model = validate_model(model)
+        self.replica = validate_replica(replica, model=self.model)
+        ctx = {"model": self.model, "replica": self.replica}
+        self.num_shards, self.shard_idx = validate_shard(num_shards, shard_idx, **ctx)
+        self.ctx = {**ctx, "shard": self.shard_idx}
+        self.retain_back = parse_retain(retain, **self.ctx)
+        if location is not None and not isinstance(location, Location):
+            raise InvalidArgument(f"location must be a scheduling.topology.Location, got {type(location).__name__}", **self.ctx)
+        self.location = location or Location.default()
+        if not isinstance(spot, bool):
+            raise InvalidArgument(f"spot must be a bool, got {spot!r}", **self.ctx)
+        self.spot = spot
+        self._server = server
+        self._transports = transports
+        self.connect_timeout = connect_timeout
+        self.log = get_logger(**self.ctx)
+        self.session: int | None = None
+        self.version: int | None = None  # the version the registered buffers hold (published or replicated)
+        self.buffers: ShardBuffers | None = None
+        self.closed = False
+        self._runtime: Runtime | None = None
+        self._client: ClientActor | None = None
+        self._engine: EngineActor | None = None
+        self._calls = 0
+        self._busy: str | None = None
+
+    # ---- opening and closing -------------------------------------------------------------------
+
+    async def _open(self) -> AsyncShardHandle:
+        rt = Runtime.current()
+        self._client, self._engine = await rt.acquire(self._server, self._transports)
+        self._runtime = rt
+        incarnation = uuid.uuid4().hex
+        try:
+            opened = await self._client.ask(
+                Call(lambda req: m.OpenShard(req, self.model, self.replica, self.num_shards, self.shard_idx, incarnation,
+                                             self.location, self.spot, self.retain_back)),  # fmt: skip
+                timeout=self.connect_timeout,
+            )
+        except Timeout:
+            await self._release()
+            raise ServerUnavailable(f"no answer from the server at {self._client.address} in {self.connect_timeout:g} s", **self.ctx) from None
+        except BaseException:
+            await self._release()
+            raise
+        self.session = opened.session
+        self._client.add_session(opened.session, opened.heartbeat_interval, opened.heartbeat_timeout)
+        self.log = self.log.bind(session=self.session)
+        self.log.debug("opened", server=self._client.address, term=opened.term)
+        return self
+
+    async def _release(self) -> None:
+        rt, self._runtime = self._runtime, None
+        if rt is not None:
+            await rt.release()
+
+    async def close(self) -> None:
+        """Close the session: the server drops this shard's holdings (their readers are
+        re-granted elsewhere), registration and retention declaration. Idempotent."""
+        if self.closed:
+            return
+        if self._busy is not None:
+            raise CallInFlight(f"close() while {self._busy}() is in flight; await it or cancel it first", **self.ctx)
+        self.closed = True
+        client, engine, sid = self._client, self._engine, self.session
+        try:
+            if client is not None and sid is not None and client.lost is None:
+                # The server removes this shard's holdings (readers are re-granted elsewhere),
+                # its layout and its retention declaration, and fails its unfinished calls.
+                await self._request(lambda req: m.CloseShard(req, sid))
+        except TensorHubError as err:
+            self.log.warning("close: the server did not confirm; closing locally", error=str(err))
+        finally:
+            if engine is not None and sid is not None:
+                await engine.ask(AbortPull(sid))
+                await engine.ask(DropSlot(sid))
+            if client is not None and sid is not None:
+                client.drop_session(sid)
+            self.version = None
+            self.buffers = None
+            await self._release()
+
+    async def __aenter__(self) -> AsyncShardHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _call(self, name: str) -> Iterator[None]:
+        if self.closed:
+            raise UsageError(f"{name}() on a closed handle", **self.ctx)
+        if self._busy is not None:
+            raise CallInFlight(f"{name}() while {self._busy}() is in flight: one call at a time per handle", **self.ctx)
+        self._busy = name
+        try:
+            yield
+        finally:
+            self._busy = None
+
+    def _next_call(self) -> int:
+        self._calls += 1
+        return self._calls
+
+    async def _request(self, build: Callable[[int], Any]) -> Any:
+        assert self._client is not None
+        return await self._client.ask(Call(build, self.session))
+
+    def _need_registered(self, what: str) -> ShardBuffers:
+        if self.buffers is None:
+            raise NotRegistered(f"{what}() needs registered tensors: call register() first", **self.ctx)
+        return self.buffers
+
+    # ---- the API -------------------------------------------------------------------------------
+
+    async def register(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Register this shard's tensors (used in place: replicate writes into them).
+
+        Raises:
+            AlreadyRegistered, InvalidArgument, InvalidName, LayoutMismatch.
+        """
+        with self._call("register"):
+            if self.buffers is not None:
+                raise AlreadyRegistered("tensors are already registered: unregister() first", **self.ctx)
+            layout = layout_of(tensors, ctx=self.ctx)
+            buffers = ShardBuffers(tensors, layout)
+            assert self._engine is not None and self._client is not None
+            endpoint = await self._engine.ask(AddSlot(self.session, buffers, self._client, self.ctx))
+            try:
+                await self._request(lambda req: m.Register(req, self.session, layout, endpoint))
+            except BaseException:
+                await self._engine.ask(DropSlot(self.session))
+                raise
+            self.buffers = buffers
+
+    async def unregister(self) -> None:
+        """Forget the registered tensors. Refused while they hold a published version."""
+        with self._call("unregister"):
+            self._need_registered("unregister")
+            if self.version is not None:
+                raise ContractViolation(f"unregister() while holding version {self.version}: unpublish() first", **self.ctx)
+            await self._request(lambda req: m.Unregister(req, self.session))
+            assert self._engine is not None
+            await self._engine.ask(DropSlot(self.session))
+            self.buffers = None
+
+    async def publish(self, version: int) -> None:
+        """Make the registered tensors visible as ``version``. Until :meth:`unpublish` returns,
+        they must not be modified (the mutability contract).
+
+        Raises:
+            NotRegistered, InvalidName, ContractViolation (holding another version), VersionConflict.
+        """
+        with self._call("publish"):
+            validate_version(version, **self.ctx)
+            self._need_registered("publish")
+            if self.version is not None and self.version != version:
+                raise ContractViolation(f"publish({version}) while holding version {self.version}: unpublish() first", **self.ctx)
+            assert self._engine is not None
+            held_before = self.version
+            await self._engine.ask(SetHolding(self.session, version))  # servable before the server can grant it
+            n = self._next_call()
+            try:
+                await self._request(lambda req: m.Publish(req, self.session, n, version, None))
+            except BaseException:
+                if held_before is None:
+                    await self._engine.ask(SetHolding(self.session, None))
+                raise
+            self.version = version
+
+    async def unpublish(self) -> None:
+        """Withdraw the held version; returns once no reader is still reading these buffers
+        (after an offload copy was made, if it was the last copy of a retained version)."""
+        with self._call("unpublish"):
+            n = self._next_call()
+            await self._request(lambda req: m.Unpublish(req, self.session, n))
+            if self.buffers is not None:
+                assert self._engine is not None
+                await self._engine.ask(SetHolding(self.session, None))
+            self.version = None
+
+    async def replicate(self, version: int | str = "latest", timeout: float | None = None) -> int:
+        """Pull ``version`` into the registered tensors (waiting for it to exist), and hold it.
+
+        Returns:
+            The absolute version now held.
+        Raises:
+            NotRegistered, InvalidName, VersionUnavailable, Timeout, Cancelled, TransportError...
+        """
+        with self._call("replicate"):
+            reply = await self._pull(m.Replicate, version, timeout)
+            return reply.version
+
+    async def update(self, version: int | str = "latest", timeout: float | None = None) -> bool:
+        """Move to ``version`` if it resolves to an available version other than the one held
+        (for ``"latest"``: a newer one). Returns whether it moved; never raises because no
+        version is available.
+
+        Raises:
+            UpdateAborted: it had started moving and failed; the handle now holds nothing.
+        """
+        with self._call("update"):
+            reply = await self._pull(m.Update, version, timeout)
+            return reply.moved
+
+    async def _pull(self, cls: type, version: int | str, timeout: float | None) -> Any:
+        spec = parse_version_spec(version, **self.ctx).wire()
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise InvalidArgument(f"timeout must be a number >= 0 or None, got {timeout!r}", **self.ctx)
+        self._need_registered(cls.__name__.lower())
+        assert self._engine is not None and self.session is not None
+        before = self._engine.pull_stats(self.session)
+        n = self._next_call()
+        try:
+            reply = await self._request(lambda req: cls(req, self.session, n, spec, timeout))
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abandon())
+            raise
+        except TensorHubError:
+            await self._engine.ask(AbortPull(self.session))
+            if self._engine.pull_stats(self.session) is not before:
+                self.version = None  # a pull began: the old holding was unpublished
+            raise
+        if isinstance(reply, m.Replicated) or (isinstance(reply, m.Updated) and reply.moved):
+            self.version = reply.version
+        return reply
+
+    async def _abandon(self) -> None:
+        """A cancelled replicate/update: unpublish the partial holding (which fails the call
+        for the whole replica) and wait until nothing writes into the buffers."""
+        assert self._engine is not None
+        n = self._next_call()
+        try:
+            await self._request(lambda req: m.Unpublish(req, self.session, n))
+        except TensorHubError as err:
+            self.log.warning("cancelled pull: unpublish refused", error=str(err))
+        await self._engine.ask(AbortPull(self.session))
+        await self._engine.ask(SetHolding(self.session, None))
+        self.version = None
+
+    async def list(self, consistent: bool = False) -> Versions:
+        """``{version: {replica: ReplicaInfo}}`` of the available versions (a replica is listed
+        once all its shards hold the version completely). ``consistent=True``: every shard of
+        this replica gets the same answer (a model-parallel call)."""
+        with self._call("list"):
+            n = self._next_call() if consistent else None
+            reply = await self._request(lambda req: m.ListVersions(req, self.session, n))
+            return reply.as_dict()
+
+    async def wait(self, predicate: Callable[[Versions], bool], timeout: float | None = None) -> Versions:
+        """Wait until ``predicate(list())`` is true, and return that listing. All shards of the
+        replica return the same listing (the first shard to see the predicate true decides).
+
+        Raises:
+            Timeout: not true within ``timeout`` seconds.
+        """
+        with self._call("wait"):
+            if not callable(predicate):
+                raise InvalidArgument(f"wait() takes a predicate over list(), got {type(predicate).__name__}", **self.ctx)
+            n = self._next_call()
+            known = -1
+            satisfied: int | None = None
+            for _ in range(1 << 30):  # each turn waits for the listing to change: bounded by time
+                reply = await self._request(lambda req, k=known, sat=satisfied: m.Wait(req, self.session, n, k, sat, timeout))
+                if reply.final:
+                    return reply.as_dict()
+                versions = reply.as_dict()
+                known = reply.epoch
+                satisfied = reply.epoch if predicate(versions) else None
+            raise AssertionError("unreachable")  # pragma: no cover
+
+    @property
+    def last_pull(self) -> PullStats | None:
+        """What the latest pull into this handle moved, and which sources served it."""
+        if self._engine is None or self.session is None:
+            return None
+        return self._engine.pull_stats(self.session)
+
+
+async def open_async(model: str, replica: str, **kw: Any) -> AsyncShardHandle:
+    h = AsyncShardHandle(model, replica, **kw)
+    return await h._open()
+
+
+class _AsyncOpen:
+    """``tensorhub.aio.open(...)``: awaitable, or an async context manager that closes."""
+
+    def __init__(self, model: str, replica: str, kw: dict) -> None:
+        self._args = (model, replica, kw)
+        self._handle: AsyncShardHandle | None = None
+
+    def __await__(self) -> Any:
+        model, replica, kw = self._args
+        return open_async(model, replica, **kw).__await__()
+
+    async def __aenter__(self) -> AsyncShardHandle:
+        model, replica, kw = self._args
+        self._handle = await open_async(model, replica, **kw)
+        return self._handle
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            await self._handle.close()
+
+
+# ---- the synchronous facade ----------------------------------------------------------------------
+
+_loop_thread: LoopThread | None = None
+
+
+def _loop() -> LoopThread:
+    global _loop_thread
+    if _loop_thread is None or not _loop_thread.thread.is_alive():
+        _loop_thread = LoopThread()
+    return _loop_thread
+
+
+class ShardHandle:
+    """The synchronous face of :class:`AsyncShardHandle` (same methods, blocking). Its calls run
+    on the process's background event loop; an interrupted call (KeyboardInterrupt) is
+    cancelled like an async one."""
+
+    def __init__(self, handle: AsyncShardHandle, loop: LoopThread) -> None:
+        self._h = handle
+        self._loop = loop
+
+    def _run(self, coro: Any) -> Any:
+        return self._loop.run(coro)
+
+    def register(self, tensors: dict[str, torch.Tensor]) -> None:
+        return self._run(self._h.register(tensors))
+
+    def unregister(self) -> None:
+        return self._run(self._h.unregister())
+
+    def publish(self, version: int) -> None:
+        return self._run(self._h.publish(version))
+
+    def unpublish(self) -> None:
+        return self._run(self._h.unpublish())
+
+    def replicate(self, version: int | str = "latest", timeout: float | None = None) -> int:
+        return self._run(self._h.replicate(version, timeout))
+
+    def update(self, version: int | str = "latest", timeout: float | None = None) -> bool:
+        return self._run(self._h.update(version, timeout))
+
+    def list(self, consistent: bool = False) -> Versions:
+        return self._run(self._h.list(consistent))
+
+    def wait(self, predicate: Callable[[Versions], bool], timeout: float | None = None) -> Versions:
+        return self._run(self._h.wait(predicate, timeout))
+
+    def close(self) -> None:
+        return self._run(self._h.close())
+
+    def __enter__(self) -> ShardHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:  # model, replica, version, session, last_pull, ...
+        return getattr(self._h, name)
+
+
+def open_sync(model: str, replica: str, **kw: Any) -> ShardHandle:
+    loop = _loop()
+    return ShardHandle(loop.run(open_async(model, replica, **kw)), loop)

@@ -1,0 +1,242 @@
+"""A shard's registered memory as one byte space, and the words that guard it.
+
+Theory of operation
+-------------------
+A shard is its tensors laid end to end in layout order: byte ``o`` of the shard is byte
+``o - start`` of the tensor whose ``[start, start + nbytes)`` contains it. Transports move byte
+ranges of that space; :meth:`ShardBuffers.views` turns a range into the memory segments it
+covers, without copying.
+
+:class:`ProgressCounter` holds the two words a reader of this holder checks (DESIGN §4):
+
+- ``verified``: bytes of the held version received (and verified) contiguously from the start.
+  It never decreases while one generation lasts.
+- ``generation``: bumped whenever the buffers may change (unpublish, abort, a new version
+  pulled in). A read is accepted only if the generation did not move across it (a seqlock).
+
+Serving threads of two-sided transports block on the counter until a range is covered, so a
+partial holder serves each range as soon as it has it (pipeline replication). Every wait is
+bounded by a timeout and ends early when the generation moves.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidArgument, InvalidName
+from .layout import DTYPE_SIZES, Layout, TensorSpec
+
+__all__ = ["ProgressCounter", "Segment", "ShardBuffers", "layout_of", "memory_of"]
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_PACK_THRESHOLD = 2 << 20
+CHECKSUM_ALGORITHM = "xxh3-64"
+
+
+class ProgressCounter:
+    """``(generation, verified)`` of one holding, safe to read and wait on from any thread."""
+
+    __slots__ = ("_cond", "generation", "verified", "version")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self.generation = 1
+        self.verified = 0
+        self.version: int | None = None
+
+    def snapshot(self) -> tuple[int, int | None, int]:
+        """``(generation, version, verified)`` read together."""
+        with self._cond:
+            return self.generation, self.version, self.verified
+
+    def reset(self, version: int | None, verified: int = 0) -> int:
+        """The buffers now hold ``version`` (None: nothing) with ``verified`` bytes valid; bumps
+        the generation so that reads across the change are discarded. Returns the new generation."""
+        with self._cond:
+            self.generation += 1
+            self.version = version
+            self.verified = verified
+            self._cond.notify_all()
+            return self.generation
+
+    def advance(self, verified: int) -> None:
+        """Raise ``verified`` (never lowers it)."""
+        with self._cond:
+            if verified > self.verified:
+                self.verified = verified
+                self._cond.notify_all()
+
+    def wait_covered(self, version: int, end: int, generation: int | None, timeout: float) -> tuple[int, bool]:
+        """Block until ``verified >= end`` for ``version``, or until the holding changes or
+        ``timeout`` passes. Returns ``(generation, covered)``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self.version != version or (generation is not None and self.generation != generation):
+                    return self.generation, False
+                if self.verified >= end:
+                    return self.generation, True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return self.generation, False
+                self._cond.wait(left)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """``length`` bytes at shard offset ``offset``: part of tensor ``index``, from its byte
+    ``start``."""
+
+    index: int
+    start: int
+    offset: int
+    length: int
+
+
+def memory_of(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy). The caller keeps
+    ``t`` alive while the view is used."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def layout_of(
+    tensors: dict[str, torch.Tensor],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+    ctx: dict | None = None,
+) -> Layout:
+    """The layout of named tensors, in the dict's order.
+
+    Raises:
+        InvalidArgument: not a dict of contiguous tensors of a supported dtype.
+        InvalidName: a name that is not a non-empty string.
+    """
+    ctx = ctx or {}
+    if not isinstance(tensors, dict) or not tensors:
+        raise InvalidArgument(f"register takes a non-empty dict of name -> torch.Tensor, got {type(tensors).__name__}", **ctx)
+    specs = []
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or len(name) > 1024:
+            raise InvalidName(f"tensor names must be strings of 1 to 1024 characters, got {name!r}", **ctx)
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor", **ctx)
+        if not t.is_contiguous():
+            raise InvalidArgument(f"tensor {name!r} is not contiguous; register contiguous tensors", **ctx)
+        if t.device.type not in ("cpu", "cuda"):
+            raise InvalidArgument(f"tensor {name!r} is on {t.device}; CPU and CUDA tensors are supported", **ctx)
+        dtype = _dtype_name(t)
+        if dtype not in DTYPE_SIZES:
+            raise InvalidArgument(f"tensor {name!r} has dtype {dtype}, which layouts cannot name", **ctx)
+        specs.append(TensorSpec(name, dtype, tuple(int(d) for d in t.shape), t.numel() * t.element_size()))
+    return Layout(tuple(specs), CHECKSUM_ALGORITHM, chunk_bytes, pack_threshold)
+
+
+class ShardBuffers:
+    """The registered tensors of one shard handle, addressed as one byte space.
+
+    Attributes:
+        layout: the shard's layout (what the server compares across holders).
+        tensors: the tensors, in layout order (the caller's own buffers, used in place).
+        progress: the holding's :class:`ProgressCounter`.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], layout: Layout) -> None:
+        self.layout = layout
+        self.tensors = list(tensors.values())
+        self.starts: list[int] = []
+        pos = 0
+        for spec in layout.tensors:
+            self.starts.append(pos)
+            pos += spec.nbytes
+        self.total_bytes = pos
+        self.on_cuda = any(t.device.type == "cuda" for t in self.tensors)
+        # CPU tensors' memory, viewed once: serving and receiving slice these.
+        self._views = [memory_of(t) if t.device.type == "cpu" else None for t in self.tensors]
+        self.progress = ProgressCounter()
+
+    def segments(self, offset: int, length: int) -> list[Segment]:
+        """The pieces of tensors that shard bytes ``[offset, offset + length)`` cover.
+
+        Raises:
+            InvalidArgument: the range is not inside the shard.
+        """
+        if offset < 0 or length < 0 or offset + length > self.total_bytes:
+            raise InvalidArgument(f"byte range [{offset}, {offset + length}) is outside the shard's {self.total_bytes} bytes")
+        out = []
+        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        pos, end = offset, offset + length
+        specs = self.layout.tensors
+        while pos < end:
+            while self.starts[i] + specs[i].nbytes <= pos:
+                i += 1
+            start = pos - self.starts[i]
+            n = min(end, self.starts[i] + specs[i].nbytes) - pos
+            out.append(Segment(i, start, pos, n))
+            pos += n
+        return out
+
+    def views(self, offset: int, length: int) -> list[memoryview]:
+        """Writable views of CPU memory covering ``[offset, offset + length)`` (no copy).
+
+        Raises:
+            InvalidArgument: the range is outside the shard, or covers a CUDA tensor (use
+                :meth:`cuda_segments` and a staging buffer for those).
+        """
+        out = []
+        for seg in self.segments(offset, length):
+            v = self._views[seg.index]
+            if v is None:
+                raise InvalidArgument(f"tensor {self.layout.tensors[seg.index].name!r} is on CUDA; stage it")
+            out.append(v[seg.start : seg.start + seg.length])
+        return out
+
+    def copy_out(self, offset: int, dest: memoryview) -> None:
+        """Copy shard bytes starting at ``offset`` into ``dest`` (used for CUDA staging)."""
+        pos = 0
+        for seg in self.segments(offset, len(dest)):
+            t = self.tensors[seg.index]
+            if t.device.type == "cpu":
+                dest[pos : pos + seg.length] = self._views[seg.index][seg.start : seg.start + seg.length]
+            else:
+                flat = t.view(-1).view(torch.uint8)[seg.start : seg.start + seg.length]
+                staged = torch.frombuffer(dest[pos : pos + seg.length], dtype=torch.uint8)
+                staged.copy_(flat)
+            pos += seg.length
+
+    def copy_in(self, offset: int, src: memoryview) -> None:
+        """Copy ``src`` into shard bytes starting at ``offset`` (used for CUDA staging)."""
+        pos = 0
+        for seg in self.segments(offset, len(src)):
+            t = self.tensors[seg.index]
+            if t.device.type == "cpu":
+                self._views[seg.index][seg.start : seg.start + seg.length] = src[pos : pos + seg.length]
+            else:
+                flat = t.view(-1).view(torch.uint8)[seg.start : seg.start + seg.length]
+                flat.copy_(torch.frombuffer(src[pos : pos + seg.length], dtype=torch.uint8))
+            pos += seg.length
+        if self.on_cuda:
+            torch.cuda.synchronize()
+
+    def clone_cpu(self) -> ShardBuffers:
+        """A CPU copy of these buffers with the same layout (an offload copy)."""
+        copies = {spec.name: t.detach().to("cpu", copy=True).contiguous() for spec, t in zip(self.layout.tensors, self.tensors)}
+        return ShardBuffers(copies, self.layout)
+
+    def check_same(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Raise :class:`InvalidArgument` unless ``tensors`` are these buffers."""
+        if [t.data_ptr() for t in tensors.values()] != [t.data_ptr() for t in self.tensors]:
+            raise InvalidArgument("these are not the registered tensors")

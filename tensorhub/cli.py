@@ -1,0 +1,76 @@
+"""The ``tensorhub`` command line: ``server`` and ``demo`` (``python -m tensorhub`` too)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import TensorHubError
+
+__all__ = ["main"]
+
+
+def _server(args: argparse.Namespace) -> int:
+    from .actor import run
+    from .log import configure
+    from .server import ServerConfig, serve
+    from .table import TableConfig
+
+    configure(args.log_format, args.log_level)
+    config = ServerConfig(
+        bind=args.bind,
+        table=TableConfig(
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
+            drain_timeout=args.drain_timeout,
+        ),
+        seed=args.seed,
+        idle_exit=args.idle_exit,
+    )
+    run(serve(config, ready=lambda address: print(f"tensorhub server listening on {address}", flush=True)))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tensorhub", description="Reference-oriented weight transfer for RL jobs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("server", help="run a reference server")
+    s.add_argument("--bind", default="tcp://127.0.0.1:5557", help="ZeroMQ address to bind (default: loopback)")
+    s.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between client heartbeats")
+    s.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before a client is dead")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds an unpublish waits for readers")
+    s.add_argument("--idle-exit", type=float, default=None, help="exit after this many seconds with no session")
+    s.add_argument("--seed", type=int, default=None, help="seed of the scheduling random source")
+    s.add_argument("--log-format", choices=("console", "json"), default=None)
+    s.add_argument("--log-level", default=None)
+    s.set_defaults(func=_server)
+
+    d = sub.add_parser("demo", help="train a small model and replicate it to rollouts, on this machine")
+    d.add_argument("--steps", type=int, default=8, help="training steps (versions published)")
+    d.add_argument("--rollouts", type=int, default=3, help="rollout replicas")
+    d.add_argument("--shards", type=int, default=2, help="shards per replica (processes)")
+    d.add_argument("--width", type=int, default=512, help="model width (size of the weights)")
+    d.add_argument("--layers", type=int, default=4, help="transformer layers")
+    d.add_argument("--server", default=None, help="server address (default: the embedded server)")
+    d.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
+    d.add_argument("--quiet", action="store_true", help="no live progress line")
+    d.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TensorHubError as err:
+        print(f"tensorhub {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,429 @@
+"""The transfer engine: registered buffers, serving them, and pulling versions into them.
+
+Theory of operation
+-------------------
+:class:`EngineActor` is one per process and event loop. It owns:
+
+- the process's transports (started once; their endpoints go into every registration);
+- one :class:`_Slot` per registered shard handle (server session): the handle's
+  :class:`~tensorhub.buffers.ShardBuffers`, a region id that names them to peers, the offload
+  copies the server asked this shard to keep, and the :class:`~tensorhub.session.ReplicationSession`
+  of a pull in progress.
+
+Serving: transports call :meth:`EngineActor.resolve` from their threads with (region, version);
+it returns the buffers that hold that version now (the live buffers if their progress counter
+says so, else an offload copy), or None. Whether a range may be served is the progress counter's
+business (:mod:`tensorhub.buffers`), so partial holders serve as they fill.
+
+Pulling: a ``Grant`` from the server starts (or continues) the slot's session; the engine
+carries out its actions: reads run as tasks on the transport (whose bulk work is in threads),
+landed bytes advance the progress counter, and progress / complete / source-failed go to the
+server through the client actor. A pull that is aborted (its call failed or was cancelled) is
+finished only when none of its reads can still write into the buffers.
+
+What it must never do: serve a version the buffers do not hold (the progress counter's version
+and generation are set before a publish is sent and bumped when an unpublish returns), or run
+two pulls' reads into one set of buffers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import messages as m
+from .actor import Actor
+from .buffers import ShardBuffers
+from .errors import InvalidArgument, TransportError
+from .session import (
+    Advance,
+    ReadRange,
+    ReplicationSession,
+    ReportComplete,
+    ReportProgress,
+    ReportSourceFailed,
+)
+
+if TYPE_CHECKING:
+    from transports.base import Transport
+
+    from .client import ClientActor
+
+__all__ = ["EngineActor", "PullStats"]
+
+
+@dataclass
+class PullStats:
+    """What one pull moved, and from whom (for the demo's summary and the benchmarks)."""
+
+    version: int
+    bytes: int = 0
+    grants: int = 0
+    sources: list[str] = field(default_factory=list)
+
+
+class _Slot:
+    __slots__ = (
+        "aborted",
+        "buffers",
+        "client",
+        "ctx",
+        "deferred",
+        "grant",
+        "idle_waiters",
+        "offloads",
+        "peer",
+        "pull",
+        "region",
+        "session",
+        "stats",
+        "term",
+        "transport",
+    )  # fmt: skip
+
+    def __init__(self, session: int, region: int, buffers: ShardBuffers, client: ClientActor, ctx: dict) -> None:
+        self.session = session
+        self.region = region
+        self.buffers = buffers
+        self.client = client
+        self.offloads: dict[int, ShardBuffers] = {}
+        self.pull: ReplicationSession | None = None
+        self.grant: m.Grant | None = None
+        self.term = 0
+        self.peer: tuple[Transport, dict, int] | None = None
+        self.transport: str | None = None
+        self.aborted: list[ReplicationSession] = []  # pulls ended with reads still in flight
+        self.idle_waiters: list[asyncio.Future] = []
+        self.deferred: list[tuple[ReplicationSession, ReadRange]] = []  # reads that wait for an aborted pull's reads to end
+        self.stats: PullStats | None = None
+        self.ctx = ctx
+
+
+# ---- messages the engine takes -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AddSlot:
+    session: int
+    buffers: ShardBuffers
+    client: Any
+    ctx: dict
+
+
+@dataclass(frozen=True, slots=True)
+class DropSlot:
+    session: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetHolding:
+    """The slot's buffers now hold ``version`` whole (publish), or nothing (None: unpublished)."""
+
+    session: int
+    version: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortPull:
+    """The slot's pull ended without success: answer once no read can write its buffers."""
+
+    session: int
+
+
+@dataclass(frozen=True, slots=True)
+class _ReadDone:
+    session: int
+    pull: ReplicationSession
+    grant: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class _ReadFailed:
+    session: int
+    pull: ReplicationSession
+    grant: int
+    offset: int
+    reason: str
+    retryable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Offloaded:
+    session: int
+    version: int
+    copy: ShardBuffers | None
+    error: str | None
+
+
+class EngineActor(Actor):
+    """Args:
+    transports: started transports by name, in order of preference.
+    chunk_bytes: size of one read of a pull.
+    """
+
+    def __init__(self, transports: dict[str, Transport], chunk_bytes: int = 8 << 20) -> None:
+        super().__init__("engine")
+        self.transports = transports
+        self.chunk_bytes = chunk_bytes
+        self.slots: dict[int, _Slot] = {}
+        self.regions: dict[int, _Slot] = {}
+        self._regions = itertools.count(1)
+        for t in transports.values():
+            t.serve(self.resolve)
+
+    async def on_stop(self) -> None:
+        for t in self.transports.values():
+            await t.close()
+
+    def endpoint(self, region: int) -> dict[str, Any]:
+        return {"region": region, **{name: t.endpoint() for name, t in self.transports.items()}}
+
+    def resolve(self, region: int, version: int) -> ShardBuffers | None:
+        """Called from transport threads: the buffers holding ``version`` under ``region``."""
+        slot = self.regions.get(region)
+        if slot is None:
+            return None
+        if slot.buffers.progress.version == version:
+            return slot.buffers
+        return slot.offloads.get(version)
+
+    # ---- slots -------------------------------------------------------------------------------
+
+    def on_AddSlot(self, msg: AddSlot) -> dict[str, Any]:
+        if msg.session in self.slots:
+            raise InvalidArgument("this shard already has registered buffers", **msg.ctx)
+        region = next(self._regions)
+        slot = _Slot(msg.session, region, msg.buffers, msg.client, msg.ctx)
+        self.slots[msg.session] = slot
+        self.regions[region] = slot
+        for t in self.transports.values():
+            t.expose(msg.buffers)
+        return self.endpoint(region)
+
+    def on_DropSlot(self, msg: DropSlot) -> None:
+        slot = self.slots.pop(msg.session, None)
+        if slot is None:
+            return
+        self.regions.pop(slot.region, None)
+        slot.buffers.progress.reset(None)
+        for copy in slot.offloads.values():
+            copy.progress.reset(None)
+        for t in self.transports.values():
+            t.withdraw(slot.buffers)
+            for copy in slot.offloads.values():
+                t.withdraw(copy)
+        slot.offloads.clear()
+
+    def on_SetHolding(self, msg: SetHolding) -> None:
+        slot = self.slots[msg.session]
+        b = slot.buffers
+        b.progress.reset(msg.version, b.total_bytes if msg.version is not None else 0)
+
+    def pull_stats(self, session: int) -> PullStats | None:
+        slot = self.slots.get(session)
+        return slot.stats if slot is not None else None
+
+    # ---- pulls -------------------------------------------------------------------------------
+
+    def on_Grant(self, g: m.Grant) -> None:
+        slot = self.slots.get(g.session)
+        if slot is None:
+            self.log.warning("grant for a shard with no buffers; ignored", session=g.session)
+            return
+        pull = slot.pull
+        if pull is None or pull.version != g.version or pull.done:
+            if pull is not None and not pull.done:
+                self._abort(slot)
+            pull = slot.pull = ReplicationSession(g.version, slot.buffers.total_bytes, self.chunk_bytes, self._streams())
+            slot.stats = PullStats(g.version)
+            slot.buffers.progress.reset(g.version, 0)
+        slot.grant = g
+        slot.term = g.term
+        try:
+            slot.peer = self._pick(g.source.endpoint)
+        except TransportError:
+            verified = pull.verified
+            self._report(slot, lambda req: m.SourceFailed(req, slot.session, g.grant, g.term, verified, str(err)[:1000]))
+            return
+        assert slot.stats is not None
+        slot.stats.grants += 1
+        slot.stats.sources.append(f"{g.source.replica}/{g.source.shard_idx}")
+        self._run(slot, pull, pull.on_grant(g.grant, g.source))
+
+    def _streams(self) -> int:
+        return max((getattr(t, "streams", 1) for t in self.transports.values()), default=1)
+
+    def _pick(self, endpoint: Any) -> tuple[Transport, dict, int]:
+        if not isinstance(endpoint, dict) or type(endpoint.get("region")) is not int:
+            raise TransportError(f"source endpoint {endpoint!r} names no region")
+        for name, t in self.transports.items():
+            peer = endpoint.get(name)
+            if isinstance(peer, dict):
+                return t, peer, endpoint["region"]
+        raise TransportError(f"no transport in common with the source (it offers {sorted(k for k in endpoint if k != 'region')})")
+
+    def on_Revoke(self, msg: m.Revoke) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is not None and slot.pull is not None:
+            self.log.info("grant revoked", grant=msg.grant, reason=msg.reason, **slot.ctx)
+            self._run(slot, slot.pull, slot.pull.on_revoked(msg.grant))
+
+    def on_AbortPull(self, msg: AbortPull) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        slot = self.slots.get(msg.session)
+        if slot is not None and slot.pull is not None and not slot.pull.done:
+            self._abort(slot)
+        if slot is None or not slot.aborted:
+            fut.set_result(None)
+        else:
+            slot.idle_waiters.append(fut)
+        return fut
+
+    def _abort(self, slot: _Slot) -> None:
+        pull = slot.pull
+        assert pull is not None
+        pull.on_abort()
+        slot.pull = None
+        slot.buffers.progress.reset(None)
+        if not pull.idle:
+            slot.aborted.append(pull)
+
+    def _run(self, slot: _Slot, pull: ReplicationSession, actions: list) -> None:
+        if pull is not slot.pull:
+            return
+        for a in actions:
+            if isinstance(a, ReadRange):
+                if slot.aborted:
+                    slot.deferred.append((pull, a))
+                else:
+                    self.spawn(self._read(slot, pull, a), "read")
+            elif isinstance(a, Advance):
+                slot.buffers.progress.advance(a.verified)
+            elif isinstance(a, ReportProgress):
+                self._report(slot, lambda req, a=a: m.Progress(req, slot.session, a.grant, slot.term, a.verified))
+            elif isinstance(a, ReportComplete):
+                self._report(slot, lambda req, a=a: m.Complete(req, slot.session, a.grant, slot.term))
+            elif isinstance(a, ReportSourceFailed):
+                self.log.warning("source failed", grant=a.grant, verified=a.verified, reason=a.reason, **slot.ctx)
+                self._report(slot, lambda req, a=a: m.SourceFailed(req, slot.session, a.grant, slot.term, a.verified, a.reason[:1000]))
+
+    def _report(self, slot: _Slot, build: Any) -> None:
+        from .client import Send
+
+        slot.client.tell(Send(build))
+
+    async def _read(self, slot: _Slot, pull: ReplicationSession, a: ReadRange) -> None:
+        from transports.tcp import RangeNotReady
+
+        assert slot.peer is not None
+        transport, peer, region = slot.peer
+        try:
+            await transport.read(peer, region, pull.version, a.offset, a.length, slot.buffers, None)
+        except RangeNotReady as err:
+            self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), True))
+        except (TransportError, InvalidArgument) as err:
+            self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), False))
+        else:
+            self.tell(_ReadDone(slot.session, pull, a.grant, a.offset, a.length))
+
+    def on__ReadDone(self, msg: _ReadDone) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        actions = msg.pull.on_read_done(msg.grant, msg.offset)
+        if msg.pull is slot.pull and slot.stats is not None and msg.grant == (slot.grant.grant if slot.grant else None):
+            slot.stats.bytes += msg.length
+        self._run(slot, msg.pull, actions)
+        self._check_idle(slot)
+
+    def on__ReadFailed(self, msg: _ReadFailed) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        self._run(slot, msg.pull, msg.pull.on_read_failed(msg.grant, msg.offset, msg.reason, msg.retryable))
+        self._check_idle(slot)
+
+    def _check_idle(self, slot: _Slot) -> None:
+        slot.aborted = [p for p in slot.aborted if not p.idle]
+        if not slot.aborted:
+            deferred, slot.deferred = slot.deferred, []
+            for pull, a in deferred:
+                if pull is slot.pull:
+                    self.spawn(self._read(slot, pull, a), "read")
+            waiters, slot.idle_waiters = slot.idle_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    # ---- what the server asks of a holder ---------------------------------------------------
+
+    def on_OffloadRequest(self, msg: m.OffloadRequest) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        self.log.info("offloading the last retained copy to CPU", version=msg.version, **slot.ctx)
+        self.spawn(self._offload(slot, msg.version), "offload")
+
+    async def _offload(self, slot: _Slot, version: int) -> None:
+        try:
+            copy = await asyncio.to_thread(slot.buffers.clone_cpu)
+        except (RuntimeError, MemoryError) as err:
+            self.tell(_Offloaded(slot.session, version, None, repr(err)))
+            return
+        self.tell(_Offloaded(slot.session, version, copy, None))
+
+    def on__Offloaded(self, msg: _Offloaded) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        ok = msg.copy is not None
+        if msg.copy is not None:
+            msg.copy.progress.reset(msg.version, msg.copy.total_bytes)
+            slot.offloads[msg.version] = msg.copy
+            for t in self.transports.values():
+                t.expose(msg.copy)
+        else:
+            self.log.error("offload failed", version=msg.version, error=msg.error, **slot.ctx)
+        self._report(slot, lambda req: m.PublishOffload(req, slot.session, msg.version, ok))
+
+    def on_FreeOffload(self, msg: m.FreeOffload) -> None:
+        slot = self.slots.get(msg.session)
+        copy = slot.offloads.pop(msg.version, None) if slot is not None else None
+        if copy is not None:
+            copy.progress.reset(None)
+            for t in self.transports.values():
+                t.withdraw(copy)
+
+    def on_VerifyRequest(self, msg: m.VerifyRequest) -> None:
+        # Readers report mismatches only once checksums are computed (data-plane integrity).
+        self.log.error("verify request without checksums; not answered", session=msg.session, version=msg.version)
+
+    def on_ChecksumsReady(self, msg: m.ChecksumsReady) -> None:
+        return None
+
+    def on_Quarantined(self, msg: m.Quarantined) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        self.log.error("copy quarantined by the server", version=msg.version, **slot.ctx)
+        if slot.buffers.progress.version == msg.version:
+            slot.buffers.progress.reset(None)
+        copy = slot.offloads.pop(msg.version, None)
+        if copy is not None:
+            copy.progress.reset(None)
+
+    def on_Removed(self, msg: m.Removed) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        self.log.warning("session removed by the server", code=msg.code, reason=msg.reason, **slot.ctx)
+        if slot.pull is not None and not slot.pull.done:
+            self._abort(slot)
+        slot.buffers.progress.reset(None)
+        for copy in slot.offloads.values():
+            copy.progress.reset(None)
+        slot.offloads.clear()

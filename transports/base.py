@@ -1,0 +1,114 @@
+"""The transport plugin interface.
+
+A transport moves byte ranges of a shard from a holder's memory into a reader's memory. It does
+nothing else: the engine owns registration of the tensors, the layout, progress counters,
+chunking, retries and talking to the server. Bulk bytes never go through ZeroMQ or the server.
+
+The plugin author's manual
+--------------------------
+**Lifecycle.** The process's engine creates one instance per transport name, with the options
+the user configured (a dict of msgpack-able values), then:
+
+1. ``await start()`` once, on the engine's event loop. A two-sided transport starts serving
+   here (a listener, its threads); a one-sided one creates its agent.
+2. ``endpoint()``: a msgpack-able dict that tells peers how to reach this process (host, port,
+   agent metadata...). The server hands it, unread, to the readers it grants. Never put pickled
+   or otherwise executable bytes in it.
+3. Holder side: ``serve(resolver)`` is called once before any reader can come. For each read a
+   peer asks for, call ``resolver(region, version)``: it returns the :class:`ShardBuffers` that
+   hold that version under that region id, or None. Serve only bytes below
+   ``buffers.progress.verified`` (block on ``progress.wait_covered`` for the rest, bounded), and
+   report the generation you saw before and after the copy, so the reader can discard a read
+   across which the holding changed. ``expose(buffers)`` / ``withdraw(buffers)`` are called when
+   a shard's buffers start / stop being servable; one-sided transports register and deregister
+   memory there, two-sided ones may ignore them.
+4. Reader side: ``await read(peer, region, version, offset, length, into, generation)`` copies
+   shard bytes ``[offset, offset + length)`` of ``version`` from the peer into the same range of
+   ``into``, and returns the holder's generation. ``generation`` is what an earlier read of this
+   pull returned (None on the first): if the holder's generation differs, fail. Run the bulk work
+   off the event loop (a thread that releases the GIL, or the library's own progress engine), so
+   that heartbeats are never starved. Many reads of one pull run concurrently; ``read`` must be
+   safe to call from several tasks at once.
+5. ``await close()`` once: stop serving, close connections, release registrations. Reads still
+   running fail with :class:`TransportError`.
+
+**Errors.** A read that cannot complete raises :class:`~tensorhub.errors.TransportError`
+naming the peer and the range; the engine reports the source as failed and the server
+re-grants from elsewhere. Never return normally with bytes that were not all written.
+
+**What must be overridden:** ``start``, ``endpoint``, ``read``, ``close``; two-sided transports
+also use ``serve``. **What may be:** ``available`` (a probe of optional libraries; import them
+only inside the plugin), ``expose``/``withdraw``.
+
+**Capability flags** (class attributes): ``one_sided`` (reads need no holder CPU),
+``cuda`` (reads and serves CUDA memory without staging), ``cross_host`` (works between hosts;
+``local`` does not). The engine picks a transport per (reader, holder) edge from these and both
+sides' endpoints.
+
+Every transport must pass :func:`tensorhub.testing.check_transport` (the conformance suite).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
+
+if TYPE_CHECKING:
+    from tensorhub.buffers import ShardBuffers
+
+__all__ = ["Resolver", "Transport"]
+
+#: ``resolver(region, version)``: the buffers holding ``version`` under ``region``, or None.
+Resolver = Callable[[int, int], Optional["ShardBuffers"]]
+
+
+class Transport:
+    """Base class of transport plugins. See the module docstring for the manual."""
+
+    name: ClassVar[str] = ""
+    one_sided: ClassVar[bool] = False
+    cuda: ClassVar[bool] = False
+    cross_host: ClassVar[bool] = True
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self.options = dict(options or {})
+        self._resolver: Resolver | None = None
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this transport can run here (its optional libraries import)."""
+        return True
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    def endpoint(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def serve(self, resolver: Resolver) -> None:
+        self._resolver = resolver
+
+    def resolve(self, region: int, version: int) -> ShardBuffers | None:
+        r = self._resolver
+        return r(region, version) if r is not None else None
+
+    def expose(self, buffers: ShardBuffers) -> None:
+        """``buffers`` may be served from now on (one-sided transports register them)."""
+
+    def withdraw(self, buffers: ShardBuffers) -> None:
+        """``buffers`` will not be served any more (one-sided transports deregister them)."""
+
+    async def read(
+        self,
+        peer: dict[str, Any],
+        region: int,
+        version: int,
+        offset: int,
+        length: int,
+        into: ShardBuffers,
+        generation: int | None,
+    ) -> int:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError

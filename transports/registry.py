@@ -1,0 +1,93 @@
+"""Transport registry: built-ins by name, third-party plugins from entry points.
+
+Built-ins are registered lazily as ``name -> "module:Class"`` so that an optional library is
+imported only when its transport is asked for. Third-party transports come from the entry-point
+group ``tensorhub.transports`` (``name = "package.module:Class"``) or from
+:func:`register_transport`. A name is registered once; a duplicate is refused.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from tensorhub.errors import InvalidArgument
+
+from .base import Transport
+
+__all__ = ["ENTRY_POINT_GROUP", "get_transport", "register_transport", "transport_names"]
+
+ENTRY_POINT_GROUP = "tensorhub.transports"
+
+_BUILTIN: dict[str, str] = {
+    "tcp": "transports.tcp:TcpTransport",
+}
+_registered: dict[str, type[Transport] | str] = dict(_BUILTIN)
+_entry_points_loaded = False
+
+
+def register_transport(name: str, cls: type[Transport] | str) -> None:
+    """Register a transport class (or a lazy ``"module:Class"`` path) under ``name``.
+
+    Raises:
+        InvalidArgument: the name is taken, or ``cls`` is not a Transport subclass.
+    """
+    _load_entry_points()
+    if not isinstance(name, str) or not name.isidentifier():
+        raise InvalidArgument(f"transport names are identifiers, got {name!r}")
+    if name in _registered:
+        raise InvalidArgument(f"a transport named {name!r} is already registered ({_describe(_registered[name])})")
+    if not isinstance(cls, str):
+        _check(name, cls)
+    _registered[name] = cls
+
+
+def transport_names() -> list[str]:
+    _load_entry_points()
+    return sorted(_registered)
+
+
+def get_transport(name: str) -> type[Transport]:
+    """The transport class registered as ``name`` (importing it on first use).
+
+    Raises:
+        InvalidArgument: no such transport, or its plugin does not load or is not a Transport.
+    """
+    _load_entry_points()
+    entry = _registered.get(name)
+    if entry is None:
+        raise InvalidArgument(f"no transport named {name!r}; known: {', '.join(sorted(_registered))}")
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as err:
+            raise InvalidArgument(f"transport {name!r} ({entry}) does not load: {err}") from err
+        _check(name, cls)
+        _registered[name] = entry = cls
+    return entry
+
+
+def _check(name: str, cls: object) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise InvalidArgument(f"transport plugin {name!r} is {cls!r}, not a subclass of tensorhub.Transport")
+    if cls.name and cls.name != name:
+        raise InvalidArgument(f"transport plugin {name!r} is class {cls.__name__} whose name is {cls.name!r}")
+
+
+def _describe(entry: type[Transport] | str) -> str:
+    return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _registered:
+            raise InvalidArgument(
+                f"entry point {ep.name!r} = {ep.value!r} of group {ENTRY_POINT_GROUP} clashes with "
+                f"transport {_describe(_registered[ep.name])}"
+            )
+        _registered[ep.name] = ep.value

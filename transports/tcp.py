@@ -1,0 +1,336 @@
+"""``tcp``: raw TCP sockets, for hosts without RDMA and for cross-datacenter links.
+
+Two-sided. The holder's engine runs a listener; each connection is served by one thread that
+answers read requests straight from the registered memory (``sendall`` on views of the tensors:
+no copy on the holder for CPU memory). The reader keeps a small pool of connections per peer
+and runs several reads of one pull at once, one per connection, each receiving straight into
+the destination tensors (``recv_into``). CUDA memory goes through a pinned staging buffer per
+thread, in pieces of at most ``staging_bytes``.
+
+Wire format of one read (all integers big-endian)::
+
+    request  = magic:u32 region:u64 version:u64 offset:u64 length:u64 generation:u64 wait_ms:u32
+    response = status:u8 generation:u64 length:u64  [length bytes]  trailer
+    trailer  = status:u8 generation:u64              (only after the bytes)
+
+``generation`` 0 in a request means "whatever it is now". The holder waits up to ``wait_ms``
+for its progress to cover the range (a partial holder), then answers ``NOT_READY``. The trailer
+says whether the generation moved while the bytes were sent; if it did the reader discards them.
+Nothing on this wire is ever unpickled or executed; every field is range-checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from tensorhub.buffers import ShardBuffers, memory_of
+from tensorhub.errors import InvalidArgument, TransportError
+
+from .base import Transport
+
+__all__ = ["RangeNotReady", "TcpTransport"]
+
+_MAGIC = 0x54485231  # "THR1"
+_REQ = struct.Struct("!IQQQQQI")
+_RESP = struct.Struct("!BQQ")
+_TRAILER = struct.Struct("!BQ")
+
+OK, NO_HOLDING, BAD_RANGE, NOT_READY, CHANGED, BAD_REQUEST = range(6)
+_STATUS_TEXT = {
+    NO_HOLDING: "the peer does not hold that version under that region",
+    BAD_RANGE: "the range is outside the shard",
+    NOT_READY: "the peer's progress did not cover the range in time",
+    CHANGED: "the peer's holding changed during the read",
+    BAD_REQUEST: "the peer refused a malformed request",
+}
+MAX_READ = 256 << 20  # one request moves at most this many bytes
+
+
+class RangeNotReady(TransportError):
+    """A partial holder did not have the range yet; the read may be retried."""
+
+    code = "range_not_ready"
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or None on a clean EOF before the first byte."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0:
+                return None
+            raise ConnectionError(f"peer closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError(f"peer closed after {got} of {n} bytes")
+        got += k
+
+
+class _Staging(threading.local):
+    """One pinned buffer per thread for CUDA tensors."""
+
+    tensor: torch.Tensor | None = None
+
+    def get(self, n: int) -> memoryview:
+        if self.tensor is None or self.tensor.numel() < n:
+            self.tensor = torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return memory_of(self.tensor)[:n]
+
+
+class TcpTransport(Transport):
+    """Raw-socket transport. Options: ``host`` (address to listen on and advertise, default
+    127.0.0.1), ``port`` (0: any), ``advertise`` (address peers should dial, default ``host``),
+    ``streams`` (concurrent reads per pull, default 4), ``io_timeout`` (seconds, default 30),
+    ``wait_timeout`` (how long a holder waits for its progress to cover a range, default 5),
+    ``staging_bytes`` (CUDA staging piece, default 8 MiB), ``max_connections`` (default 512)."""
+
+    name = "tcp"
+    one_sided = False
+    cuda = False
+    cross_host = True
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        super().__init__(options)
+        o = self.options
+        self.host = str(o.get("host", "127.0.0.1"))
+        self.port = int(o.get("port", 0))
+        self.advertise = str(o.get("advertise", self.host))
+        self.streams = int(o.get("streams", 4))
+        self.io_timeout = float(o.get("io_timeout", 30.0))
+        self.wait_timeout = float(o.get("wait_timeout", 5.0))
+        self.staging_bytes = int(o.get("staging_bytes", 8 << 20))
+        self.max_connections = int(o.get("max_connections", 512))
+        if self.streams < 1 or self.io_timeout <= 0 or self.wait_timeout < 0 or self.staging_bytes < 4096:
+            raise InvalidArgument(f"bad tcp transport options: {o!r}")
+        self._listener: socket.socket | None = None
+        self._accepting: threading.Thread | None = None
+        self._served: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._pool: dict[tuple[str, int], list[socket.socket]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=max(8, 4 * self.streams), thread_name_prefix="tcp-read")
+        self._staging = _Staging()
+        self._closed = False
+
+    # ---- holder side ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            lst.bind((self.host, self.port))
+        except OSError as err:
+            lst.close()
+            raise TransportError(f"tcp transport cannot listen on {self.host}:{self.port}: {err}") from err
+        lst.listen(128)
+        self._listener = lst
+        self.port = lst.getsockname()[1]
+        self._accepting = threading.Thread(target=self._accept_loop, name=f"tcp-accept-{self.port}", daemon=True)
+        self._accepting.start()
+
+    def endpoint(self) -> dict[str, Any]:
+        return {"host": self.advertise, "port": self.port}
+
+    def _accept_loop(self) -> None:
+        lst = self._listener
+        assert lst is not None
+        while not self._closed:
+            try:
+                conn, _ = lst.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed or len(self._served) >= self.max_connections:
+                    conn.close()
+                    continue
+                self._served.add(conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve_conn, args=(conn,), name="tcp-serve", daemon=True).start()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(None)
+            while not self._closed:
+                hdr = _recv_exact(conn, _REQ.size)
+                if hdr is None:
+                    return
+                magic, region, version, offset, length, generation, wait_ms = _REQ.unpack(hdr)
+                if magic != _MAGIC or length > MAX_READ:
+                    conn.sendall(_RESP.pack(BAD_REQUEST, 0, 0))
+                    return  # the stream is not ours to parse any further
+                self._serve_one(conn, region, version, offset, length, generation, wait_ms)
+        except OSError:
+            return  # the reader went away; nothing of ours is left inconsistent
+        finally:
+            with self._lock:
+                self._served.discard(conn)
+            conn.close()
+
+    def _serve_one(
+        self, conn: socket.socket, region: int, version: int, offset: int, length: int, generation: int, wait_ms: int
+    ) -> None:
+        buffers = self.resolve(region, version)
+        if buffers is None:
+            conn.sendall(_RESP.pack(NO_HOLDING, 0, 0))
+            return
+        if offset + length > buffers.total_bytes:
+            conn.sendall(_RESP.pack(BAD_RANGE, 0, 0))
+            return
+        wait = min(wait_ms / 1000.0, self.wait_timeout)
+        gen, covered = buffers.progress.wait_covered(version, offset + length, generation or None, wait)
+        if not covered:
+            g, v, _ = buffers.progress.snapshot()
+            status = CHANGED if v != version or (generation and g != generation) else NOT_READY
+            conn.sendall(_RESP.pack(status, g, 0))
+            return
+        conn.sendall(_RESP.pack(OK, gen, length))
+        if buffers.on_cuda:
+            pos = 0
+            while pos < length:
+                n = min(self.staging_bytes, length - pos)
+                staged = self._staging.get(n)
+                buffers.copy_out(offset + pos, staged)
+                conn.sendall(staged)
+                pos += n
+        else:
+            for view in buffers.views(offset, length):
+                conn.sendall(view)
+        after, v, _ = buffers.progress.snapshot()
+        conn.sendall(_TRAILER.pack(OK if after == gen and v == version else CHANGED, after))
+
+    # ---- reader side -------------------------------------------------------------------------
+
+    async def read(
+        self,
+        peer: dict[str, Any],
+        region: int,
+        version: int,
+        offset: int,
+        length: int,
+        into: ShardBuffers,
+        generation: int | None,
+    ) -> int:
+        try:
+            key = (str(peer["host"]), int(peer["port"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise TransportError(f"tcp endpoint {peer!r} has no host and port") from err
+        if length > MAX_READ:
+            raise InvalidArgument(f"a tcp read moves at most {MAX_READ} bytes, asked {length}")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, self._read_blocking, key, region, version, offset, length, into, generation
+        )
+
+    def _connect(self, key: tuple[str, int]) -> socket.socket:
+        with self._lock:
+            idle = self._pool.get(key)
+            if idle:
+                return idle.pop()
+        sock = socket.create_connection(key, timeout=self.io_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _release(self, key: tuple[str, int], sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed:
+                self._pool.setdefault(key, []).append(sock)
+                return
+        sock.close()
+
+    def _read_blocking(
+        self,
+        key: tuple[str, int],
+        region: int,
+        version: int,
+        offset: int,
+        length: int,
+        into: ShardBuffers,
+        generation: int | None,
+    ) -> int:
+        where = f"{key[0]}:{key[1]} region {region} version {version} bytes [{offset}, {offset + length})"
+        if self._closed:
+            raise TransportError(f"tcp transport closed; read of {where} not started")
+        try:
+            sock = self._connect(key)
+        except OSError as err:
+            raise TransportError(f"cannot connect for {where}: {err}") from err
+        try:
+            wait_ms = int(self.wait_timeout * 1000)
+            sock.sendall(_REQ.pack(_MAGIC, region, version, offset, length, generation or 0, wait_ms))
+            hdr = _recv_exact(sock, _RESP.size)
+            if hdr is None:
+                raise ConnectionError("peer closed the connection")
+            status, gen, n = _RESP.unpack(hdr)
+            if status != OK:
+                if status != BAD_REQUEST:  # the holder closes the stream after BAD_REQUEST
+                    self._release(key, sock)
+                    sock = None
+                cls = RangeNotReady if status == NOT_READY else TransportError
+                raise cls(f"read of {where}: {_STATUS_TEXT.get(status, f'status {status}')}")
+            if n != length:
+                raise ConnectionError(f"peer announced {n} bytes")
+            if into.on_cuda:
+                pos = 0
+                while pos < length:
+                    k = min(self.staging_bytes, length - pos)
+                    staged = self._staging.get(k)
+                    _recv_into(sock, staged)
+                    into.copy_in(offset + pos, staged)
+                    pos += k
+            else:
+                for view in into.views(offset, length):
+                    _recv_into(sock, view)
+            trailer = _recv_exact(sock, _TRAILER.size)
+            if trailer is None:
+                raise ConnectionError("peer closed before the trailer")
+            status, after = _TRAILER.unpack(trailer)
+            self._release(key, sock)
+            sock = None
+            if status != OK or after != gen:
+                raise TransportError(f"read of {where}: {_STATUS_TEXT[CHANGED]}")
+            if generation is not None and gen != generation:
+                raise TransportError(f"read of {where}: holder generation {gen}, the pull began at {generation}")
+            return gen
+        except OSError as err:
+            raise TransportError(f"read of {where} failed: {err}") from err
+        finally:
+            if sock is not None:
+                sock.close()
+
+    async def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            served = list(self._served)
+            pooled = [s for socks in self._pool.values() for s in socks]
+            self._pool.clear()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        for s in served + pooled:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        if self._accepting is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._accepting.join, 5.0)
+        self._executor.shutdown(wait=False, cancel_futures=True)
