@@ -116,7 +116,10 @@ class Runtime:
             for t in started.values():
                 await t.close()
             raise
-        engine = EngineActor(started)
+        chunk = os.environ.get("TENSORHUB_CHUNK_BYTES")
+        if chunk is not None and (not chunk.isdigit() or int(chunk) < 4096):
+            raise InvalidArgument(f"$TENSORHUB_CHUNK_BYTES must be an integer >= 4096, got {chunk!r}")
+        engine = EngineActor(started, chunk_bytes=int(chunk) if chunk else 8 << 20)
         await engine.start()
         return engine
 

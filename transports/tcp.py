@@ -25,6 +25,7 @@ import asyncio
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -99,7 +100,9 @@ class TcpTransport(Transport):
     127.0.0.1), ``port`` (0: any), ``advertise`` (address peers should dial, default ``host``),
     ``streams`` (concurrent reads per pull, default 4), ``io_timeout`` (seconds, default 30),
     ``wait_timeout`` (how long a holder waits for its progress to cover a range, default 5),
-    ``staging_bytes`` (CUDA staging piece, default 8 MiB), ``max_connections`` (default 512)."""
+    ``staging_bytes`` (CUDA staging piece, default 8 MiB), ``max_connections`` (default 512),
+    ``max_rate`` (bytes per second this process reads at most, all reads together; default
+    unlimited: a cap keeps a cross-datacenter pull from filling a shared link)."""
 
     name = "tcp"
     one_sided = False
@@ -117,7 +120,10 @@ class TcpTransport(Transport):
         self.wait_timeout = float(o.get("wait_timeout", 5.0))
         self.staging_bytes = int(o.get("staging_bytes", 8 << 20))
         self.max_connections = int(o.get("max_connections", 512))
-        if self.streams < 1 or self.io_timeout <= 0 or self.wait_timeout < 0 or self.staging_bytes < 4096:
+        self.max_rate = float(o["max_rate"]) if o.get("max_rate") else None
+        self._rate_next = 0.0  # when the rate limit lets the next read start (monotonic)
+        if (self.streams < 1 or self.io_timeout <= 0 or self.wait_timeout < 0 or self.staging_bytes < 4096
+                or (self.max_rate is not None and self.max_rate <= 0)):
             raise InvalidArgument(f"bad tcp transport options: {o!r}")
         self._listener: socket.socket | None = None
         self._accepting: threading.Thread | None = None
@@ -266,6 +272,12 @@ class TcpTransport(Transport):
         where = f"{key[0]}:{key[1]} region {region} version {version} bytes [{offset}, {offset + length})"
         if self._closed:
             raise TransportError(f"tcp transport closed; read of {where} not started")
+        if self.max_rate is not None:
+            with self._lock:  # reserve this read's share of the rate, then wait for it
+                now = time.monotonic()
+                start = max(now, self._rate_next)
+                self._rate_next = start + length / self.max_rate
+            time.sleep(start - now)
         try:
             sock = self._connect(key)
         except OSError as err:

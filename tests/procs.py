@@ -1,0 +1,200 @@
+"""Real processes for integration tests: a reference server subprocess, and shard handles in
+worker processes driven by commands.
+
+Workers come from one forkserver that preloads torch and the handle API, so each costs a fork,
+not a torch import. A :class:`RemoteHandle` sends a command (a method name and arguments) to
+its worker and returns the result, or raises the typed TensorHub error the worker got.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+SHAPES = {"embed": (64, 32), "w1": (32, 128), "b1": (128,), "w2": (128, 32), "norm": (32,)}
+
+_ctx = None
+
+
+def mp() -> Any:
+    """The forkserver context (preloading torch and tensorhub once for all workers)."""
+    global _ctx
+    if _ctx is None:
+        _ctx = multiprocessing.get_context("forkserver")
+        _ctx.set_forkserver_preload(["torch", "tensorhub.api", "tests.procs"])
+    return _ctx
+
+
+def weights(version: int, shard: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
+    """The expected content of ``version`` of shard ``shard`` (deterministic)."""
+    g = torch.Generator().manual_seed(1_000_003 * version + shard)
+    return {name: torch.randn(tuple(d * scale if i == 0 else d for i, d in enumerate(shape)), generator=g)
+            for name, shape in SHAPES.items()}  # fmt: skip
+
+
+def zeros_like_weights(shard: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in weights(0, shard, scale).items()}
+
+
+def holds(tensors: dict[str, torch.Tensor], version: int, shard: int = 0, scale: int = 1) -> bool:
+    want = weights(version, shard, scale)
+    return all(torch.equal(tensors[k], want[k]) for k in want)
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+
+class ServerProcess:
+    """``python -m tensorhub server`` on a random loopback port."""
+
+    def __init__(self, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tensorhub", "server", "--bind", "tcp://127.0.0.1:*", *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        match = re.search(r"listening on (tcp://\S+)", line)
+        if not match:
+            self.stop()
+            raise RuntimeError(f"server did not start: {line!r} {self.stderr()}")
+        self.address = match.group(1)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None or self.proc.stderr is None:
+            return ""
+        return self.proc.stderr.read()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+        return self.proc.returncode
+
+
+# ---- workers ---------------------------------------------------------------------------------
+
+
+def _worker(cmds: Any, results: Any, open_kw: dict) -> None:
+    import tensorhub
+    from tensorhub.errors import TensorHubError
+
+    os.environ.update(open_kw.pop("env", {}))
+    scale = open_kw.pop("scale", 1)
+    shard = open_kw.get("shard_idx", 0)
+    try:
+        h = tensorhub.open(**open_kw)
+    except TensorHubError as err:
+        results.put(("err", type(err).__name__, str(err)))
+        return
+    results.put(("ok", h.session))
+    tensors: dict[str, torch.Tensor] = {}
+    for _ in range(100_000):
+        cmd, args = cmds.get()
+        try:
+            if cmd == "exit":
+                results.put(("ok", None))
+                return
+            if cmd == "register":
+                tensors = zeros_like_weights(shard, scale)
+                value = h.register(tensors)
+            elif cmd == "fill":  # write version ``args[0]``'s content into the buffers
+                for k, v in weights(args[0], shard, scale).items():
+                    tensors[k].copy_(v)
+                value = None
+            elif cmd == "holds":
+                value = holds(tensors, args[0], shard, scale)
+            elif cmd == "wait_for":
+                value = sorted(h.wait(lambda vs, v=args[0]: v in vs, timeout=args[1]))
+            elif cmd == "last_sources":
+                value = list(h.last_pull.sources) if h.last_pull else []
+            else:
+                value = getattr(h, cmd)(*args)
+                if cmd == "list" and isinstance(value, dict):
+                    value = {v: sorted(reps) for v, reps in value.items()}
+            results.put(("ok", value, time.monotonic()))
+        except TensorHubError as err:
+            results.put(("err", type(err).__name__, str(err), time.monotonic()))
+
+
+class RemoteError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class RemoteHandle:
+    """A shard handle in a worker process."""
+
+    def __init__(self, **open_kw: Any) -> None:
+        ctx = mp()
+        self.cmds = ctx.Queue()
+        self.results = ctx.Queue()
+        self.proc = ctx.Process(target=_worker, args=(self.cmds, self.results, open_kw), daemon=True)
+        self.proc.start()
+        self.session = self._result(60.0)
+
+    def _result(self, timeout: float) -> Any:
+        try:
+            got = self.results.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"worker {self.proc.pid} gave no answer in {timeout} s") from None
+        timed = 3 if got[0] == "ok" else 4  # command results end with the time they were done
+        self.done_at: float | None = got[-1] if len(got) == timed else None
+        if got[0] == "err":
+            raise RemoteError(got[1], got[2])
+        return got[1]
+
+    def send(self, cmd: str, *args: Any) -> None:
+        """Start a command; collect its result with :meth:`result`."""
+        self.cmds.put((cmd, args))
+
+    def result(self, timeout: float = 60.0) -> Any:
+        return self._result(timeout)
+
+    def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:
+        self.send(cmd, *args)
+        return self.result(timeout)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def exit(self) -> None:
+        if self.proc.is_alive():
+            self.cmds.put(("exit", ()))
+            self.proc.join(20)
+        if self.proc.is_alive():
+            self.kill()
+        self.cmds.close()
+        self.results.close()
+
+
+def wait_until(pred: Any, timeout: float, what: str, step: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
