@@ -67,7 +67,7 @@ class Runtime:
     _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Runtime] = weakref.WeakKeyDictionary()
 
     def __init__(self) -> None:
-        self.ctx = zmq.asyncio.Context()
+        self.ctx: zmq.asyncio.Context | None = None
         self.engine: EngineActor | None = None
         self.clients: dict[str, ClientActor] = {}
         self.handles = 0
@@ -85,6 +85,8 @@ class Runtime:
         async with self._lock:
             self.handles += 1
             try:
+                if self.ctx is None:
+                    self.ctx = zmq.asyncio.Context()
                 address = await resolve_server(self.ctx, server)
                 if self.engine is None:
                     self.engine = await self._start_engine(transports)
@@ -137,6 +139,9 @@ class Runtime:
         if self.engine is not None:
             await self.engine.stop()
             self.engine = None
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
 
 
 class AsyncShardHandle:
