@@ -53,9 +53,11 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Send a message that needs no answer, or whose answer only matters if it is an error."""
+    """Send a message whose answer only matters if it is an error (then it is logged).
+    ``unanswered``: the server sends no reply on success (progress reports)."""
 
     build: Callable[[int], Any]
+    unanswered: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,9 @@ class ClientActor(Actor):
 
     def on_Send(self, send: Send) -> None:
         if self.lost is not None:
+            return
+        if send.unanswered:  # req 0: the server answers only an error, which is logged on arrival
+            self._send(send.build(0))
             return
         req = next(self._req)
         msg = send.build(req)
@@ -211,7 +216,8 @@ class ClientActor(Actor):
 
 def _log_failure(client: ClientActor, msg: Any) -> Callable[[asyncio.Future], None]:
     def done(fut: asyncio.Future) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
+        err = None if fut.cancelled() else fut.exception()
+        if err is not None and not isinstance(err, ServerUnavailable):  # a lost server is logged once
             client.log.warning("server refused a message", kind=type(msg).__name__, error=str(fut.exception()))
 
     return done

@@ -304,17 +304,17 @@ class EngineActor(Actor):
             elif isinstance(a, Advance):
                 slot.buffers.progress.advance(a.verified)
             elif isinstance(a, ReportProgress):
-                self._report(slot, lambda req, a=a: m.Progress(req, slot.session, a.grant, slot.term, a.verified))
+                self._report(slot, lambda req, a=a: m.Progress(req, slot.session, a.grant, slot.term, a.verified), True)
             elif isinstance(a, ReportComplete):
                 self._report(slot, lambda req, a=a: m.Complete(req, slot.session, a.grant, slot.term))
             elif isinstance(a, ReportSourceFailed):
                 self.log.warning("source failed", grant=a.grant, verified=a.verified, reason=a.reason, **slot.ctx)
                 self._report(slot, lambda req, a=a: m.SourceFailed(req, slot.session, a.grant, slot.term, a.verified, a.reason[:1000]))
 
-    def _report(self, slot: _Slot, build: Any) -> None:
+    def _report(self, slot: _Slot, build: Any, unanswered: bool = False) -> None:
         from .client import Send
 
-        slot.client.tell(Send(build))
+        slot.client.tell(Send(build, unanswered))
 
     async def _read(self, slot: _Slot, pull: ReplicationSession, a: ReadRange) -> None:
         from transports.tcp import RangeNotReady
