@@ -325,7 +325,8 @@ KINDS = ("land", "land", "land", "fail", "not_ready", "revoke", "grant")
 @dataclass
 class PullSim:
     """A server that grants and revokes, a data plane whose reads land or fail in any order,
-    and a map of which buffer bytes hold whole data (1) or were torn by a failed read (0)."""
+    and a map of the buffer bytes: whole data of a live grant (1), whole data of an ended grant
+    (2: must not be counted), or torn by a failed read (0)."""
 
     total: int
     chunk: int
@@ -357,7 +358,9 @@ class PullSim:
                 return
             g, off, n = self.reads.pop(pick % len(self.reads))
             if kind == "land":
-                self.cells[off : off + n] = b"\x01" * n
+                # Whole bytes; but those of an ended grant must not be counted (2) until read again.
+                current = s.grant is not None and s.grant.id == g
+                self.cells[off : off + n] = (b"\x01" if current else b"\x02") * n
                 out = s.on_read_done(g, off)
             else:
                 # A failed read may have written anything anywhere in its range.
@@ -422,7 +425,7 @@ class PullSim:
         s = self.s
         assert self.last_verified <= s.verified <= self.total, "verified decreased"
         self.last_verified = s.verified
-        assert self.cells[: s.verified] == b"\x01" * s.verified, "verified covers bytes that are not whole"
+        assert self.cells[: s.verified] == b"\x01" * s.verified, "verified covers bytes that are not whole, or of an ended grant"
         assert s.inflight == {off: (g, n) for g, off, n in self.reads}, "the session's reads in flight are not the data plane's"
         assert len({g for g, _, _ in self.reads}) <= 1
         if s.done:
