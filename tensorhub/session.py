@@ -137,7 +137,9 @@ class ReplicationSession:
 
     def on_grant(self, grant: int, source: Any = None) -> list[Action]:
         """The server granted ``source`` for this pull."""
-        if self.done:
+        if self.done or (self.grant is not None and self.grant.id == grant):
+            return []  # a repeated grant changes nothing
+        if self.pending is not None and self.pending.id == grant:
             return []
         g = _Grant(grant, source)
         if self.grant is not None and self.grant.id != grant:
@@ -197,6 +199,12 @@ class ReplicationSession:
 
     def on_revoked(self, grant: int) -> list[Action]:
         """The server revoked ``grant`` (the source is going away); it will grant again."""
+        if self.pending is not None and self.pending.id == grant:
+            self.pending = None  # never started: nothing to drain
+            return []
+        if self.ending is not None and self.ending[0].id == grant:
+            self.ending = (self.ending[0], None)  # the server ended it: it must not be reported failed too
+            return self._maybe_finish_ending()
         if self.grant is None or self.grant.id != grant:
             return []
         self._end(None)

@@ -11,7 +11,7 @@ import pytest
 from tensorhub.actor import LoopThread
 from tensorhub.server import ServerActor, ServerConfig
 
-from .procs import RemoteError, RemoteHandle, ServerProcess
+from .procs import RemoteError, RemoteHandle, ServerProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -121,16 +121,16 @@ def test_relative_versions_wait_and_list(server, handles):
     assert e.value.kind == "Timeout"
 
 
-def test_unpublish_blocks_while_a_reader_pulls(server, handles):
-    holder = handles("trainer", server=server.address, scale=SCALE)
-    reader = handles("rollout", server=server.address, scale=SCALE, env=SLOW,
-                     transports={"tcp": {"max_rate": 2.5e6}})  # fmt: skip
+def test_unpublish_blocks_while_a_reader_pulls(inproc_server, handles):
+    addr = inproc_server.address
+    holder = handles("trainer", server=addr, scale=SCALE)
+    reader = handles("rollout", server=addr, scale=SCALE, env=SLOW, transports={"tcp": {"max_rate": 2.5e6}})
     holder.call("register")
     reader.call("register")
     holder.call("fill", 1)
     holder.call("publish", 1)
     reader.send("replicate", 1, 60.0)
-    time.sleep(0.5)  # the pull takes ~1.7 s at this rate
+    wait_until(lambda: inproc_server.counts()["grants"] == 1, 30, "the reader's grant")  # a ~1.7 s pull begins
     started = time.monotonic()
     holder.send("unpublish")
     assert reader.result() == 1
@@ -143,17 +143,17 @@ def test_unpublish_blocks_while_a_reader_pulls(server, handles):
     assert reader.call("holds", 1)
 
 
-def test_third_reader_is_served_by_a_partial_holder(server, handles):
-    holder = handles("trainer", server=server.address, scale=SCALE)
-    slow = handles("rollout-slow", server=server.address, scale=SCALE, env=SLOW,
-                   transports={"tcp": {"max_rate": 2.5e6}})  # fmt: skip
-    fast = handles("rollout-fast", server=server.address, scale=SCALE, env=SLOW)
+def test_third_reader_is_served_by_a_partial_holder(inproc_server, handles):
+    addr = inproc_server.address
+    holder = handles("trainer", server=addr, scale=SCALE)
+    slow = handles("rollout-slow", server=addr, scale=SCALE, env=SLOW, transports={"tcp": {"max_rate": 2.5e6}})
+    fast = handles("rollout-fast", server=addr, scale=SCALE, env=SLOW)
     for h in (holder, slow, fast):
         h.call("register")
     holder.call("fill", 1)
     holder.call("publish", 1)
     slow.send("replicate", 1, 60.0)
-    time.sleep(0.4)
+    wait_until(lambda: inproc_server.counts()["grants"] == 1, 30, "the slow reader's grant")
     # The holder serves one reader; the partial holder none: the least loaded source is the partial one.
     assert fast.call("replicate", 1, 60.0) == 1
     assert slow.result() == 1
