@@ -12,8 +12,9 @@ the reader is this process. For each shard and repeat it times, between the same
 - ``baseline``: plain sockets, one connection: the holder ``sendall``s each tensor's memory in
   layout order, the reader ``recv_into``s straight into its preallocated tensors;
 - ``tcp``: ``transports.tcp.TcpTransport`` driven the way the engine drives it: a
-  ``ReplicationSession`` issues chunk reads (8 MiB, the engine's default) in layout order,
-  ``--streams`` at once, each one ``TcpTransport.read`` into the reader's ``ShardBuffers``;
+  ``ReplicationSession`` issues chunk reads (8 MiB, or ``$TENSORHUB_CHUNK_BYTES`` as in the
+  engine) in layout order, ``--streams`` at once, each one ``TcpTransport.read`` into the
+  reader's ``ShardBuffers``;
 - ``product``: the full path: a real server (``python -m tensorhub server``), the holder process
   publishes the shard as a trainer (``tensorhub.open`` + ``register`` + ``publish(1)``) and this
   process times ``replicate(1)`` into the same tensors (then ``unpublish`` for the next repeat).
@@ -24,7 +25,11 @@ compared with the one the holder computed over its seeded content: a transfer th
 wrong bytes stops the benchmark with an error (exit status 1). Each path gets ``--warmup``
 untimed transfers (connections, first-touch effects), then ``--repeats`` timed ones, in an order
 that rotates each repeat. Figures are medians in GB/s (10^9 bytes/s) and ratios to the baseline
-measured in the same run.
+measured in the same run: ``vs baseline`` is the ratio of the medians (what the goal is checked
+on); ``paired`` is the median of each repeat's ratio to that same repeat's baseline, steadier
+when other work on the host comes and goes. ``CPU s/GB`` is the CPU time that the reader and
+the holder processes (all their threads) spent per GB moved, median: the cost of a path, which
+other load on the host disturbs less than its speed.
 
 Usage: python benchmarks/bench_transfer.py [--size-mib N] [--streams S] [--repeats R] [--json FILE]
 Goal: tcp >= 0.9 x baseline for the 64x16MiB shard (1 GiB at full size).
@@ -62,7 +67,8 @@ from transports.tcp import RangeNotReady, TcpTransport  # noqa: E402
 GOAL = 0.9
 VERSION = 1
 REGION = 1
-ENGINE_CHUNK = 8 << 20  # EngineActor's default chunk_bytes
+# The engine's read size: 8 MiB unless $TENSORHUB_CHUNK_BYTES says otherwise (as tensorhub.api does).
+ENGINE_CHUNK = int(os.environ.get("TENSORHUB_CHUNK_BYTES") or 8 << 20)
 POOL_BYTES = 64 << 20  # seeded random bytes that tensor contents are windows of
 DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -143,7 +149,7 @@ def checksums(tensors: dict[str, torch.Tensor], pool: ThreadPoolExecutor) -> lis
 
 def verify(label: str, tensors: dict[str, torch.Tensor], expected: list[int], pool: ThreadPoolExecutor) -> None:
     got = checksums(tensors, pool)
-    bad = [name for name, a, b in zip(tensors, got, expected) if a != b]
+    bad = [name for name, a, b in zip(tensors, got, expected, strict=True) if a != b]
     if bad:
         raise BenchmarkError(f"{label}: {len(bad)} of {len(tensors)} tensors hold wrong bytes after the transfer "
                              f"(first: {', '.join(bad[:5])})")  # fmt: skip
@@ -230,8 +236,8 @@ def holder_main(conn: Any, spec: Spec, seed: int) -> None:
         if handle is not None:
             try:
                 handle.close()
-            except Exception:  # noqa: BLE001 - the server may be gone already; we are exiting
-                pass
+            except Exception as err:  # noqa: BLE001 - the server may be gone already; we are exiting
+                print(f"holder: closing the trainer handle: {err!r}", file=sys.stderr)
         asyncio.run(transport.close())
 
 
@@ -429,25 +435,24 @@ def bench_shard(label: str, spec: Spec, args: argparse.Namespace, server: str | 
             handle = tensorhub.open(model, "reader", server=server, retain=None,
                                     transports={"tcp": {"streams": args.streams, "io_timeout": args.timeout}})  # fmt: skip
             handle.register(tensors)
-
-            def product() -> float:
-                dt = product_pull(handle, args.timeout)
-                return dt
-
-            paths["product"] = product
+            paths["product"] = lambda: product_pull(handle, args.timeout)
 
         times: dict[str, list[float]] = {name: [] for name in paths}
+        cpu: dict[str, list[float]] = {name: [] for name in paths}  # CPU seconds, reader + holder
         names = list(paths)
         for r in range(args.warmup + args.repeats):
             order = names[r % len(names):] + names[: r % len(names)]
             for name in order:
                 zero(tensors)
+                c0, h0 = time.process_time(), process_cpu(holder.proc.pid)
                 dt = paths[name]()
+                c1, h1 = time.process_time(), process_cpu(holder.proc.pid)
                 verify(f"{label} {name} (transfer {r + 1})", tensors, holder.crcs, pool)
                 if name == "product":
                     handle.unpublish()  # the next repeat pulls again, from the trainer
                 if r >= args.warmup:
                     times[name].append(dt)
+                    cpu[name].append((c1 - c0) + (h1 - h0))
             if r >= args.warmup:
                 line = "  ".join(f"{n} {total / times[n][-1] / 1e9:6.2f}" for n in names)
                 print(f"  repeat {r - args.warmup + 1}/{args.repeats}: GB/s  {line}", flush=True)
@@ -456,7 +461,7 @@ def bench_shard(label: str, spec: Spec, args: argparse.Namespace, server: str | 
             if stats is not None:
                 extra["product_grants_last_pull"] = stats.grants
         return {"bytes": total, "tensors": len(spec), "small_tensors": small, "seconds": {k: sorted(v) for k, v in times.items()},
-                **extra}  # fmt: skip
+                "seconds_by_repeat": times, "cpu_seconds_by_repeat": cpu, **extra}  # fmt: skip
     finally:
         if handle is not None:
             try:
@@ -468,6 +473,17 @@ def bench_shard(label: str, spec: Spec, args: argparse.Namespace, server: str | 
         if transport is not None:
             runner.run(transport.close())
         holder.stop()
+
+
+def process_cpu(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far; 0 where /proc is
+    missing (the CPU column then counts the reader alone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def median(xs: list[float]) -> float:
@@ -515,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_process(server_proc)
 
     print()
-    print(f"{'shard':<10} {'path':<34} {'GB/s median':>11} {'min':>7} {'max':>7} {'vs baseline':>11}")
+    print(f"{'shard':<10} {'path':<34} {'GB/s median':>11} {'min':>7} {'max':>7} {'vs baseline':>11} {'paired':>7} {'CPU s/GB':>8}")
     describe = {"baseline": "baseline (raw socket, 1 conn)", "tcp": f"tcp transport ({args.streams} streams)",
                 "product": "product (server+publish+replicate)"}  # fmt: skip
     verdicts = []
@@ -527,14 +543,21 @@ def main(argv: list[str] | None = None) -> int:
         res["gbps"] = {k: sorted(v) for k, v in rates.items()}
         res["gbps_median"] = med
         res["ratio_to_baseline"] = {k: med[k] / med["baseline"] for k in med}
+        # Paired: each repeat's ratio to the baseline of the same repeat (steadier on a noisy host).
+        res["paired_ratio_median"] = {k: median([b / t for t, b in zip(res["seconds_by_repeat"][k], res["seconds_by_repeat"]["baseline"], strict=True)])
+                                      for k in secs}  # fmt: skip
+        res["cpu_s_per_gb_median"] = {k: median(v) / (nbytes / 1e9) for k, v in res["cpu_seconds_by_repeat"].items()}
         for k in secs:
             ratio = res["ratio_to_baseline"][k]
+            paired = res["paired_ratio_median"][k]
             note = ""
             if label == "64x16MiB" and k == "tcp":
                 met = ratio >= GOAL
                 note = f"  goal >= {GOAL:.2f}: {'met' if met else 'NOT met'}"
                 verdicts.append(met)
-            print(f"{label:<10} {describe[k]:<34} {med[k]:>11.2f} {min(rates[k]):>7.2f} {max(rates[k]):>7.2f} {ratio:>10.2f}x{note}")
+            cpu = res["cpu_s_per_gb_median"][k]
+            print(f"{label:<10} {describe[k]:<34} {med[k]:>11.2f} {min(rates[k]):>7.2f} {max(rates[k]):>7.2f} "
+                  f"{ratio:>10.2f}x {paired:>6.2f}x {cpu:>8.3f}{note}")
         if "trainer_publish_s" in res:
             print(f"{'':<10} (trainer: open+register {res['trainer_open_register_s'] * 1e3:.1f} ms, publish {res['trainer_publish_s'] * 1e3:.1f} ms)")
     if args.size_mib != 1024 and "64x16MiB" in results:

@@ -73,6 +73,9 @@ class Actor:
         self._main: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._timers: set[asyncio.TimerHandle] = set()
+        self._askers: set[asyncio.Future] = set()
+        self._handling: asyncio.Future | None = None  # the asker of the message being handled
+        self._stopping: asyncio.Future | None = None
         self.stopped = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -90,9 +93,24 @@ class Actor:
         """Called once the mailbox, timers and tasks have ended."""
 
     async def stop(self) -> None:
-        """End the mailbox (after the messages already in it), timers and supervised tasks."""
-        if self.stopped or self._mailbox is None:
+        """End the mailbox (after the messages already in it), timers and supervised tasks.
+        Asks still waiting get :class:`Cancelled`. A second call waits for the first to finish
+        (unless made from inside the actor, which the first is busy cancelling)."""
+        if self._mailbox is None:
             return
+        if self._stopping is not None:
+            current = asyncio.current_task()
+            if current is not self._main and current not in self._tasks:
+                await asyncio.shield(self._stopping)
+            return
+        self._stopping = asyncio.get_running_loop().create_future()
+        try:
+            await self._stop()
+        finally:
+            self._stopping.set_result(None)
+
+    async def _stop(self) -> None:
+        assert self._mailbox is not None
         self.stopped = True
         for h in self._timers:
             h.cancel()
@@ -105,6 +123,9 @@ class Actor:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for fut in list(self._askers):  # deferred answers that will never come
+            if not fut.done() and fut is not self._handling:
+                fut.set_exception(Cancelled(f"actor {self.name} stopped"))
         await self.on_stop()
 
     # ---- messaging ---------------------------------------------------------------------------
@@ -127,9 +148,13 @@ class Actor:
             raise Cancelled(f"actor {self.name} is stopped")
         fut = asyncio.get_running_loop().create_future()
         self._mailbox.put_nowait((msg, fut))
+        self._askers.add(fut)
+        fut.add_done_callback(self._askers.discard)
         try:
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
+            if not fut.cancelled():
+                raise  # the handler's own answer was a timeout error: pass it on as it is
             raise Timeout(f"actor {self.name} did not answer {type(msg).__name__} in {timeout} s") from None
 
     def receive(self, msg: Any) -> Any:
@@ -142,14 +167,24 @@ class Actor:
     async def _mailbox_loop(self) -> None:
         assert self._mailbox is not None
         while True:
+            self._handling = None
             msg, fut = await self._mailbox.get()
             if msg is _STOP:
                 break
+            self._handling = fut
             try:
                 result = self.receive(msg)
                 if asyncio.iscoroutine(result):
                     result = await result
-            except Exception as err:
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the mailbox itself is being cancelled
+                # Something the handler awaited was cancelled: that is its answer, not our end.
+                if fut is not None and not fut.done():
+                    fut.set_exception(Cancelled(f"{type(msg).__name__} was cancelled in actor {self.name}"))
+                continue
+            except Exception as err:  # noqa: BLE001 - a handler's failure is its caller's answer
                 if fut is not None:
                     if not fut.done():
                         fut.set_exception(err)
@@ -248,7 +283,7 @@ class LoopThread:
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
         """Run ``coro`` on the loop and wait for its result from this (other) thread. If the
-        waiting thread is interrupted, the coroutine is cancelled and awaited briefly."""
+        waiting thread is interrupted (or ``timeout`` passes), the coroutine is cancelled."""
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)

@@ -327,6 +327,9 @@ class EngineActor(Actor):
             self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), True))
         except (TransportError, InvalidArgument) as err:
             self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), False))
+        except Exception as err:  # noqa: BLE001 - a transport's bug fails this source, not the engine
+            self.log.exception("transport read raised", transport=transport.name, **slot.ctx)
+            self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, f"{type(err).__name__}: {err}", False))
         else:
             self.tell(_ReadDone(slot.session, pull, a.grant, a.offset, a.length))
 

@@ -139,7 +139,9 @@ class ReplicationSession:
         """The server granted ``source`` for this pull."""
         if self.done or (self.grant is not None and self.grant.id == grant):
             return []  # a repeated grant changes nothing
-        if self.pending is not None and self.pending.id == grant:
+        if (self.pending is not None and self.pending.id == grant) or (
+            self.ending is not None and self.ending[0].id == grant
+        ):
             return []
         g = _Grant(grant, source)
         if self.grant is not None and self.grant.id != grant:

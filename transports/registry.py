@@ -37,7 +37,9 @@ def register_transport(name: str, cls: type[Transport] | str) -> None:
         raise InvalidArgument(f"transport names are identifiers, got {name!r}")
     if name in _registered:
         raise InvalidArgument(f"a transport named {name!r} is already registered ({_describe(_registered[name])})")
-    if not isinstance(cls, str):
+    if isinstance(cls, str):
+        _check_path(name, cls)
+    else:
         _check(name, cls)
     _registered[name] = cls
 
@@ -58,11 +60,12 @@ def get_transport(name: str) -> type[Transport]:
     if entry is None:
         raise InvalidArgument(f"no transport named {name!r}; known: {', '.join(sorted(_registered))}")
     if isinstance(entry, str):
+        _check_path(name, entry)
         module, _, attr = entry.partition(":")
         try:
             cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise InvalidArgument(f"transport {name!r} ({entry}) does not load: {err}") from err
+        except Exception as err:  # noqa: BLE001 - whatever a plugin raises on import, name the plugin
+            raise InvalidArgument(f"transport {name!r} ({entry}) does not load: {type(err).__name__}: {err}") from err
         _check(name, cls)
         _registered[name] = entry = cls
     return entry
@@ -75,6 +78,12 @@ def _check(name: str, cls: object) -> None:
         raise InvalidArgument(f"transport plugin {name!r} is class {cls.__name__} whose name is {cls.name!r}")
 
 
+def _check_path(name: str, path: str) -> None:
+    module, sep, attr = path.partition(":")
+    if not (sep and module and attr and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()):
+        raise InvalidArgument(f"transport {name!r}: {path!r} is not a 'package.module:Class' path")
+
+
 def _describe(entry: type[Transport] | str) -> str:
     return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
 
@@ -83,11 +92,13 @@ def _load_entry_points() -> None:
     global _entry_points_loaded
     if _entry_points_loaded:
         return
-    _entry_points_loaded = True
+    found: dict[str, str] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in _registered:
+        if ep.name in _registered or ep.name in found:
+            clash = _describe(_registered[ep.name]) if ep.name in _registered else found[ep.name]
             raise InvalidArgument(
-                f"entry point {ep.name!r} = {ep.value!r} of group {ENTRY_POINT_GROUP} clashes with "
-                f"transport {_describe(_registered[ep.name])}"
+                f"entry point {ep.name!r} = {ep.value!r} of group {ENTRY_POINT_GROUP} clashes with transport {clash}"
             )
-        _registered[ep.name] = ep.value
+        found[ep.name] = ep.value
+    _registered.update(found)  # all or nothing: a clash is raised again on every call
+    _entry_points_loaded = True

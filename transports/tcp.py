@@ -101,6 +101,7 @@ class TcpTransport(Transport):
     ``streams`` (concurrent reads per pull, default 4), ``io_timeout`` (seconds, default 30),
     ``wait_timeout`` (how long a holder waits for its progress to cover a range, default 5),
     ``staging_bytes`` (CUDA staging piece, default 8 MiB), ``max_connections`` (default 512),
+    ``idle_timeout`` (a holder closes a connection silent this long, default 300 s),
     ``max_rate`` (bytes per second this process reads at most, all reads together; default
     unlimited: a cap keeps a cross-datacenter pull from filling a shared link)."""
 
@@ -120,6 +121,7 @@ class TcpTransport(Transport):
         self.wait_timeout = float(o.get("wait_timeout", 5.0))
         self.staging_bytes = int(o.get("staging_bytes", 8 << 20))
         self.max_connections = int(o.get("max_connections", 512))
+        self.idle_timeout = float(o.get("idle_timeout", 300.0))
         self.max_rate = float(o["max_rate"]) if o.get("max_rate") else None
         self._rate_next = 0.0  # when the rate limit lets the next read start (monotonic)
         if (self.streams < 1 or self.io_timeout <= 0 or self.wait_timeout < 0 or self.staging_bytes < 4096
@@ -130,6 +132,7 @@ class TcpTransport(Transport):
         self._served: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._pool: dict[tuple[str, int], list[socket.socket]] = {}
+        self._in_use: set[socket.socket] = set()  # reader connections with a read running
         self._executor = ThreadPoolExecutor(max_workers=max(8, 4 * self.streams), thread_name_prefix="tcp-read")
         self._staging = _Staging()
         self._closed = False
@@ -171,7 +174,8 @@ class TcpTransport(Transport):
 
     def _serve_conn(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(None)
+            # An idle pooled connection may wait long for its next request; not forever.
+            conn.settimeout(self.idle_timeout)
             while not self._closed:
                 hdr = _recv_exact(conn, _REQ.size)
                 if hdr is None:
@@ -238,25 +242,39 @@ class TcpTransport(Transport):
             raise TransportError(f"tcp endpoint {peer!r} has no host and port") from err
         if length > MAX_READ:
             raise InvalidArgument(f"a tcp read moves at most {MAX_READ} bytes, asked {length}")
+        if self._closed:
+            raise TransportError(f"tcp transport closed; read from {key[0]}:{key[1]} not started")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._executor, self._read_blocking, key, region, version, offset, length, into, generation
         )
 
-    def _connect(self, key: tuple[str, int]) -> socket.socket:
+    def _connect(self, key: tuple[str, int], fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A connection to ``key`` (pooled if one is idle, unless ``fresh``), and whether it was
+        pooled. It is counted as in use until released or closed."""
         with self._lock:
             idle = self._pool.get(key)
-            if idle:
-                return idle.pop()
+            if idle and not fresh:
+                sock = idle.pop()
+                self._in_use.add(sock)
+                return sock, True
         sock = socket.create_connection(key, timeout=self.io_timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        with self._lock:
+            self._in_use.add(sock)
+        return sock, False
 
     def _release(self, key: tuple[str, int], sock: socket.socket) -> None:
         with self._lock:
+            self._in_use.discard(sock)
             if not self._closed:
                 self._pool.setdefault(key, []).append(sock)
                 return
+        sock.close()
+
+    def _discard(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._in_use.discard(sock)
         sock.close()
 
     def _read_blocking(
@@ -278,23 +296,35 @@ class TcpTransport(Transport):
                 start = max(now, self._rate_next)
                 self._rate_next = start + length / self.max_rate
             time.sleep(start - now)
+        request = _REQ.pack(_MAGIC, region, version, offset, length, generation or 0, int(self.wait_timeout * 1000))
+        sock: socket.socket | None = None
         try:
-            sock = self._connect(key)
-        except OSError as err:
-            raise TransportError(f"cannot connect for {where}: {err}") from err
-        try:
-            wait_ms = int(self.wait_timeout * 1000)
-            sock.sendall(_REQ.pack(_MAGIC, region, version, offset, length, generation or 0, wait_ms))
-            hdr = _recv_exact(sock, _RESP.size)
-            if hdr is None:
+            for attempt in range(2):
+                try:
+                    sock, pooled = self._connect(key, fresh=attempt > 0)
+                except OSError as err:
+                    raise TransportError(f"cannot connect for {where}: {err}") from err
+                try:
+                    sock.sendall(request)
+                    hdr = _recv_exact(sock, _RESP.size)
+                except OSError:
+                    hdr = None
+                if hdr is not None:
+                    break
+                self._discard(sock)
+                sock = None
+                if not pooled:
+                    raise ConnectionError("peer closed the connection")
+                # An idle pooled connection the holder had closed: try once on a fresh one.
+            else:  # pragma: no cover - the loop breaks or raises
                 raise ConnectionError("peer closed the connection")
             status, gen, n = _RESP.unpack(hdr)
             if status != OK:
-                if status != BAD_REQUEST:  # the holder closes the stream after BAD_REQUEST
+                if status in _STATUS_TEXT and status != BAD_REQUEST:  # known, payload-free answers
                     self._release(key, sock)
                     sock = None
                 cls = RangeNotReady if status == NOT_READY else TransportError
-                raise cls(f"read of {where}: {_STATUS_TEXT.get(status, f'status {status}')}")
+                raise cls(f"read of {where}: {_STATUS_TEXT.get(status, f'unknown status {status}')}")
             if n != length:
                 raise ConnectionError(f"peer announced {n} bytes")
             if into.on_cuda:
@@ -314,22 +344,26 @@ class TcpTransport(Transport):
             status, after = _TRAILER.unpack(trailer)
             self._release(key, sock)
             sock = None
+            if self._closed:
+                raise TransportError(f"tcp transport closed during the read of {where}")
             if status != OK or after != gen:
                 raise TransportError(f"read of {where}: {_STATUS_TEXT[CHANGED]}")
             if generation is not None and gen != generation:
                 raise TransportError(f"read of {where}: holder generation {gen}, the pull began at {generation}")
             return gen
         except OSError as err:
+            if self._closed:
+                raise TransportError(f"tcp transport closed during the read of {where}") from err
             raise TransportError(f"read of {where} failed: {err}") from err
         finally:
             if sock is not None:
-                sock.close()
+                self._discard(sock)
 
     async def close(self) -> None:
         with self._lock:
             self._closed = True
             served = list(self._served)
-            pooled = [s for socks in self._pool.values() for s in socks]
+            pooled = [s for socks in self._pool.values() for s in socks] + list(self._in_use)
             self._pool.clear()
         if self._listener is not None:
             try:
@@ -345,4 +379,5 @@ class TcpTransport(Transport):
             s.close()
         if self._accepting is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._accepting.join, 5.0)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        # Reads still queued start, see the transport closed, and fail with TransportError.
+        self._executor.shutdown(wait=False)
