@@ -245,9 +245,9 @@ class EngineActor(Actor):
         slot.term = g.term
         try:
             slot.peer = self._pick(g.source.endpoint)
-        except TransportError:
-            verified = pull.verified
-            self._report(slot, lambda req: m.SourceFailed(req, slot.session, g.grant, g.term, verified, str(err)[:1000]))
+        except TransportError as err:
+            verified, reason = pull.verified, str(err)[:1000]
+            self._report(slot, lambda req: m.SourceFailed(req, slot.session, g.grant, g.term, verified, reason))
             return
         assert slot.stats is not None
         slot.stats.grants += 1

@@ -203,3 +203,16 @@ def test_a_closed_handle_refuses_calls(server, handles):
     with pytest.raises(RemoteError) as e:
         h.call("list")
     assert e.value.kind == "UsageError"
+
+
+def test_a_source_with_no_transport_in_common_fails_the_pull_with_a_typed_error(server, handles):
+    holder = handles("trainer", server=server.address)
+    reader = handles("rollout", server=server.address, transports={})  # speaks no transport at all
+    holder.call("register")
+    reader.call("register")
+    holder.call("fill", 1)
+    holder.call("publish", 1)
+    with pytest.raises(RemoteError) as e:
+        reader.call("replicate", 1, 30.0)
+    assert e.value.kind == "TransportError" and "rollout" in str(e.value)
+    assert reader.call("list") == {1: ["trainer"]}  # nothing half-pulled is listed

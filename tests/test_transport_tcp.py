@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import random
 import socket
-import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
