@@ -73,15 +73,23 @@ class ProgressCounter:
                 self._cond.notify_all()
 
     def wait_covered(self, version: int, end: int, generation: int | None, timeout: float) -> tuple[int, bool]:
-        """Block until ``verified >= end`` for ``version``, or until the holding changes or
-        ``timeout`` passes. Returns ``(generation, covered)``."""
+        """Block until ``verified >= end`` for ``version``, or until ``timeout`` passes, or the
+        holding changes: the generation differs from ``generation`` (if given), or the buffers
+        held ``version`` during the wait and then stopped. Buffers that do not hold ``version``
+        yet are waited for: a reader may be granted a partial holder before that holder's own
+        grant has reached it. Returns ``(generation, covered)``."""
         deadline = time.monotonic() + timeout
+        seen = False
         with self._cond:
             while True:
-                if self.version != version or (generation is not None and self.generation != generation):
+                if generation is not None and self.generation != generation:
                     return self.generation, False
-                if self.verified >= end:
-                    return self.generation, True
+                if self.version == version:
+                    seen = True
+                    if self.verified >= end:
+                        return self.generation, True
+                elif seen:
+                    return self.generation, False
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return self.generation, False

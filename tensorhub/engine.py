@@ -183,13 +183,19 @@ class EngineActor(Actor):
         return {"region": region, **{name: t.endpoint() for name, t in self.transports.items()}}
 
     def resolve(self, region: int, version: int) -> ShardBuffers | None:
-        """Called from transport threads: the buffers holding ``version`` under ``region``."""
+        """Called from transport threads: the buffers that hold (or are about to hold)
+        ``version`` under ``region``, or None for an unknown region."""
         slot = self.regions.get(region)
         if slot is None:
             return None
-        if slot.buffers.progress.version == version:
-            return slot.buffers
-        return slot.offloads.get(version)
+        live = slot.buffers
+        if live.progress.version != version:
+            copy = slot.offloads.get(version)
+            if copy is not None:
+                return copy
+        # The live buffers, even if they do not hold ``version`` yet: the server may grant this
+        # shard as a partial source before its own grant has arrived; the transport waits.
+        return live
 
     # ---- slots -------------------------------------------------------------------------------
 
@@ -308,7 +314,9 @@ class EngineActor(Actor):
             elif isinstance(a, ReportComplete):
                 self._report(slot, lambda req, a=a: m.Complete(req, slot.session, a.grant, slot.term))
             elif isinstance(a, ReportSourceFailed):
-                self.log.warning("source failed", grant=a.grant, verified=a.verified, reason=a.reason, **slot.ctx)
+                src = pull.sources[-1] if pull.sources else None
+                where = f"{src.replica}/{src.shard_idx} ({src.kind})" if src is not None else "?"
+                self.log.warning("source failed", grant=a.grant, source=where, verified=a.verified, reason=a.reason, **slot.ctx)
                 self._report(slot, lambda req, a=a: m.SourceFailed(req, slot.session, a.grant, slot.term, a.verified, a.reason[:1000]))
 
     def _report(self, slot: _Slot, build: Any, unanswered: bool = False) -> None:

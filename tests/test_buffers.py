@@ -257,14 +257,41 @@ def test_wait_covered_times_out_when_not_covered() -> None:
     assert p.wait_covered(3, 51, None, 0.0) == (g, False)
 
 
-def test_wait_covered_refuses_another_version_or_generation_at_once() -> None:
+def test_wait_covered_refuses_another_generation_at_once() -> None:
     p = ProgressCounter()
     g = p.reset(3, 50)
     t0 = time.monotonic()
-    assert p.wait_covered(4, 10, None, 5.0) == (g, False)
     assert p.wait_covered(3, 10, g - 1, 5.0) == (g, False)
-    assert ProgressCounter().wait_covered(3, 0, None, 5.0) == (1, False)  # holds nothing
+    assert p.wait_covered(4, 10, g - 1, 5.0) == (g, False)
     assert time.monotonic() - t0 < 0.5
+
+
+def test_wait_covered_waits_for_a_version_not_held_yet() -> None:
+    p = ProgressCounter()
+    g = p.reset(3, 50)
+    t0 = time.monotonic()
+    assert p.wait_covered(4, 10, None, 0.1) == (g, False)  # never came: times out
+    assert time.monotonic() - t0 >= 0.09
+    timer = threading.Timer(0.05, lambda: (p.reset(4, 0), p.advance(20)))
+    timer.start()
+    try:  # a partial holder whose own grant arrives during the wait serves as it fills
+        gen, covered = p.wait_covered(4, 10, None, 5.0)
+        assert covered and gen == g + 1
+    finally:
+        timer.join(5.0)
+
+
+def test_wait_covered_ends_when_the_version_held_goes_away() -> None:
+    p = ProgressCounter()
+    p.reset(3, 10)
+    timer = threading.Timer(0.05, lambda: p.reset(None))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        assert p.wait_covered(3, 50, None, 5.0)[1] is False
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        timer.join(5.0)
 
 
 def test_wait_covered_wakes_when_advanced_from_another_thread() -> None:

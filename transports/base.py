@@ -16,8 +16,9 @@ the user configured (a dict of msgpack-able values), then:
    or otherwise executable bytes in it.
 3. Holder side: ``serve(resolver)`` is called once before any reader can come. For each read a
    peer asks for, call ``resolver(region, version)``: it returns the :class:`ShardBuffers` that
-   hold that version under that region id, or None. Serve only bytes below
-   ``buffers.progress.verified`` (block on ``progress.wait_covered`` for the rest, bounded), and
+   hold (or are about to hold: a partial holder can be granted to a reader before its own grant
+   reaches it) that version under that region id, or None. Serve only bytes of that version
+   below ``buffers.progress.verified`` (block on ``progress.wait_covered``, bounded), and
    report the generation you saw before and after the copy, so the reader can discard a read
    across which the holding changed. ``expose(buffers)`` / ``withdraw(buffers)`` are called when
    a shard's buffers start / stop being servable; one-sided transports register and deregister

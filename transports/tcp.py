@@ -203,11 +203,14 @@ class TcpTransport(Transport):
             conn.sendall(_RESP.pack(BAD_RANGE, 0, 0))
             return
         wait = min(wait_ms / 1000.0, self.wait_timeout)
+        g0, v0, _ = buffers.progress.snapshot()
         gen, covered = buffers.progress.wait_covered(version, offset + length, generation or None, wait)
         if not covered:
             g, v, _ = buffers.progress.snapshot()
-            status = CHANGED if v != version or (generation and g != generation) else NOT_READY
-            conn.sendall(_RESP.pack(status, g, 0))
+            # Changed: not the generation the reader began with, or it held the version and
+            # stopped. Otherwise not ready: a partial holder behind, or one not yet started.
+            changed = bool(generation and g != generation) or (g != g0 and (v0 == version or v == version))
+            conn.sendall(_RESP.pack(CHANGED if changed else NOT_READY, g, 0))
             return
         conn.sendall(_RESP.pack(OK, gen, length))
         if buffers.on_cuda:
