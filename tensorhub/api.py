@@ -29,7 +29,7 @@ from .actor import LoopThread
 from .buffers import ShardBuffers, layout_of
 from .client import Call, ClientActor
 from .embedded import resolve_server
-from .engine import AbortPull, AddSlot, DropSlot, EngineActor, PullStats, SetHolding
+from .engine import AbortPull, AddSlot, DropSlot, EngineActor, PullStats
 from .errors import (
     AlreadyRegistered,
     CallInFlight,
@@ -324,15 +324,18 @@ class AsyncShardHandle:
             self._need_registered("publish")
             if self.version is not None and self.version != version:
                 raise ContractViolation(f"publish({version}) while holding version {self.version}: unpublish() first", **self.ctx)
-            assert self._engine is not None
+            buffers = self.buffers
+            assert buffers is not None
             held_before = self.version
-            await self._engine.ask(SetHolding(self.session, version))  # servable before the server can grant it
+            # Servable before the server can grant it. The counter is thread-safe and the
+            # handle's own; the engine and the transports only read it.
+            buffers.progress.reset(version, buffers.total_bytes)
             n = self._next_call()
             try:
                 await self._request(lambda req: m.Publish(req, self.session, n, version, None))
             except BaseException:
                 if held_before is None:
-                    await self._engine.ask(SetHolding(self.session, None))
+                    buffers.progress.reset(None)
                 raise
             self.version = version
 
@@ -343,8 +346,7 @@ class AsyncShardHandle:
             n = self._next_call()
             await self._request(lambda req: m.Unpublish(req, self.session, n))
             if self.buffers is not None:
-                assert self._engine is not None
-                await self._engine.ask(SetHolding(self.session, None))
+                self.buffers.progress.reset(None)  # readers across this change discard their bytes
             self.version = None
 
     async def replicate(self, version: int | str = "latest", timeout: float | None = None) -> int:
@@ -403,7 +405,8 @@ class AsyncShardHandle:
         except TensorHubError as err:
             self.log.warning("cancelled pull: unpublish refused", error=str(err))
         await self._engine.ask(AbortPull(self.session))
-        await self._engine.ask(SetHolding(self.session, None))
+        if self.buffers is not None:
+            self.buffers.progress.reset(None)
         self.version = None
 
     async def list(self, consistent: bool = False) -> Versions:

@@ -118,14 +118,6 @@ class DropSlot:
 
 
 @dataclass(frozen=True, slots=True)
-class SetHolding:
-    """The slot's buffers now hold ``version`` whole (publish), or nothing (None: unpublished)."""
-
-    session: int
-    version: int | None
-
-
-@dataclass(frozen=True, slots=True)
 class AbortPull:
     """The slot's pull ended without success: answer once no read can write its buffers."""
 
@@ -223,11 +215,6 @@ class EngineActor(Actor):
             for copy in slot.offloads.values():
                 t.withdraw(copy)
         slot.offloads.clear()
-
-    def on_SetHolding(self, msg: SetHolding) -> None:
-        slot = self.slots[msg.session]
-        b = slot.buffers
-        b.progress.reset(msg.version, b.total_bytes if msg.version is not None else 0)
 
     def pull_stats(self, session: int) -> PullStats | None:
         slot = self.slots.get(session)
