@@ -34,24 +34,18 @@ import json
 import math
 import multiprocessing as mp
 import os
-import select
-import socket
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from server_process import BenchmarkError, start_server, stop_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GOAL_P99_MS = 2.0
 MODEL = "actor"
 GOAL_OPS = ("publish", "update", "list")
-
-
-class BenchmarkError(RuntimeError):
-    """The benchmark could not measure (a helper process died, a call answered wrongly...)."""
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -61,12 +55,6 @@ def percentile(xs: list[float], q: float) -> float:
     """Nearest-rank percentile of ``xs`` (``q`` in [0, 100])."""
     s = sorted(xs)
     return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parent_gone() -> bool:
@@ -387,46 +375,6 @@ def heartbeat_timeout(interval: float) -> float:
     return max(10.0, 10 * interval)
 
 
-def start_server(heartbeat_interval: float, timeout: float) -> tuple[subprocess.Popen, str]:
-    address = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "tensorhub", "server", "--bind", address, "--log-level", "warning",
-           "--heartbeat-interval", str(heartbeat_interval), "--heartbeat-timeout", str(heartbeat_timeout(heartbeat_interval))]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            line = proc.stdout.readline()
-            seen.append(line)
-            if "tensorhub server listening on" in line:
-                threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
-                return proc, address
-        if proc.poll() is not None:
-            break
-    stop_process(proc)
-    raise BenchmarkError(f"the server did not start at {address}: {''.join(seen)[-2000:]}")
-
-
-def _drain(stream: Any) -> None:
-    for line in stream:  # keep the pipe from filling up; show what the server complains about
-        sys.stderr.write("[server] " + line)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
-# ---- main ---------------------------------------------------------------------------------------
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=256, help="idle shard handles kept open (default 256)")
@@ -447,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     children: list[Child] = []
     workers: list[Child] = []
     try:
-        server_proc, server = start_server(args.heartbeat_interval, args.timeout)
+        server_proc, server = start_server(args.timeout, "--heartbeat-interval", str(args.heartbeat_interval),
+                                           "--heartbeat-timeout", str(heartbeat_timeout(args.heartbeat_interval)))
         echo_child = Child("echo server", echo_main, args.timeout * 4)
         children.append(echo_child)
         _, echo = echo_child.expect("ready", args.timeout)

@@ -43,9 +43,7 @@ import json
 import multiprocessing as mp
 import os
 import random
-import select
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -64,6 +62,8 @@ from tensorhub.errors import TransportError  # noqa: E402
 from tensorhub.session import Advance, ReadRange, ReplicationSession, ReportComplete, ReportSourceFailed  # noqa: E402
 from transports.tcp import RangeNotReady, TcpTransport  # noqa: E402
 
+from server_process import BenchmarkError, start_server, stop_process  # noqa: E402
+
 GOAL = 0.9
 VERSION = 1
 REGION = 1
@@ -73,10 +73,6 @@ POOL_BYTES = 64 << 20  # seeded random bytes that tensor contents are windows of
 DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 Spec = list[tuple[str, str, int]]  # (name, dtype, numel)
-
-
-class BenchmarkError(RuntimeError):
-    """The benchmark could not measure honestly (wrong bytes, a dead helper process...)."""
 
 
 # ---- shards -----------------------------------------------------------------------------------
@@ -355,54 +351,6 @@ def product_pull(handle: Any, timeout: float) -> float:
 # ---- the server ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(timeout: float) -> tuple[subprocess.Popen, str]:
-    address = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tensorhub", "server", "--bind", address, "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-    )  # fmt: skip
-    deadline = time.monotonic() + timeout
-    seen = []
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            line = proc.stdout.readline()
-            seen.append(line)
-            if "tensorhub server listening on" in line:
-                threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
-                return proc, address
-        if proc.poll() is not None:
-            break
-    stop_process(proc)
-    raise BenchmarkError(f"the server did not start at {address}: {''.join(seen)[-2000:]}")
-
-
-def _drain(stream: Any) -> None:
-    for line in stream:  # keep the pipe from filling up; show what the server complains about
-        if "warning" in line or "error" in line:
-            sys.stderr.write("[server] " + line)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
-# ---- one shard ------------------------------------------------------------------------------------
-
-
 def bench_shard(label: str, spec: Spec, args: argparse.Namespace, server: str | None, runner: asyncio.Runner,
                 pool: ThreadPoolExecutor) -> dict[str, Any]:  # fmt: skip
     import tensorhub
@@ -519,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     try:
         if not args.no_product:
-            server_proc, server = start_server(args.timeout)
+            server_proc, server = start_server(args.timeout, echo_all=False)
         with asyncio.Runner(loop_factory=new_event_loop) as runner, ThreadPoolExecutor(2) as pool:
             for label in wanted:
                 results[label] = bench_shard(label, shards[label], args, server, runner, pool)

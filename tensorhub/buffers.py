@@ -243,8 +243,3 @@ class ShardBuffers:
         """A CPU copy of these buffers with the same layout (an offload copy)."""
         copies = {spec.name: t.detach().to("cpu", copy=True).contiguous() for spec, t in zip(self.layout.tensors, self.tensors)}
         return ShardBuffers(copies, self.layout)
-
-    def check_same(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Raise :class:`InvalidArgument` unless ``tensors`` are these buffers."""
-        if [t.data_ptr() for t in tensors.values()] != [t.data_ptr() for t in self.tensors]:
-            raise InvalidArgument("these are not the registered tensors")

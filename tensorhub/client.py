@@ -84,6 +84,7 @@ class ClientActor(Actor):
         self.heartbeat_timeout = 10.0
         self.last_heard = time.monotonic()
         self.lost: ServerUnavailable | None = None
+        self._next_beat = 0.0  # when the next heartbeat is due (monotonic)
 
     async def on_start(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -147,8 +148,6 @@ class ClientActor(Actor):
 
     def drop_session(self, sid: int) -> None:
         self.sessions.pop(sid, None)
-
-    _next_beat = 0.0
 
     def on__Beat(self, _: _Beat) -> None:
         now = time.monotonic()

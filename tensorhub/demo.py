@@ -50,10 +50,12 @@ def _owned(model: Any, shard: int, shards: int) -> dict[str, Any]:
 
 
 def _digest(tensors: dict[str, Any]) -> str:
+    import torch
+
     h = hashlib.sha256()
     for name, t in tensors.items():
         h.update(name.encode())
-        h.update(t.detach().contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+        h.update(t.detach().contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 

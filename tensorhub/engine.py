@@ -80,7 +80,6 @@ class _Slot:
         "session",
         "stats",
         "term",
-        "transport",
     )  # fmt: skip
 
     def __init__(self, session: int, region: int, buffers: ShardBuffers, client: ClientActor, ctx: dict) -> None:
@@ -93,7 +92,6 @@ class _Slot:
         self.grant: m.Grant | None = None
         self.term = 0
         self.peer: tuple[Transport, dict, int] | None = None
-        self.transport: str | None = None
         self.aborted: list[ReplicationSession] = []  # pulls ended with reads still in flight
         self.idle_waiters: list[asyncio.Future] = []
         self.deferred: list[tuple[ReplicationSession, ReadRange]] = []  # reads that wait for an aborted pull's reads to end

@@ -186,7 +186,7 @@ def test_copy_out_and_copy_in_round_trip() -> None:
         src.copy_out(10, memoryview(bytearray(7)))
 
 
-def test_clone_cpu_copies_and_check_same() -> None:
+def test_clone_cpu_copies() -> None:
     tensors = {"a": torch.arange(4, dtype=torch.int32), "b": torch.ones(3, dtype=torch.bfloat16)}
     b = ShardBuffers(tensors, layout_of(tensors))
     c = b.clone_cpu()
@@ -194,9 +194,6 @@ def test_clone_cpu_copies_and_check_same() -> None:
     tensors["a"][0] = 99
     assert shard_bytes(c) != shard_bytes(b)  # a copy, not an alias
     assert c.progress is not b.progress
-    b.check_same(tensors)
-    with pytest.raises(InvalidArgument, match="not the registered tensors"):
-        b.check_same({spec.name: t for spec, t in zip(c.layout.tensors, c.tensors)})
 
 
 def test_memory_of_is_a_writable_alias() -> None:

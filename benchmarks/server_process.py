@@ -1,0 +1,64 @@
+"""The reference server as a benchmark runs it: ``python -m tensorhub server`` on a free
+loopback port, started and stopped by the benchmark scripts in this folder."""
+
+from __future__ import annotations
+
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["BenchmarkError", "free_port", "start_server", "stop_process"]
+
+
+class BenchmarkError(RuntimeError):
+    """The benchmark could not measure honestly (wrong bytes, a dead helper process, a call
+    that answered wrongly...)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(timeout: float, *extra: str, echo_all: bool = True) -> tuple[subprocess.Popen, str]:
+    """Start a server (``extra``: more ``tensorhub server`` arguments) and wait until it listens.
+    Its output is relayed to stderr afterwards (only warnings and errors unless ``echo_all``)."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "tensorhub", "server", "--bind", address, "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if "tensorhub server listening on" in line:
+                threading.Thread(target=_relay, args=(proc.stdout, echo_all), daemon=True).start()
+                return proc, address
+        if proc.poll() is not None:
+            break
+    stop_process(proc)
+    raise BenchmarkError(f"the server did not start at {address}: {''.join(seen)[-2000:]}")
+
+
+def _relay(stream: Any, echo_all: bool) -> None:
+    for line in stream:  # keep the pipe from filling up; show what the server complains about
+        if echo_all or "warning" in line or "error" in line:
+            sys.stderr.write("[server] " + line)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
