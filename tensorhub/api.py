@@ -26,10 +26,10 @@ from scheduling.topology import Location
 
 from . import messages as m
 from .actor import LoopThread
-from .buffers import ShardBuffers, layout_of
+from .buffers import DEFAULT_PACK_THRESHOLD, ShardBuffers, layout_of
 from .client import Call, ClientActor
 from .embedded import resolve_server
-from .engine import AbortPull, AddSlot, DropSlot, EngineActor, PullStats
+from .engine import AbortPull, AddSlot, DropSlot, EngineActor, PullStats, StartPublish, WaitPublished
 from .errors import (
     AlreadyRegistered,
     CallInFlight,
@@ -59,6 +59,16 @@ ReplicaInfo = m.ReplicaEntry
 Versions = dict[int, dict[str, m.ReplicaEntry]]
 
 DEFAULT_TRANSPORTS = ("tcp",)
+
+
+def _pack_threshold() -> int:
+    """``$TENSORHUB_PACK_THRESHOLD`` (bytes; 0 turns packing off), else the default 2 MiB."""
+    raw = os.environ.get("TENSORHUB_PACK_THRESHOLD")
+    if raw is None:
+        return DEFAULT_PACK_THRESHOLD
+    if not raw.isdigit():
+        raise InvalidArgument(f"$TENSORHUB_PACK_THRESHOLD must be an integer >= 0, got {raw!r}")
+    return int(raw)
 
 
 class Runtime:
@@ -290,7 +300,7 @@ class AsyncShardHandle:
         with self._call("register"):
             if self.buffers is not None:
                 raise AlreadyRegistered("tensors are already registered: unregister() first", **self.ctx)
-            layout = layout_of(tensors, ctx=self.ctx)
+            layout = layout_of(tensors, pack_threshold=_pack_threshold(), ctx=self.ctx)
             buffers = ShardBuffers(tensors, layout)
             assert self._engine is not None and self._client is not None
             endpoint = await self._engine.ask(AddSlot(self.session, buffers, self._client, self.ctx))
@@ -327,9 +337,10 @@ class AsyncShardHandle:
             buffers = self.buffers
             assert buffers is not None
             held_before = self.version
-            # Servable before the server can grant it. The counter is thread-safe and the
-            # handle's own; the engine and the transports only read it.
-            buffers.progress.reset(version, buffers.total_bytes)
+            if held_before != version:
+                # Named before the server can grant it; servable once the engine's publish job
+                # has filled the packs (a reader granted first waits for the progress counter).
+                buffers.progress.reset(version, 0)
             n = self._next_call()
             try:
                 await self._request(lambda req: m.Publish(req, self.session, n, version, None))
@@ -338,11 +349,15 @@ class AsyncShardHandle:
                     buffers.progress.reset(None)
                 raise
             self.version = version
+            assert self._engine is not None
+            self._engine.tell(StartPublish(self.session, version))  # pack, hash, declare: in the background
 
     async def unpublish(self) -> None:
         """Withdraw the held version; returns once no reader is still reading these buffers
         (after an offload copy was made, if it was the last copy of a retained version)."""
         with self._call("unpublish"):
+            if self._engine is not None and self.session is not None:
+                await self._engine.ask(WaitPublished(self.session))  # its checksums are declared first
             n = self._next_call()
             await self._request(lambda req: m.Unpublish(req, self.session, n))
             if self.buffers is not None:

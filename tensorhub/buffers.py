@@ -2,10 +2,10 @@
 
 Theory of operation
 -------------------
-A shard is its tensors laid end to end in layout order: byte ``o`` of the shard is byte
-``o - start`` of the tensor whose ``[start, start + nbytes)`` contains it. Transports move byte
-ranges of that space; :meth:`ShardBuffers.views` turns a range into the memory segments it
-covers, without copying.
+A shard's bytes are moved as one *transfer byte space*: its pack buffers (the tiny tensors laid
+end to end), then its large tensors, in the order the layout's packing plan fixes
+(:mod:`tensorhub.layout`). Transports move byte ranges of that space;
+:meth:`ShardBuffers.views` turns a range into the memory segments it covers, without copying.
 
 :class:`ProgressCounter` holds the two words a reader of this holder checks (DESIGN §4):
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidArgument, InvalidName
-from .layout import DTYPE_SIZES, Layout, TensorSpec
+from .layout import DTYPE_SIZES, Layout, TensorSpec, plan_of
 
 __all__ = ["ProgressCounter", "Segment", "ShardBuffers", "layout_of", "memory_of"]
 
@@ -154,30 +154,56 @@ def layout_of(
 
 
 class ShardBuffers:
-    """The registered tensors of one shard handle, addressed as one byte space.
+    """The registered tensors of one shard handle, addressed as one transfer byte space.
+
+    The space is laid out by the layout's packing plan (:func:`~tensorhub.layout.plan_of`): pack
+    buffers (allocated here, on the device of their first tiny tensor) and then the large
+    tensors, used in place. :meth:`pack` copies the tiny tensors into their packs (a publisher,
+    before serving); :meth:`unpack` copies them back out (a reader, after its pull).
 
     Attributes:
         layout: the shard's layout (what the server compares across holders).
-        tensors: the tensors, in layout order (the caller's own buffers, used in place).
+        plan: its packing plan.
+        tensors: the caller's tensors, in layout order (empty for an offload copy).
+        regions: the packs and large tensors, in transfer order (flat byte tensors or the
+            caller's own tensors).
         progress: the holding's :class:`ProgressCounter`.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], layout: Layout) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], layout: Layout, *, regions: list[torch.Tensor] | None = None) -> None:
         self.layout = layout
+        self.plan = plan = plan_of(layout)
         self.tensors = list(tensors.values())
-        self.starts: list[int] = []
-        pos = 0
-        for spec in layout.tensors:
-            self.starts.append(pos)
-            pos += spec.nbytes
-        self.total_bytes = pos
-        self.on_cuda = any(t.device.type == "cuda" for t in self.tensors)
-        # CPU tensors' memory, viewed once: serving and receiving slice these.
-        self._views = [memory_of(t) if t.device.type == "cpu" else None for t in self.tensors]
+        if regions is None:
+            if len(self.tensors) != len(layout.tensors):
+                raise InvalidArgument(f"{len(self.tensors)} tensors for a layout of {len(layout.tensors)}")
+            regions = []
+            for r in plan.regions:
+                if r.tensor is not None:
+                    regions.append(self.tensors[r.tensor])
+                else:
+                    device = self.tensors[r.members[0][0]].device
+                    regions.append(torch.zeros(r.nbytes, dtype=torch.uint8, device=device))
+        elif len(regions) != len(plan.regions) or any(
+            t.numel() * t.element_size() != r.nbytes for t, r in zip(regions, plan.regions)
+        ):
+            raise InvalidArgument("regions do not match the layout's packing plan")
+        self.regions = regions
+        self.starts = [r.offset for r in plan.regions]
+        self.total_bytes = plan.total_bytes
+        self.on_cuda = any(t.device.type == "cuda" for t in regions)
+        # CPU memory, viewed once: serving, receiving and hashing slice these.
+        self._views = [memory_of(t) if t.device.type == "cpu" else None for t in regions]
         self.progress = ProgressCounter()
 
+    @property
+    def packed(self) -> bool:
+        """Whether any tensor lives in a pack (tiny tensors exist)."""
+        return any(r.tensor is None for r in self.plan.regions)
+
     def segments(self, offset: int, length: int) -> list[Segment]:
-        """The pieces of tensors that shard bytes ``[offset, offset + length)`` cover.
+        """The pieces of regions that transfer bytes ``[offset, offset + length)`` cover
+        (``Segment.index`` is the region's index).
 
         Raises:
             InvalidArgument: the range is not inside the shard.
@@ -187,12 +213,12 @@ class ShardBuffers:
         out = []
         i = max(0, bisect.bisect_right(self.starts, offset) - 1)
         pos, end = offset, offset + length
-        specs = self.layout.tensors
+        regions = self.plan.regions
         while pos < end:
-            while self.starts[i] + specs[i].nbytes <= pos:
+            while regions[i].offset + regions[i].nbytes <= pos:
                 i += 1
-            start = pos - self.starts[i]
-            n = min(end, self.starts[i] + specs[i].nbytes) - pos
+            start = pos - regions[i].offset
+            n = min(end, regions[i].offset + regions[i].nbytes) - pos
             out.append(Segment(i, start, pos, n))
             pos += n
         return out
@@ -201,45 +227,83 @@ class ShardBuffers:
         """Writable views of CPU memory covering ``[offset, offset + length)`` (no copy).
 
         Raises:
-            InvalidArgument: the range is outside the shard, or covers a CUDA tensor (use
-                :meth:`cuda_segments` and a staging buffer for those).
+            InvalidArgument: the range is outside the shard, or covers CUDA memory (use
+                :meth:`copy_out` / :meth:`copy_in` and a staging buffer for those).
         """
         out = []
         for seg in self.segments(offset, length):
             v = self._views[seg.index]
             if v is None:
-                raise InvalidArgument(f"tensor {self.layout.tensors[seg.index].name!r} is on CUDA; stage it")
+                raise InvalidArgument(f"{self._describe(seg.index)} is on CUDA; stage it")
             out.append(v[seg.start : seg.start + seg.length])
         return out
 
+    def _describe(self, region: int) -> str:
+        r = self.plan.regions[region]
+        return f"tensor {self.layout.tensors[r.tensor].name!r}" if r.tensor is not None else f"pack {region}"
+
+    def _flat(self, region: int) -> torch.Tensor:
+        return self.regions[region].reshape(-1).view(torch.uint8)
+
     def copy_out(self, offset: int, dest: memoryview) -> None:
-        """Copy shard bytes starting at ``offset`` into ``dest`` (used for CUDA staging)."""
+        """Copy transfer bytes starting at ``offset`` into ``dest`` (used for CUDA staging)."""
         pos = 0
         for seg in self.segments(offset, len(dest)):
-            t = self.tensors[seg.index]
-            if t.device.type == "cpu":
-                dest[pos : pos + seg.length] = self._views[seg.index][seg.start : seg.start + seg.length]
+            v = self._views[seg.index]
+            if v is not None:
+                dest[pos : pos + seg.length] = v[seg.start : seg.start + seg.length]
             else:
-                flat = t.view(-1).view(torch.uint8)[seg.start : seg.start + seg.length]
                 staged = torch.frombuffer(dest[pos : pos + seg.length], dtype=torch.uint8)
-                staged.copy_(flat)
+                staged.copy_(self._flat(seg.index)[seg.start : seg.start + seg.length])
             pos += seg.length
 
     def copy_in(self, offset: int, src: memoryview) -> None:
-        """Copy ``src`` into shard bytes starting at ``offset`` (used for CUDA staging)."""
+        """Copy ``src`` into transfer bytes starting at ``offset`` (used for CUDA staging)."""
         pos = 0
         for seg in self.segments(offset, len(src)):
-            t = self.tensors[seg.index]
-            if t.device.type == "cpu":
-                self._views[seg.index][seg.start : seg.start + seg.length] = src[pos : pos + seg.length]
+            v = self._views[seg.index]
+            if v is not None:
+                v[seg.start : seg.start + seg.length] = src[pos : pos + seg.length]
             else:
-                flat = t.view(-1).view(torch.uint8)[seg.start : seg.start + seg.length]
+                flat = self._flat(seg.index)[seg.start : seg.start + seg.length]
                 flat.copy_(torch.frombuffer(src[pos : pos + seg.length], dtype=torch.uint8))
             pos += seg.length
         if self.on_cuda:
             torch.cuda.synchronize()
 
+    def _members(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(tiny tensor as flat bytes, its slice of the pack)`` for every packed tensor."""
+        out = []
+        for k, r in enumerate(self.plan.regions):
+            if r.tensor is not None:
+                continue
+            pack = self._flat(k)
+            for i, off in r.members:
+                t = self.tensors[i]
+                n = self.layout.tensors[i].nbytes
+                if n:
+                    out.append((t.reshape(-1).view(torch.uint8), pack[off : off + n]))
+        return out
+
+    def pack(self) -> None:
+        """Copy the tiny tensors into their packs (before the buffers are served)."""
+        if not self.tensors:
+            return
+        for t, slot in self._members():
+            slot.copy_(t)
+        if self.on_cuda:
+            torch.cuda.synchronize()
+
+    def unpack(self) -> None:
+        """Copy the packs out into the tiny tensors (after a pull landed them)."""
+        if not self.tensors:
+            return
+        for t, slot in self._members():
+            t.copy_(slot)
+        if self.on_cuda:
+            torch.cuda.synchronize()
+
     def clone_cpu(self) -> ShardBuffers:
-        """A CPU copy of these buffers with the same layout (an offload copy)."""
-        copies = {spec.name: t.detach().to("cpu", copy=True).contiguous() for spec, t in zip(self.layout.tensors, self.tensors)}
-        return ShardBuffers(copies, self.layout)
+        """A CPU copy of these buffers' transfer space (an offload copy: it only serves)."""
+        copies = [t.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True) for t in self.regions]
+        return ShardBuffers({}, self.layout, regions=copies)

@@ -15,11 +15,24 @@ it returns the buffers that hold that version now (the live buffers if their pro
 says so, else an offload copy), or None. Whether a range may be served is the progress counter's
 business (:mod:`tensorhub.buffers`), so partial holders serve as they fill.
 
+Publishing: once the server has taken a publish, :class:`StartPublish` runs the holder's
+background job in a worker thread: copy the tiny tensors into their packs (then the whole
+shard is servable), hash every checksum unit, and declare the checksums to the server, which
+hands them to readers. ``publish`` never waits for it; ``unpublish`` does
+(:class:`WaitPublished`).
+
 Pulling: a ``Grant`` from the server starts (or continues) the slot's session; the engine
-carries out its actions: reads run as tasks on the transport (whose bulk work is in threads),
-landed bytes advance the progress counter, and progress / complete / source-failed go to the
-server through the client actor. A pull that is aborted (its call failed or was cancelled) is
-finished only when none of its reads can still write into the buffers.
+carries out its actions: reads run as tasks on the transport (whose bulk work is in threads);
+each read that lands is verified against the version's checksums in a worker thread while the
+next reads are on the wire (or parked until the checksums arrive: a reader may be granted
+before the publisher has hashed); verified bytes advance the progress counter; progress,
+complete, source-failed and checksum-failed go to the server through the client actor. Before
+complete is reported, the packs are copied out into the caller's tiny tensors. A pull that is
+aborted (its call failed or was cancelled) is finished only when none of its reads can still
+write into the buffers.
+
+Self-check: when a reader reports a mismatch against this holder's copy, the server asks it to
+re-verify (``VerifyRequest``); the engine re-hashes the held copy and answers.
 
 What it must never do: serve a version the buffers do not hold (the progress counter's version
 and generation are set before a publish is sent and bumped when an unpublish returns), or run
@@ -35,15 +48,19 @@ from typing import TYPE_CHECKING, Any
 
 from . import messages as m
 from .actor import Actor
+from . import checksum
 from .buffers import ShardBuffers
 from .errors import InvalidArgument, TransportError
+from .layout import Read
 from .session import (
     Advance,
     ReadRange,
     ReplicationSession,
+    ReportChecksumFailed,
     ReportComplete,
     ReportProgress,
     ReportSourceFailed,
+    Verify,
 )
 
 if TYPE_CHECKING:
@@ -68,14 +85,19 @@ class _Slot:
     __slots__ = (
         "aborted",
         "buffers",
+        "checksums",
         "client",
         "ctx",
         "deferred",
         "grant",
         "idle_waiters",
         "offloads",
+        "parked",
         "peer",
+        "peer_generation",
+        "publishing",
         "pull",
+        "reads",
         "region",
         "session",
         "stats",
@@ -97,6 +119,11 @@ class _Slot:
         self.deferred: list[tuple[ReplicationSession, ReadRange]] = []  # reads that wait for an aborted pull's reads to end
         self.stats: PullStats | None = None
         self.ctx = ctx
+        self.checksums: dict[int, tuple[int, ...]] = {}  # version -> its checksums, once known
+        self.parked: list[tuple[ReplicationSession, Verify]] = []  # landed reads waiting for checksums
+        self.reads: dict[int, Read] = {}  # offset -> the read plan's read (its checksum units)
+        self.peer_generation: int | None = None  # the current grant's source generation
+        self.publishing: asyncio.Task | None = None  # the publish job (pack, hash, declare)
 
 
 # ---- messages the engine takes -----------------------------------------------------------------
@@ -123,12 +150,45 @@ class AbortPull:
 
 
 @dataclass(frozen=True, slots=True)
+class StartPublish:
+    """The server took ``version`` from this slot: pack, hash and declare it in the background."""
+
+    session: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitPublished:
+    """Answer once the slot's publish job (if any) has ended."""
+
+    session: int
+
+
+@dataclass(frozen=True, slots=True)
 class _ReadDone:
     session: int
     pull: ReplicationSession
     grant: int
     offset: int
     length: int
+    generation: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Verified:
+    session: int
+    pull: ReplicationSession
+    grant: int
+    offset: int
+    bad_unit: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Unpacked:
+    session: int
+    pull: ReplicationSession
+    grant: int
+    error: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +217,8 @@ class EngineActor(Actor):
 
     def __init__(self, transports: dict[str, Transport], chunk_bytes: int = 8 << 20) -> None:
         super().__init__("engine")
+        if chunk_bytes < 1:
+            raise InvalidArgument(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.transports = transports
         self.chunk_bytes = chunk_bytes
         self.slots: dict[int, _Slot] = {}
@@ -204,6 +266,8 @@ class EngineActor(Actor):
         slot = self.slots.pop(msg.session, None)
         if slot is None:
             return
+        if slot.publishing is not None:
+            slot.publishing.cancel()
         self.regions.pop(slot.region, None)
         slot.buffers.progress.reset(None)
         for copy in slot.offloads.values():
@@ -229,11 +293,12 @@ class EngineActor(Actor):
         if pull is None or pull.version != g.version or pull.done:
             if pull is not None and not pull.done:
                 self._abort(slot)
-            pull = slot.pull = ReplicationSession(g.version, slot.buffers.total_bytes, self.chunk_bytes, self._streams())
-            slot.stats = PullStats(g.version)
-            slot.buffers.progress.reset(g.version, 0)
+            pull = slot.pull = self._new_pull(slot, g.version)
+        if g.checksums is not None:
+            self._learn_checksums(slot, g.version, g.checksums)
         slot.grant = g
         slot.term = g.term
+        slot.peer_generation = None
         try:
             slot.peer = self._pick(g.source.endpoint)
         except TransportError as err:
@@ -244,6 +309,27 @@ class EngineActor(Actor):
         slot.stats.grants += 1
         slot.stats.sources.append(f"{g.source.replica}/{g.source.shard_idx}")
         self._run(slot, pull, pull.on_grant(g.grant, g.source))
+
+    def _new_pull(self, slot: _Slot, version: int) -> ReplicationSession:
+        b = slot.buffers
+        plan = b.plan.reads(max(self.chunk_bytes, b.layout.chunk_bytes))
+        slot.reads = {r.offset: r for r in plan if r.length}
+        slot.parked.clear()
+        slot.stats = PullStats(version)
+        b.progress.reset(version, 0)
+        slot.checksums = {v: c for v, c in slot.checksums.items() if v in slot.offloads}
+        return ReplicationSession(
+            version, b.total_bytes, self.chunk_bytes, self._streams(), reads=[(r.offset, r.length) for r in plan], verify=True
+        )
+
+    def _learn_checksums(self, slot: _Slot, version: int, checksums: tuple[int, ...]) -> None:
+        if len(checksums) != len(slot.buffers.plan.units):
+            self.log.error("checksums of the wrong length; ignored", version=version, got=len(checksums), **slot.ctx)
+            return
+        slot.checksums[version] = checksums
+        parked, slot.parked = slot.parked, []
+        for pull, a in parked:
+            self._verify(slot, pull, a)
 
     def _streams(self) -> int:
         return max((getattr(t, "streams", 1) for t in self.transports.values()), default=1)
@@ -279,6 +365,7 @@ class EngineActor(Actor):
         assert pull is not None
         pull.on_abort()
         slot.pull = None
+        slot.parked.clear()
         slot.buffers.progress.reset(None)
         if not pull.idle:
             slot.aborted.append(pull)
@@ -292,17 +379,62 @@ class EngineActor(Actor):
                     slot.deferred.append((pull, a))
                 else:
                     self.spawn(self._read(slot, pull, a), "read")
+            elif isinstance(a, Verify):
+                self._verify(slot, pull, a)
             elif isinstance(a, Advance):
                 slot.buffers.progress.advance(a.verified)
             elif isinstance(a, ReportProgress):
                 self._report(slot, lambda req, a=a: m.Progress(req, slot.session, a.grant, slot.term, a.verified), True)
             elif isinstance(a, ReportComplete):
-                self._report(slot, lambda req, a=a: m.Complete(req, slot.session, a.grant, slot.term))
+                self.spawn(self._unpack(slot, pull, a.grant), "unpack")
+            elif isinstance(a, ReportChecksumFailed):
+                src = pull.sources[-1] if pull.sources else None
+                where = f"{src.replica}/{src.shard_idx} ({src.kind})" if src is not None else "?"
+                self.log.error("bytes from a source failed verification", grant=a.grant, source=where, unit=a.unit, **slot.ctx)
+                self._report(slot, lambda req, a=a: m.ChecksumFailed(req, slot.session, a.grant, slot.term, a.verified, a.unit))
             elif isinstance(a, ReportSourceFailed):
                 src = pull.sources[-1] if pull.sources else None
                 where = f"{src.replica}/{src.shard_idx} ({src.kind})" if src is not None else "?"
                 self.log.warning("source failed", grant=a.grant, source=where, verified=a.verified, reason=a.reason, **slot.ctx)
                 self._report(slot, lambda req, a=a: m.SourceFailed(req, slot.session, a.grant, slot.term, a.verified, a.reason[:1000]))
+
+    def _verify(self, slot: _Slot, pull: ReplicationSession, a: Verify) -> None:
+        expected = slot.checksums.get(pull.version)
+        if expected is None:
+            slot.parked.append((pull, a))  # the publisher has not declared them yet
+            return
+        self.spawn(self._check(slot, pull, a, expected), "verify")
+
+    async def _check(self, slot: _Slot, pull: ReplicationSession, a: Verify, expected: tuple[int, ...]) -> None:
+        units = slot.reads[a.offset].units
+        bad = await asyncio.to_thread(checksum.first_mismatch, slot.buffers, units, expected)
+        self.tell(_Verified(slot.session, pull, a.grant, a.offset, bad))
+
+    def on__Verified(self, msg: _Verified) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None or msg.pull is not slot.pull:
+            return
+        self._run(slot, msg.pull, msg.pull.on_verified(msg.grant, msg.offset, msg.bad_unit))
+
+    async def _unpack(self, slot: _Slot, pull: ReplicationSession, grant: int) -> None:
+        error = None
+        if slot.buffers.packed:
+            try:
+                await asyncio.to_thread(slot.buffers.unpack)
+            except (RuntimeError, ValueError) as err:
+                error = f"{type(err).__name__}: {err}"
+        self.tell(_Unpacked(slot.session, pull, grant, error))
+
+    def on__Unpacked(self, msg: _Unpacked) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None or msg.pull is not slot.pull:
+            return
+        if msg.error is not None:
+            self.log.error("unpacking the pulled tiny tensors failed", error=msg.error, **slot.ctx)
+            reason = f"unpacking failed locally: {msg.error}"[:1000]
+            self._report(slot, lambda req: m.SourceFailed(req, slot.session, msg.grant, slot.term, 0, reason))
+            return
+        self._report(slot, lambda req: m.Complete(req, slot.session, msg.grant, slot.term))
 
     def _report(self, slot: _Slot, build: Any, unanswered: bool = False) -> None:
         from .client import Send
@@ -314,8 +446,9 @@ class EngineActor(Actor):
 
         assert slot.peer is not None
         transport, peer, region = slot.peer
+        generation = slot.peer_generation
         try:
-            await transport.read(peer, region, pull.version, a.offset, a.length, slot.buffers, None)
+            gen = await transport.read(peer, region, pull.version, a.offset, a.length, slot.buffers, generation)
         except RangeNotReady as err:
             self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), True))
         except (TransportError, InvalidArgument) as err:
@@ -324,7 +457,7 @@ class EngineActor(Actor):
             self.log.exception("transport read raised", transport=transport.name, **slot.ctx)
             self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, f"{type(err).__name__}: {err}", False))
         else:
-            self.tell(_ReadDone(slot.session, pull, a.grant, a.offset, a.length))
+            self.tell(_ReadDone(slot.session, pull, a.grant, a.offset, a.length, gen))
 
     def on__ReadDone(self, msg: _ReadDone) -> None:
         slot = self.slots.get(msg.session)
@@ -333,6 +466,8 @@ class EngineActor(Actor):
         actions = msg.pull.on_read_done(msg.grant, msg.offset)
         if msg.pull is slot.pull and slot.stats is not None and msg.grant == (slot.grant.grant if slot.grant else None):
             slot.stats.bytes += msg.length
+            if slot.peer_generation is None and isinstance(msg.generation, int):
+                slot.peer_generation = msg.generation  # later reads of this grant insist on it
         self._run(slot, msg.pull, actions)
         self._check_idle(slot)
 
@@ -395,11 +530,70 @@ class EngineActor(Actor):
                 t.withdraw(copy)
 
     def on_VerifyRequest(self, msg: m.VerifyRequest) -> None:
-        # Readers report mismatches only once checksums are computed (data-plane integrity).
-        self.log.error("verify request without checksums; not answered", session=msg.session, version=msg.version)
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        self.spawn(self._self_check(slot, msg.version), "self-check")
+
+    async def _self_check(self, slot: _Slot, version: int) -> None:
+        live = slot.buffers
+        held = live if live.progress.version == version else slot.offloads.get(version)
+        expected = slot.checksums.get(version)
+        if slot.publishing is not None and not slot.publishing.done():
+            await asyncio.wait([slot.publishing])
+            expected = slot.checksums.get(version)
+        if held is None or expected is None:
+            # Nothing to judge (the holding went away, or its checksums were never known).
+            self.log.warning("verify request for a copy that cannot be checked", version=version, **slot.ctx)
+            ok = held is not None
+        else:
+            units = range(len(held.plan.units))
+            bad = await asyncio.to_thread(checksum.first_mismatch, held, units, expected)
+            ok = bad is None
+            if not ok:
+                self.log.error("self-check failed: this holder's copy is corrupt", version=version, unit=bad, **slot.ctx)
+        self._report(slot, lambda req: m.VerifyResult(req, slot.session, version, ok))
 
     def on_ChecksumsReady(self, msg: m.ChecksumsReady) -> None:
-        return None
+        slot = self.slots.get(msg.session)
+        if slot is not None:
+            self._learn_checksums(slot, msg.version, msg.checksums)
+
+    # ---- publishing --------------------------------------------------------------------------
+
+    def on_StartPublish(self, msg: StartPublish) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        if slot.publishing is not None and not slot.publishing.done():
+            return  # the same version again while its job runs
+        if msg.version in slot.checksums and slot.buffers.progress.version == msg.version:
+            return  # published again: already packed, hashed and declared
+        slot.publishing = self.spawn(self._publish_job(slot, msg.version), "publish")
+
+    async def _publish_job(self, slot: _Slot, version: int) -> None:
+        b = slot.buffers
+        gen = b.progress.snapshot()[0]
+        try:
+            if b.packed:
+                await asyncio.to_thread(b.pack)
+            if b.progress.snapshot()[:2] != (gen, version):
+                return  # unpublished meanwhile
+            b.progress.advance(b.total_bytes)
+            sums = tuple(await asyncio.to_thread(checksum.compute, b))
+        except (RuntimeError, ValueError, InvalidArgument) as err:
+            self.log.error("publish job failed: the version stays without checksums", version=version, error=repr(err), **slot.ctx)
+            return
+        if b.progress.snapshot()[:2] != (gen, version):
+            return
+        slot.checksums[version] = sums
+        self._report(slot, lambda req: m.DeclareChecksums(req, slot.session, version, sums))
+
+    def on_WaitPublished(self, msg: WaitPublished) -> Any:
+        slot = self.slots.get(msg.session)
+        if slot is None or slot.publishing is None or slot.publishing.done():
+            return None
+        return asyncio.ensure_future(asyncio.wait([slot.publishing]))
 
     def on_Quarantined(self, msg: m.Quarantined) -> None:
         slot = self.slots.get(msg.session)

@@ -3,20 +3,41 @@
 A :class:`Layout` is what the reference table compares (all holders of one (model, shard_idx)
 must declare equal layouts, else :class:`~tensorhub.errors.LayoutMismatch`) and what fixes the
 checksum units: one 64-bit checksum per tensor, or one per ``chunk_bytes`` chunk for tensors
-larger than a chunk. The packing plan (issue: data plane) is derived from the tensor list and
-``pack_threshold``, so two equal layouts always pack identically.
+larger than a chunk.
+
+The packing plan
+----------------
+:func:`plan_of` derives, from the layout alone, how the shard's bytes are laid out for transfer
+(so two equal layouts always pack identically, whatever devices their tensors live on):
+
+- Tensors smaller than ``pack_threshold`` are *tiny*. They are laid end to end, in layout order,
+  into pack buffers of at most :data:`PACK_MAX` bytes. Every other tensor is *large* and is a
+  region of its own, used in place.
+- The **transfer byte space** is the packs, then the large tensors in layout order. Transports
+  move ranges of this space; only its regions are registered with one-sided transports, so
+  registrations and transfer operations stay near the number of large tensors (a 36B model's
+  ~500 tensors, half of them tiny, become ~250 regions plus one pack).
+- **Checksum units** keep their layout order (the order of the declared checksums: tensor by
+  tensor, chunk by chunk); :attr:`Plan.units` says where each lies in the transfer space. A unit
+  never straddles two regions.
+- :meth:`Plan.reads` groups consecutive units into reads of about ``read_bytes``: a read is
+  whole units, so the reader verifies a read as soon as it lands.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 from .wire import struct
 
-__all__ = ["DTYPE_SIZES", "TensorSpec", "Layout", "MAX_TENSORS"]
+__all__ = ["DTYPE_SIZES", "MAX_TENSORS", "PACK_MAX", "Layout", "Plan", "Read", "Region", "TensorSpec", "Unit", "plan_of"]
 
 MAX_TENSORS = 1 << 16
 MAX_DIMS = 16
+#: The largest pack buffer; the tiny tensors of one shard rarely fill one.
+PACK_MAX = 256 << 20
 
 #: Element sizes of the dtypes a layout may name (torch's names without the ``torch.`` prefix).
 DTYPE_SIZES: dict[str, int] = {
@@ -100,3 +121,141 @@ class Layout:
     def checksum_count(self) -> int:
         """How many 64-bit checksums a holder of this layout declares."""
         return sum(max(1, -(-t.nbytes // self.chunk_bytes)) for t in self.tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One registered, transferred buffer: a pack of tiny tensors, or one large tensor.
+
+    Attributes:
+        offset: where it starts in the transfer byte space.
+        nbytes: its size.
+        tensor: the layout index of the large tensor it is, or None for a pack.
+        members: for a pack, ``(tensor index, byte offset in the pack)`` of each tiny tensor.
+    """
+
+    offset: int
+    nbytes: int
+    tensor: int | None
+    members: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One checksum unit: ``length`` bytes of tensor ``tensor`` from its byte ``start``, at
+    ``offset`` in the transfer space, inside region ``region``. ``index`` is its position in the
+    declared checksums."""
+
+    index: int
+    tensor: int
+    start: int
+    offset: int
+    length: int
+    region: int
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """Transfer bytes ``[offset, offset + length)``: checksum units ``units`` (in transfer order)."""
+
+    offset: int
+    length: int
+    units: tuple[int, ...]
+
+
+class Plan:
+    """How one layout's bytes are packed and moved. Build it with :func:`plan_of` (cached).
+
+    Attributes:
+        regions: the packs, then the large tensors, in transfer order (zero-byte tensors
+            have no region).
+        units: the checksum units, in layout (declared-checksum) order.
+        tensor_offset: each tensor's offset in the transfer space, by layout index.
+        total_bytes: size of the transfer space (the sum of the tensors' sizes).
+    """
+
+    __slots__ = ("_reads", "layout", "regions", "tensor_offset", "total_bytes", "units")
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        tiny = [i for i, t in enumerate(layout.tensors) if t.nbytes < layout.pack_threshold]
+        large = [i for i, t in enumerate(layout.tensors) if t.nbytes >= layout.pack_threshold]
+        regions: list[Region] = []
+        offsets = [0] * len(layout.tensors)
+        pos = 0
+        members: list[tuple[int, int]] = []
+        fill = 0
+        for i in tiny:
+            n = layout.tensors[i].nbytes
+            if fill + n > PACK_MAX and members:
+                regions.append(Region(pos, fill, None, tuple(members)))
+                pos += fill
+                members, fill = [], 0
+            members.append((i, fill))
+            offsets[i] = pos + fill
+            fill += n
+        if members:
+            regions.append(Region(pos, fill, None, tuple(members)))
+            pos += fill
+        for i in large:
+            n = layout.tensors[i].nbytes
+            offsets[i] = pos
+            if n:
+                regions.append(Region(pos, n, i))
+            pos += n
+        self.regions = tuple(regions)
+        self.tensor_offset = tuple(offsets)
+        self.total_bytes = pos
+        starts = [r.offset for r in regions]
+        units: list[Unit] = []
+        chunk = layout.chunk_bytes
+        for i, t in enumerate(layout.tensors):
+            base = offsets[i]
+            region = _region_at(starts, regions, base, t.nbytes)
+            for start in range(0, max(t.nbytes, 1), chunk):
+                units.append(Unit(len(units), i, start, base + start, min(chunk, t.nbytes - start), region))
+        self.units = tuple(units)
+        self._reads: dict[int, tuple[Read, ...]] = {}
+
+    def units_in_transfer_order(self) -> list[Unit]:
+        return sorted(self.units, key=lambda u: (u.offset, u.length, u.index))
+
+    def reads(self, read_bytes: int) -> tuple[Read, ...]:
+        """Consecutive whole units grouped into reads of at most ``read_bytes`` (a unit larger
+        than that is a read of its own), covering the transfer space in order. Zero-length
+        units ride with the read that reaches their offset."""
+        got = self._reads.get(read_bytes)
+        if got is not None:
+            return got
+        out: list[Read] = []
+        cur: list[int] = []
+        start = length = 0
+        for u in self.units_in_transfer_order():
+            if cur and length + u.length > read_bytes and u.length:
+                out.append(Read(start, length, tuple(cur)))
+                cur, start, length = [], u.offset, 0
+            if not cur:
+                start = u.offset
+            cur.append(u.index)
+            length += u.length
+        if cur:
+            out.append(Read(start, length, tuple(cur)))
+        got = self._reads[read_bytes] = tuple(out)
+        return got
+
+
+def _region_at(starts: list[int], regions: list[Region], offset: int, nbytes: int) -> int:
+    """Index of the region holding ``nbytes`` at ``offset`` (-1 for zero bytes outside all)."""
+    import bisect
+
+    k = bisect.bisect_right(starts, offset) - 1
+    if k >= 0 and regions[k].offset <= offset and offset + nbytes <= regions[k].offset + regions[k].nbytes:
+        if nbytes or offset < regions[k].offset + regions[k].nbytes:
+            return k
+    return -1
+
+
+@functools.lru_cache(maxsize=256)
+def plan_of(layout: Layout) -> Plan:
+    """The packing plan of ``layout`` (equal layouts share one)."""
+    return Plan(layout)

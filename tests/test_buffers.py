@@ -21,17 +21,19 @@ pytestmark = pytest.mark.timeout(30)
 def make(sizes: list[int], dtype: torch.dtype = torch.uint8) -> ShardBuffers:
     """Buffers of uint8 tensors with the given byte sizes; tensor i holds bytes (i*37 + k) % 251."""
     tensors = {f"t{i}": (torch.arange(n, dtype=torch.int64) + i * 37).remainder(251).to(dtype) for i, n in enumerate(sizes)}
-    return ShardBuffers(tensors, layout_of(tensors))
+    return ShardBuffers(tensors, layout_of(tensors, pack_threshold=0))  # unpacked: one region per tensor
 
 
 def shard_bytes(b: ShardBuffers) -> bytes:
-    return b"".join(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in b.tensors)
+    """The transfer byte space."""
+    return b"".join(bytes(v) for v in b.views(0, b.total_bytes))
 
 
 def reference_segments(sizes: list[int], offset: int, length: int) -> list[Segment]:
-    """Byte-by-byte reference: runs of consecutive bytes that fall in the same tensor."""
+    """Byte-by-byte reference: runs of consecutive bytes that fall in the same region (the
+    non-empty tensors of an unpacked layout, numbered in order)."""
     owner = []
-    for i, n in enumerate(sizes):
+    for i, n in enumerate(n for n in sizes if n):
         owner += [(i, k) for k in range(n)]
     out: list[Segment] = []
     for pos in range(offset, offset + length):
@@ -95,7 +97,7 @@ def test_layout_of_errors_carry_context() -> None:
 
 def test_starts_and_total_bytes() -> None:
     b = make([4, 0, 10, 3])
-    assert b.starts == [0, 4, 4, 14]
+    assert b.starts == [0, 4, 14]  # the empty tensor has no region
     assert b.total_bytes == 17 == b.layout.total_bytes
     assert not b.on_cuda
 
@@ -103,12 +105,12 @@ def test_starts_and_total_bytes() -> None:
 @pytest.mark.parametrize(
     "offset, length, expect",
     [
-        (0, 17, [Segment(0, 0, 0, 4), Segment(2, 0, 4, 10), Segment(3, 0, 14, 3)]),
+        (0, 17, [Segment(0, 0, 0, 4), Segment(1, 0, 4, 10), Segment(2, 0, 14, 3)]),
         (0, 4, [Segment(0, 0, 0, 4)]),  # ends exactly on a boundary (zero-size tensor 1 follows)
-        (4, 10, [Segment(2, 0, 4, 10)]),  # starts on a boundary shared with an empty tensor
-        (3, 2, [Segment(0, 3, 3, 1), Segment(2, 0, 4, 1)]),  # spans the empty tensor
-        (13, 2, [Segment(2, 9, 13, 1), Segment(3, 0, 14, 1)]),
-        (16, 1, [Segment(3, 2, 16, 1)]),  # the last byte
+        (4, 10, [Segment(1, 0, 4, 10)]),  # starts on a boundary shared with an empty tensor
+        (3, 2, [Segment(0, 3, 3, 1), Segment(1, 0, 4, 1)]),  # spans the empty tensor
+        (13, 2, [Segment(1, 9, 13, 1), Segment(2, 0, 14, 1)]),
+        (16, 1, [Segment(2, 2, 16, 1)]),  # the last byte
         (5, 0, []),
         (17, 0, []),  # an empty range at the very end
         (0, 0, []),
@@ -122,9 +124,9 @@ def test_segments_on_boundaries(offset: int, length: int, expect: list[Segment])
 
 def test_segments_skip_leading_and_trailing_empty_tensors() -> None:
     b = make([0, 0, 5, 0])
-    assert b.starts == [0, 0, 0, 5]
-    assert b.segments(0, 5) == [Segment(2, 0, 0, 5)]
-    assert b.segments(2, 3) == [Segment(2, 2, 2, 3)]
+    assert b.starts == [0]
+    assert b.segments(0, 5) == [Segment(0, 0, 0, 5)]
+    assert b.segments(2, 3) == [Segment(0, 2, 2, 3)]
 
 
 @pytest.mark.parametrize("offset, length", [(-1, 1), (0, -1), (0, 18), (17, 1), (10, 8), (100, 0)])
@@ -158,7 +160,7 @@ def test_views_alias_the_tensors_across_dtypes() -> None:
         "b": torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16),
         "c": torch.arange(5, dtype=torch.int16),
     }
-    b = ShardBuffers(tensors, layout_of(tensors))
+    b = ShardBuffers(tensors, layout_of(tensors, pack_threshold=0))
     assert b.total_bytes == 24 + 6 + 10
     whole = b"".join(bytes(v) for v in b.views(0, b.total_bytes))
     assert whole == shard_bytes(b)
@@ -188,7 +190,7 @@ def test_copy_out_and_copy_in_round_trip() -> None:
 
 def test_clone_cpu_copies() -> None:
     tensors = {"a": torch.arange(4, dtype=torch.int32), "b": torch.ones(3, dtype=torch.bfloat16)}
-    b = ShardBuffers(tensors, layout_of(tensors))
+    b = ShardBuffers(tensors, layout_of(tensors, pack_threshold=0))
     c = b.clone_cpu()
     assert c.layout == b.layout and shard_bytes(c) == shard_bytes(b)
     tensors["a"][0] = 99

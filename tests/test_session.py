@@ -148,14 +148,16 @@ def test_new_grant_resumes_from_verified() -> None:
     assert s.on_read_done(2, 16) == [Advance(20), ReportComplete(2)]
 
 
-def test_landed_bytes_of_a_failed_grant_are_read_again() -> None:
+def test_ranges_that_landed_before_a_failure_are_kept_and_only_the_rest_read_again() -> None:
     s = ReplicationSession(1, 12, chunk_bytes=4, max_inflight=3, report_every=BIG)
     s.on_grant(1)
-    assert s.on_read_done(1, 4) == []  # landed above the gap
+    assert s.on_read_done(1, 4) == []  # landed whole above the gap: kept
     assert s.on_read_failed(1, 0, "x") == []
+    # A read of a failed grant that returns after the failure is discarded.
     assert s.on_read_done(1, 8) == [ReportSourceFailed(1, 0, "x")]
-    # Bytes [4, 12) landed from grant 1, but were never verified: grant 2 reads them again.
-    assert s.on_grant(2) == [ReadRange(2, 0, 4), ReadRange(2, 4, 4), ReadRange(2, 8, 4)]
+    assert s.on_grant(2) == [ReadRange(2, 0, 4), ReadRange(2, 8, 4)]
+    assert s.on_read_done(2, 0) == [Advance(8)]
+    assert s.on_read_done(2, 8) == [Advance(12), ReportComplete(2)]
 
 
 def test_revoke_then_new_grant_while_old_reads_drain_is_deferred() -> None:

@@ -48,14 +48,15 @@ def zeros_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def raw(b: ShardBuffers) -> bytes:
-    return b"".join(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in b.tensors)
+    """The transfer byte space (packs, then large tensors): what a transport moves."""
+    return b"".join(bytes(v) for v in b.views(0, b.total_bytes))
 
 
 def shard(seed: int, complete: bool = True) -> tuple[ShardBuffers, ShardBuffers]:
     """A holder's buffers (random content) and an empty reader's buffers with the same layout."""
     gen = torch.Generator().manual_seed(seed)
     src = make_tensors(gen)
-    lay = layout_of(src)
+    lay = layout_of(src, pack_threshold=0)  # unpacked: the transfer space is the tensors in order
     held = ShardBuffers(src, lay)
     held.progress.reset(VERSION, held.total_bytes if complete else 0)
     return held, ShardBuffers(zeros_like(src), lay)
@@ -452,7 +453,7 @@ def test_concurrent_resets_never_let_a_torn_read_through(seed: int) -> None:
     """A holder that keeps replacing its bytes (bump generation, rewrite, advance) while readers
     read: every read that returns normally holds one whole version of the bytes."""
     sizes = {"a": torch.zeros(96 << 10, dtype=torch.uint8), "b": torch.zeros(160 << 10, dtype=torch.uint8)}
-    held = ShardBuffers(sizes, layout_of(sizes))
+    held = ShardBuffers(sizes, layout_of(sizes, pack_threshold=0))
     total = held.total_bytes
     held.progress.reset(VERSION, 0)
     stop = threading.Event()
