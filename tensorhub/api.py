@@ -121,7 +121,13 @@ class Runtime:
         started = {}
         try:
             for name, options in transports.items():
+                options = dict(options or {})
+                faults = options.pop("faults", None)  # wrap it in fault injection (testing integrations)
                 t = get_transport(name)(options)
+                if faults is not None:
+                    from transports.faults import wrap
+
+                    t = wrap(t, faults)
                 await t.start()
                 started[name] = t
         except BaseException:

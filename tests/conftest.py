@@ -49,3 +49,30 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 def seed() -> int:
     """The run's seed: derive every random source of a test from it."""
     return SEED
+
+
+@pytest.fixture
+def handles():
+    """``make(replica, **open_kw)``: a shard handle in a worker process, closed after the test."""
+    from .procs import RemoteHandle
+
+    made: list[RemoteHandle] = []
+
+    def make(replica: str, **kw) -> RemoteHandle:
+        h = RemoteHandle(model=kw.pop("model", "actor"), replica=replica, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.exit()
+
+
+@pytest.fixture
+def inproc_server():
+    """A real server actor in this process, whose table the test can look into."""
+    from .procs import InprocServer
+
+    s = InprocServer()
+    yield s
+    s.close()

@@ -126,6 +126,15 @@ def _worker(cmds: Any, results: Any, open_kw: dict) -> None:
                 value = holds(tensors, args[0], shard, scale)
             elif cmd == "wait_for":
                 value = sorted(h.wait(lambda vs, v=args[0]: v in vs, timeout=args[1]))
+            elif cmd == "corrupt":  # flip one byte of the served copy (bit rot behind our back)
+                (view,) = h.buffers.views(args[0], 1)
+                view[0] ^= 0xFF
+                value = None
+            elif cmd == "fired":  # what the fault-injecting wrapper did
+                t = h._engine.transports.get("tcp")
+                value = [f.op for f in getattr(t, "fired", [])]
+            elif cmd == "pulled":  # bytes the latest pull landed (re-reads count again)
+                value = h.last_pull.bytes if h.last_pull else 0
             elif cmd == "last_sources":
                 value = list(h.last_pull.sources) if h.last_pull else []
             else:
@@ -198,3 +207,44 @@ def wait_until(pred: Any, timeout: float, what: str, step: float = 0.02) -> None
             return
         time.sleep(step)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class InprocServer:
+    """A real server actor (real ROUTER socket) on a loop thread of the test process, so that
+    the test can look into its table."""
+
+    def __init__(self) -> None:
+        from tensorhub.actor import LoopThread
+        from tensorhub.server import ServerActor, ServerConfig
+
+        self.loop = LoopThread("test-server")
+        self.actor = ServerActor(ServerConfig(bind="tcp://127.0.0.1:*", seed=7))
+        self.loop.run(self.actor.start())
+        self.address = self.actor.address
+
+    def _look(self, fn: Any) -> Any:
+        async def get() -> Any:
+            return fn(self.actor.table)
+
+        return self.loop.run(get())
+
+    def counts(self) -> dict[str, int]:
+        return self._look(lambda t: t.counts())
+
+    def stats(self) -> dict[str, int]:
+        """The table's running totals (grants made, revoked, quarantined...)."""
+        return self._look(lambda t: dict(t.stats))
+
+    def checksums(self, model: str, version: int, shard: int = 0) -> tuple[int, ...] | None:
+        """The checksums declared for a version's shard, once its publisher has hashed it."""
+
+        def get(t: Any) -> Any:
+            mo = t.models.get(model)
+            ver = mo.versions.get(version) if mo is not None else None
+            return ver.checksums.get(shard) if ver is not None else None
+
+        return self._look(get)
+
+    def close(self) -> None:
+        self.loop.run(self.actor.stop())
+        self.loop.close()

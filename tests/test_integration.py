@@ -8,10 +8,7 @@ import time
 
 import pytest
 
-from tensorhub.actor import LoopThread
-from tensorhub.server import ServerActor, ServerConfig
-
-from .procs import RemoteError, RemoteHandle, ServerProcess, wait_until
+from .procs import RemoteError, ServerProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -25,48 +22,6 @@ def server():
     yield s
     assert s.alive(), f"the server died: {s.stderr()}"
     assert s.stop() == 0
-
-
-@pytest.fixture
-def handles():
-    made: list[RemoteHandle] = []
-
-    def make(replica: str, **kw) -> RemoteHandle:
-        h = RemoteHandle(model=kw.pop("model", "actor"), replica=replica, **kw)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.exit()
-
-
-class InprocServer:
-    """A real server actor (real ROUTER socket) on a loop thread of the test process, so that
-    the test can look into its table."""
-
-    def __init__(self) -> None:
-        self.loop = LoopThread("test-server")
-        self.actor = ServerActor(ServerConfig(bind="tcp://127.0.0.1:*", seed=7))
-        self.loop.run(self.actor.start())
-        self.address = self.actor.address
-
-    def counts(self) -> dict[str, int]:
-        async def get() -> dict[str, int]:
-            return self.actor.table.counts()
-
-        return self.loop.run(get())
-
-    def close(self) -> None:
-        self.loop.run(self.actor.stop())
-        self.loop.close()
-
-
-@pytest.fixture
-def inproc_server():
-    s = InprocServer()
-    yield s
-    s.close()
 
 
 def test_trainer_publishes_rollouts_replicate_and_update(server, handles):
