@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,10 @@ class PullStats:
     bytes: int = 0
     grants: int = 0
     sources: list[str] = field(default_factory=list)
+    reads: int = 0  #: transfer operations that landed (one request each)
+    segments: int = 0  #: memory regions those reads touched (descriptors, for a one-sided transport)
+    regions: int = 0  #: regions of the shard (what a one-sided transport registers)
+    verify_s: float = 0.0  #: seconds spent hashing landed bytes (in worker threads, overlapped)
 
 
 class _Slot:
@@ -315,7 +320,7 @@ class EngineActor(Actor):
         plan = b.plan.reads(max(self.chunk_bytes, b.layout.chunk_bytes))
         slot.reads = {r.offset: r for r in plan if r.length}
         slot.parked.clear()
-        slot.stats = PullStats(version)
+        slot.stats = PullStats(version, regions=len(b.regions))
         b.progress.reset(version, 0)
         slot.checksums = {v: c for v, c in slot.checksums.items() if v in slot.offloads}
         return ReplicationSession(
@@ -407,7 +412,15 @@ class EngineActor(Actor):
 
     async def _check(self, slot: _Slot, pull: ReplicationSession, a: Verify, expected: tuple[int, ...]) -> None:
         units = slot.reads[a.offset].units
-        bad = await asyncio.to_thread(checksum.first_mismatch, slot.buffers, units, expected)
+        t0 = time.perf_counter()
+        try:
+            bad = await asyncio.to_thread(checksum.first_mismatch, slot.buffers, units, expected)
+        except (RuntimeError, OSError, InvalidArgument) as err:  # e.g. a CUDA error staging the bytes
+            # Never accept bytes that were not checked: count the read as bad (it is read again).
+            self.log.error("verifying landed bytes failed locally", error=repr(err), **slot.ctx)
+            bad = units[0]
+        if slot.stats is not None and pull is slot.pull:
+            slot.stats.verify_s += time.perf_counter() - t0
         self.tell(_Verified(slot.session, pull, a.grant, a.offset, bad))
 
     def on__Verified(self, msg: _Verified) -> None:
@@ -466,6 +479,8 @@ class EngineActor(Actor):
         actions = msg.pull.on_read_done(msg.grant, msg.offset)
         if msg.pull is slot.pull and slot.stats is not None and msg.grant == (slot.grant.grant if slot.grant else None):
             slot.stats.bytes += msg.length
+            slot.stats.reads += 1
+            slot.stats.segments += len(slot.buffers.segments(msg.offset, msg.length))
             if slot.peer_generation is None and isinstance(msg.generation, int):
                 slot.peer_generation = msg.generation  # later reads of this grant insist on it
         self._run(slot, msg.pull, actions)
