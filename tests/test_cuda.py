@@ -1,0 +1,73 @@
+"""The data plane on CUDA memory: packs on the GPU, checksums equal to the CPU's for the same
+bytes, and tcp reads into and out of GPU tensors through pinned staging.
+
+These run only where a CUDA device is present (the CI machine has none; run them on a GPU
+host with ``python -m pytest tests/test_cuda.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tensorhub import checksum
+from tensorhub.buffers import ShardBuffers, layout_of
+from transports.tcp import TcpTransport
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.timeout(120),
+]
+
+
+def tensors(device: str, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    cpu = {
+        "norm": torch.randn(4096, generator=g).to(torch.bfloat16),
+        "bias": torch.randn(777, generator=g),
+        "fp8": torch.randn(1000, generator=g).to(torch.float8_e4m3fn),
+        "w": torch.randn(3 << 20, generator=g).to(torch.bfloat16),  # 6 MiB: two checksum units
+        "scalar": torch.tensor(7, dtype=torch.int64),
+    }
+    return {k: v.to(device) for k, v in cpu.items()}
+
+
+def test_checksums_are_the_same_on_cpu_and_gpu(seed: int) -> None:
+    cpu = ShardBuffers(tensors("cpu", seed), layout_of(tensors("cpu", seed)))
+    gpu_t = tensors("cuda", seed)
+    gpu = ShardBuffers(gpu_t, layout_of(gpu_t))
+    assert gpu.on_cuda and gpu.layout == cpu.layout
+    cpu.pack()
+    gpu.pack()
+    assert checksum.compute(gpu) == checksum.compute(cpu)
+    expected = checksum.compute(cpu)
+    assert checksum.first_mismatch(gpu, range(len(expected)), expected) is None
+    gpu_t["w"].view(-1)[12345] += 1
+    assert checksum.first_mismatch(gpu, range(len(expected)), expected) is not None
+
+
+def test_tcp_moves_gpu_packs_and_tensors_byte_exact(seed: int) -> None:
+    src = tensors("cuda", seed)
+    held = ShardBuffers(src, layout_of(src))
+    held.pack()
+    held.progress.reset(1, held.total_bytes)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    into = ShardBuffers(dst, held.layout)
+
+    async def main() -> None:
+        holder, reader = TcpTransport(), TcpTransport()
+        await holder.start()
+        await reader.start()
+        holder.serve(lambda region, version: held if (region, version) == (1, 1) else None)
+        try:
+            await reader.read(holder.endpoint(), 1, 1, 0, held.total_bytes, into, None)
+        finally:
+            await reader.close()
+            await holder.close()
+
+    asyncio.run(main())
+    into.unpack()
+    for k in src:
+        assert torch.equal(dst[k].reshape(-1).view(torch.uint8), src[k].reshape(-1).view(torch.uint8)), k
+    assert checksum.compute(into) == checksum.compute(held)
