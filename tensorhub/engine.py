@@ -47,9 +47,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import checksum
 from . import messages as m
 from .actor import Actor
-from . import checksum
 from .buffers import ShardBuffers
 from .errors import InvalidArgument, TransportError
 from .layout import Read

@@ -26,6 +26,7 @@ The packing plan
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass
@@ -246,13 +247,12 @@ class Plan:
 
 def _region_at(starts: list[int], regions: list[Region], offset: int, nbytes: int) -> int:
     """Index of the region holding ``nbytes`` at ``offset`` (-1 for zero bytes outside all)."""
-    import bisect
-
     k = bisect.bisect_right(starts, offset) - 1
-    if k >= 0 and regions[k].offset <= offset and offset + nbytes <= regions[k].offset + regions[k].nbytes:
-        if nbytes or offset < regions[k].offset + regions[k].nbytes:
-            return k
-    return -1
+    if k < 0:
+        return -1
+    end = regions[k].offset + regions[k].nbytes
+    inside = regions[k].offset <= offset and offset + nbytes <= end
+    return k if inside and (nbytes or offset < end) else -1
 
 
 @functools.lru_cache(maxsize=256)
