@@ -20,9 +20,11 @@ the user configured (a dict of msgpack-able values), then:
    reaches it) that version under that region id, or None. Serve only bytes of that version
    below ``buffers.progress.verified`` (block on ``progress.wait_covered``, bounded), and
    report the generation you saw before and after the copy, so the reader can discard a read
-   across which the holding changed. ``expose(buffers)`` / ``withdraw(buffers)`` are called when
-   a shard's buffers start / stop being servable; one-sided transports register and deregister
-   memory there, two-sided ones may ignore them.
+   across which the holding changed. ``expose(buffers)`` / ``withdraw(buffers)`` are called on
+   every transport of the process when a shard's buffers start / stop being in use (both the
+   buffers it serves and those it pulls into); one-sided transports register and deregister
+   memory there, and refuse to serve buffers that are not exposed; two-sided ones may ignore
+   them.
 4. Reader side: ``await read(peer, region, version, offset, length, into, generation)`` copies
    shard bytes ``[offset, offset + length)`` of ``version`` from the peer into the same range of
    ``into``, and returns the holder's generation. ``generation`` is what an earlier read of this
@@ -30,12 +32,24 @@ the user configured (a dict of msgpack-able values), then:
    off the event loop (a thread that releases the GIL, or the library's own progress engine), so
    that heartbeats are never starved. Many reads of one pull run concurrently; ``read`` must be
    safe to call from several tasks at once.
-5. ``await close()`` once: stop serving, close connections, release registrations. Reads still
-   running fail with :class:`TransportError`.
+5. ``await close()``: stop serving, close connections, release registrations. Reads still
+   running on either side (this process reading, or peers reading from it) fail with
+   :class:`TransportError`; reads started later fail with it too. A second ``close()``, or one
+   after a ``start()`` that failed, does nothing.
 
-**Errors.** A read that cannot complete raises :class:`~tensorhub.errors.TransportError`
-naming the peer and the range; the engine reports the source as failed and the server
-re-grants from elsewhere. Never return normally with bytes that were not all written.
+**Partial holders.** A transport that waits for a holder's progress takes the option
+``wait_timeout`` (seconds): how long a read waits for the range to be covered. When it is not
+covered by then, the read raises :class:`RangeNotReady`, a :class:`TransportError`: the holder
+is healthy but behind, and the engine retries the range (from the same source or another)
+instead of reporting the source as failed.
+
+**Errors.** A read that cannot complete raises :class:`~tensorhub.errors.TransportError` (or a
+subclass) naming the peer, the region, the version and the range; the engine reports the source
+as failed and the server re-grants from elsewhere. That covers: a peer that is unknown,
+unreachable or closed (also when it closes while the read runs), a region or version the peer
+does not hold, a range outside the shard, and a generation that moved (or is not the one the
+caller passed). Never return normally with bytes that were not all written, nor with bytes
+read across a generation change.
 
 **What must be overridden:** ``start``, ``endpoint``, ``read``, ``close``; two-sided transports
 also use ``serve``. **What may be:** ``available`` (a probe of optional libraries; import them
@@ -46,7 +60,10 @@ only inside the plugin), ``expose``/``withdraw``.
 ``local`` does not). The engine picks a transport per (reader, holder) edge from these and both
 sides' endpoints.
 
-Every transport must pass :func:`tensorhub.testing.check_transport` (the conformance suite).
+Every transport must pass :func:`tensorhub.testing.check_transport` (the conformance suite);
+its tests call it, skipping (and saying why) only checks the transport cannot take part in.
+The capability flags steer it: a one-sided transport must refuse withdrawn buffers.
+:func:`transports.faults.wrap` stands a fault-injecting wrapper in for any transport.
 """
 
 from __future__ import annotations
@@ -54,13 +71,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
+from tensorhub.errors import TransportError
+
 if TYPE_CHECKING:
     from tensorhub.buffers import ShardBuffers
 
-__all__ = ["Resolver", "Transport"]
+__all__ = ["RangeNotReady", "Resolver", "Transport"]
 
 #: ``resolver(region, version)``: the buffers holding ``version`` under ``region``, or None.
 Resolver = Callable[[int, int], Optional["ShardBuffers"]]
+
+
+class RangeNotReady(TransportError):
+    """A partial holder did not have the range yet (its progress did not cover it within the
+    read's ``wait_timeout``). The holder is not at fault: the engine retries the range."""
+
+    code = "range_not_ready"
 
 
 class Transport:

@@ -20,6 +20,7 @@ __all__ = ["ENTRY_POINT_GROUP", "get_transport", "register_transport", "transpor
 ENTRY_POINT_GROUP = "tensorhub.transports"
 
 _BUILTIN: dict[str, str] = {
+    "memory": "transports.memory:MemoryTransport",
     "tcp": "transports.tcp:TcpTransport",
 }
 _registered: dict[str, type[Transport] | str] = dict(_BUILTIN)

@@ -34,7 +34,7 @@ import torch
 from tensorhub.buffers import ShardBuffers, memory_of
 from tensorhub.errors import InvalidArgument, TransportError
 
-from .base import Transport
+from .base import RangeNotReady, Transport
 
 __all__ = ["RangeNotReady", "TcpTransport"]
 
@@ -52,12 +52,6 @@ _STATUS_TEXT = {
     BAD_REQUEST: "the peer refused a malformed request",
 }
 MAX_READ = 256 << 20  # one request moves at most this many bytes
-
-
-class RangeNotReady(TransportError):
-    """A partial holder did not have the range yet; the read may be retried."""
-
-    code = "range_not_ready"
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -243,6 +237,8 @@ class TcpTransport(Transport):
             key = (str(peer["host"]), int(peer["port"]))
         except (KeyError, TypeError, ValueError) as err:
             raise TransportError(f"tcp endpoint {peer!r} has no host and port") from err
+        if offset < 0 or length < 0 or (generation is not None and not 0 <= generation < 1 << 64):
+            raise InvalidArgument(f"bad tcp read: offset {offset}, length {length}, generation {generation}")
         if length > MAX_READ:
             raise InvalidArgument(f"a tcp read moves at most {MAX_READ} bytes, asked {length}")
         if self._closed:
@@ -294,11 +290,11 @@ class TcpTransport(Transport):
         if self._closed:
             raise TransportError(f"tcp transport closed; read of {where} not started")
         if self.max_rate is not None:
-            with self._lock:  # reserve this read's share of the rate, then wait for it
+            with self._lock:  # reserve this read's share of the rate; it ends no sooner
                 now = time.monotonic()
-                start = max(now, self._rate_next)
-                self._rate_next = start + length / self.max_rate
-            time.sleep(start - now)
+                end = max(now, self._rate_next) + length / self.max_rate
+                self._rate_next = end
+            time.sleep(min(end - now, 3600.0))
         request = _REQ.pack(_MAGIC, region, version, offset, length, generation or 0, int(self.wait_timeout * 1000))
         sock: socket.socket | None = None
         try:
