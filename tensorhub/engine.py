@@ -455,7 +455,7 @@ class EngineActor(Actor):
         slot.client.tell(Send(build, unanswered))
 
     async def _read(self, slot: _Slot, pull: ReplicationSession, a: ReadRange) -> None:
-        from transports.tcp import RangeNotReady
+        from transports.base import RangeNotReady
 
         assert slot.peer is not None
         transport, peer, region = slot.peer
@@ -529,9 +529,9 @@ class EngineActor(Actor):
         ok = msg.copy is not None
         if msg.copy is not None:
             msg.copy.progress.reset(msg.version, msg.copy.total_bytes)
-            slot.offloads[msg.version] = msg.copy
-            for t in self.transports.values():
+            for t in self.transports.values():  # registered before anyone can resolve to it
                 t.expose(msg.copy)
+            slot.offloads[msg.version] = msg.copy
         else:
             self.log.error("offload failed", version=msg.version, error=msg.error, **slot.ctx)
         self._report(slot, lambda req: m.PublishOffload(req, slot.session, msg.version, ok))

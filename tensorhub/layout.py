@@ -188,14 +188,14 @@ class Plan:
         fill = 0
         for i in tiny:
             n = layout.tensors[i].nbytes
-            if fill + n > PACK_MAX and members:
+            if fill + n > PACK_MAX and fill:
                 regions.append(Region(pos, fill, None, tuple(members)))
                 pos += fill
                 members, fill = [], 0
             members.append((i, fill))
             offsets[i] = pos + fill
             fill += n
-        if members:
+        if fill:  # a pack of nothing but empty tensors is no region
             regions.append(Region(pos, fill, None, tuple(members)))
             pos += fill
         for i in large:
@@ -232,7 +232,7 @@ class Plan:
         cur: list[int] = []
         start = length = 0
         for u in self.units_in_transfer_order():
-            if cur and length + u.length > read_bytes and u.length:
+            if length and length + u.length > read_bytes:
                 out.append(Read(start, length, tuple(cur)))
                 cur, start, length = [], u.offset, 0
             if not cur:
