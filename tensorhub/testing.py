@@ -724,18 +724,26 @@ async def _peer_death(ctx: _Ctx) -> None:
             "the suite cannot close the holder during a read; skip 'peer_death' for it"
         ))
 
-    waiting = _mixed(ctx.rng)
     async with ctx.pair(wait_timeout=_LONG_WAIT) as p:
-        p.hold(waiting.buffers, verified=0)
-        into = p.into(waiting)
-        task = asyncio.ensure_future(p.read(into, 0, 100))
-        await asyncio.sleep(0.1)
-        _expect(not task.done(), "a read of an uncovered range ended before the wait")
-        t0 = time.monotonic()
-        await _bounded(p.holder.close(), "holder close()", _CLOSE_TIMEOUT)
-        await _fails(_bounded(task, "a read waiting on a holder that closed", _PROMPT), "a read waiting on a holder that closed")
-        took = time.monotonic() - t0
-        _expect(took < _PROMPT, f"the read took {took:.1f} s to fail after the holder closed")
+        await _close_while_waiting(ctx, p, "holder")
+
+
+async def _close_while_waiting(ctx: _Ctx, p: Any, side: str) -> tuple[Any, ShardBuffers]:
+    """Start a read of a range the holder does not have yet, close ``side`` ("holder" or
+    "reader") while it waits, and expect the read to fail promptly. Returns (shard, into)."""
+    shard = _mixed(ctx.rng)
+    p.hold(shard.buffers, verified=0)
+    into = p.into(shard)
+    task = asyncio.ensure_future(p.read(into, 0, 100))
+    await asyncio.sleep(0.1)
+    _expect(not task.done(), "a read of an uncovered range ended before the wait")
+    t0 = time.monotonic()
+    await _bounded(getattr(p, side).close(), f"{side} close()", _CLOSE_TIMEOUT)
+    what = f"a read waiting when its {side} closed"
+    await _fails(_bounded(task, what, _PROMPT), what)
+    took = time.monotonic() - t0
+    _expect(took < _PROMPT, f"the read took {took:.1f} s to fail after the {side} closed")
+    return shard, into
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
@@ -750,18 +758,8 @@ async def _close_reader(ctx: _Ctx) -> None:
     """Closing a reader fails its read in flight promptly (TransportError, not RangeNotReady,
     long before a 30 s wait); reads after close raise TransportError; a second close() is
     harmless."""
-    shard = _mixed(ctx.rng)
     async with ctx.pair(wait_timeout=_LONG_WAIT) as p:
-        p.hold(shard.buffers, verified=0)
-        into = p.into(shard)
-        task = asyncio.ensure_future(p.read(into, 0, 100))
-        await asyncio.sleep(0.1)
-        _expect(not task.done(), "a read of an uncovered range ended before the wait")
-        t0 = time.monotonic()
-        await _bounded(p.reader.close(), "reader close()", _CLOSE_TIMEOUT)
-        await _fails(_bounded(task, "a read in flight at close", _PROMPT), "a read in flight when its reader closed")
-        took = time.monotonic() - t0
-        _expect(took < _PROMPT, f"the read took {took:.1f} s to fail after its reader closed")
+        shard, into = await _close_while_waiting(ctx, p, "reader")
         shard.buffers.progress.advance(shard.total)
         await _fails(p.read(into, 0, 100), "a read on a closed reader")
         await _bounded(p.reader.close(), "a second reader close()", _CLOSE_TIMEOUT)
