@@ -13,6 +13,26 @@ Wire format of one read (all integers big-endian)::
     response = status:u8 generation:u64 length:u64  [length bytes]  trailer
     trailer  = status:u8 generation:u64              (only after the bytes)
 
+Throughput choices
+------------------
+- **Read size.** The engine asks for whole checksum units grouped into reads of about
+  ``max(engine chunk, layout chunk)`` (8 MiB by default; ``$TENSORHUB_CHUNK_BYTES``). One read
+  costs one request/response round trip (tens of microseconds on a LAN) against milliseconds of
+  payload, so the per-read overhead stays under 1 %; reads stay small enough that a partial
+  holder can serve each one as soon as it is verified (pipeline replication) and that the
+  streams of a pull stay busy to the last byte.
+- **Streams.** ``streams`` reads of one pull run at once, each on its own connection and
+  thread (default 4): one TCP stream rarely fills a fast link alone (window growth, one core's
+  copy rate), and several hide each read's round trip. Reads of one pull never share a
+  connection, so a slow read never blocks another.
+- **No intermediate copies.** The holder ``sendall``s views of its registered memory; the
+  reader ``recv_into``s straight into the destination. Tiny tensors arrive in their pack (one
+  contiguous buffer per read instead of hundreds of small receives) and are unpacked by the
+  engine after the pull. Only CUDA memory is staged, once on each side, through a pinned
+  buffer.
+- **Verification** is not the transport's: the engine hashes each read in a worker thread as
+  it lands, overlapped with the next reads.
+
 ``generation`` 0 in a request means "whatever it is now". The holder waits up to ``wait_ms``
 for its progress to cover the range (a partial holder), then answers ``NOT_READY``. The trailer
 says whether the generation moved while the bytes were sent; if it did the reader discards them.
