@@ -25,6 +25,7 @@ import bisect
 import ctypes
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -194,6 +195,7 @@ class ShardBuffers:
         self.on_cuda = any(t.device.type == "cuda" for t in regions)
         # CPU memory, viewed once: serving, receiving and hashing slice these.
         self._views = [memory_of(t) if t.device.type == "cpu" else None for t in regions]
+        self._member_views: dict[int, tuple[object, object]] | None = None
         self.progress = ProgressCounter()
 
     @property
@@ -271,35 +273,55 @@ class ShardBuffers:
         if self.on_cuda:
             torch.cuda.synchronize()
 
-    def _members(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(tiny tensor as flat bytes, its slice of the pack)`` for every packed tensor."""
-        out = []
+    def _members(self) -> dict[int, tuple[object, object]]:
+        """For every packed tensor with bytes, by layout index: ``(its bytes, its slice of the
+        pack)``, as memoryviews when both are in CPU memory (a plain memcpy, no torch dispatch
+        per tiny tensor), else as flat uint8 tensors. Built once."""
+        got = self._member_views
+        if got is not None:
+            return got
+        got = {}
         for k, r in enumerate(self.plan.regions):
             if r.tensor is not None:
                 continue
             pack = self._flat(k)
+            pv = self._views[k]
             for i, off in r.members:
                 t = self.tensors[i]
                 n = self.layout.tensors[i].nbytes
-                if n:
-                    out.append((t.reshape(-1).view(torch.uint8), pack[off : off + n]))
-        return out
+                if not n:
+                    continue
+                if pv is not None and t.device.type == "cpu":
+                    got[i] = (memory_of(t), pv[off : off + n])
+                else:
+                    got[i] = (t.reshape(-1).view(torch.uint8), pack[off : off + n])
+        self._member_views = got
+        return got
 
     def pack(self) -> None:
         """Copy the tiny tensors into their packs (before the buffers are served)."""
         if not self.tensors:
             return
-        for t, slot in self._members():
-            slot.copy_(t)
+        for t, slot in self._members().values():
+            if isinstance(slot, memoryview):
+                slot[:] = t
+            else:
+                slot.copy_(t)
         if self.on_cuda:
             torch.cuda.synchronize()
 
-    def unpack(self) -> None:
-        """Copy the packs out into the tiny tensors (after a pull landed them)."""
+    def unpack(self, tensors: Iterable[int] | None = None) -> None:
+        """Copy packs out into the tiny tensors (after a pull landed them): those with layout
+        indices ``tensors`` (the others are skipped), or all."""
         if not self.tensors:
             return
-        for t, slot in self._members():
-            t.copy_(slot)
+        members = self._members()
+        picked = members.values() if tensors is None else [members[i] for i in tensors if i in members]
+        for t, slot in picked:
+            if isinstance(t, memoryview):
+                t[:] = slot
+            else:
+                t.copy_(slot)
         if self.on_cuda:
             torch.cuda.synchronize()
 

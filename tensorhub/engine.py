@@ -107,6 +107,7 @@ class _Slot:
         "session",
         "stats",
         "term",
+        "unpacking",
     )  # fmt: skip
 
     def __init__(self, session: int, region: int, buffers: ShardBuffers, client: ClientActor, ctx: dict) -> None:
@@ -129,6 +130,7 @@ class _Slot:
         self.reads: dict[int, Read] = {}  # offset -> the read plan's read (its checksum units)
         self.peer_generation: int | None = None  # the current grant's source generation
         self.publishing: asyncio.Task | None = None  # the publish job (pack, hash, declare)
+        self.unpacking: asyncio.Task | None = None  # the last of the slot's unpacks (they run in order)
 
 
 # ---- messages the engine takes -----------------------------------------------------------------
@@ -427,15 +429,38 @@ class EngineActor(Actor):
         slot = self.slots.get(msg.session)
         if slot is None or msg.pull is not slot.pull:
             return
+        if msg.bad_unit is None and slot.buffers.packed:
+            # Its tiny tensors are final: copy them out now, overlapped with the rest of the pull.
+            units = slot.buffers.plan.units
+            tiny = [units[u].tensor for u in slot.reads[msg.offset].units if units[u].region >= 0
+                    and slot.buffers.plan.regions[units[u].region].tensor is None]  # fmt: skip
+            if tiny:
+                self._chain_unpack(slot, tiny)
         self._run(slot, msg.pull, msg.pull.on_verified(msg.grant, msg.offset, msg.bad_unit))
+
+    def _chain_unpack(self, slot: _Slot, tensors: list[int] | None) -> asyncio.Task:
+        """Unpack ``tensors`` (None: all) in a worker thread, after the slot's earlier unpacks
+        (so that an aborted pull's late copy never lands after a newer one's)."""
+        before = slot.unpacking
+
+        async def run() -> str | None:
+            if before is not None:
+                await asyncio.wait([before])
+            try:
+                await asyncio.to_thread(slot.buffers.unpack, tensors)
+            except (RuntimeError, ValueError) as err:
+                return f"{type(err).__name__}: {err}"
+            return None
+
+        task = slot.unpacking = self.spawn(run(), "unpack")
+        return task
 
     async def _unpack(self, slot: _Slot, pull: ReplicationSession, grant: int) -> None:
         error = None
-        if slot.buffers.packed:
-            try:
-                await asyncio.to_thread(slot.buffers.unpack)
-            except (RuntimeError, ValueError) as err:
-                error = f"{type(err).__name__}: {err}"
+        if slot.buffers.packed and slot.unpacking is not None:
+            last = slot.unpacking
+            await asyncio.wait([last])
+            error = last.result()
         self.tell(_Unpacked(slot.session, pull, grant, error))
 
     def on__Unpacked(self, msg: _Unpacked) -> None:
