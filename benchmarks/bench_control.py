@@ -32,14 +32,13 @@ import argparse
 import asyncio
 import json
 import math
-import multiprocessing as mp
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from server_process import BenchmarkError, start_server, stop_process
+from server_process import BenchmarkError, Child, start_server, stop_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -59,49 +58,6 @@ def percentile(xs: list[float], q: float) -> float:
 
 def parent_gone() -> bool:
     return os.getppid() == 1
-
-
-class Child:
-    """The parent's end of a helper process (spawned), talking over a pipe."""
-
-    def __init__(self, name: str, target: Any, *args: Any) -> None:
-        ctx = mp.get_context("spawn")
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
-        self.proc.start()
-        child.close()
-
-    def expect(self, what: str, timeout: float) -> tuple:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.conn.poll(0.2):
-                msg = self.conn.recv()
-                if msg[0] == "error":
-                    raise BenchmarkError(f"{self.name}: {msg[1]}")
-                if msg[0] != what:
-                    raise BenchmarkError(f"{self.name} answered {msg[0]!r}, expected {what!r}")
-                return msg
-            if not self.proc.is_alive():
-                raise BenchmarkError(f"{self.name} died (exit code {self.proc.exitcode})")
-        raise BenchmarkError(f"{self.name} did not answer {what!r} within {timeout:g} s")
-
-    def send(self, *msg: Any) -> None:
-        try:
-            self.conn.send(msg)
-        except (OSError, ValueError):
-            pass
-
-    def stop(self) -> None:
-        self.send("quit")
-        self.proc.join(15)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
 
 
 def _wait_command(conn: Any, limit: float) -> tuple | None:
@@ -397,19 +353,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server_proc, server = start_server(args.timeout, "--heartbeat-interval", str(args.heartbeat_interval),
                                            "--heartbeat-timeout", str(heartbeat_timeout(args.heartbeat_interval)))
-        echo_child = Child("echo server", echo_main, args.timeout * 4)
+        echo_child = Child("echo server", echo_main, (args.timeout * 4,), args.timeout)
         children.append(echo_child)
         _, echo = echo_child.expect("ready", args.timeout)
         t0 = time.perf_counter()
         for w, n in enumerate(shares):
-            workers.append(Child(f"worker {w}", worker_main, server, w, n, args.timeout * 4))
+            workers.append(Child(f"worker {w}", worker_main, (server, w, n, args.timeout * 4), args.timeout))
         children += workers
         opened = sum(c.expect("ready", args.timeout)[1] for c in workers)
         all_open = time.monotonic()
         print(f"control plane: server {server}, {opened} idle clients open in {len(workers)} processes "
               f"({time.perf_counter() - t0:.1f} s to start), heartbeat every {args.heartbeat_interval:g} s; "
               f"api {args.api}, {args.iterations} calls per operation, {os.cpu_count()} CPUs", flush=True)  # fmt: skip
-        meas = Child("measuring client", measure_main, server, echo, args.api, args.iterations, args.block)
+        meas = Child("measuring client", measure_main, (server, echo, args.api, args.iterations, args.block), args.timeout)
         children.append(meas)
         t0 = time.perf_counter()
         _, samples = meas.expect("samples", args.timeout)

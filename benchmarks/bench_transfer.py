@@ -109,7 +109,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import random
 import re
@@ -129,7 +128,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import xxhash
-from server_process import BenchmarkError, start_server, stop_process
+from server_process import BenchmarkError, Child, start_server, stop_process
 
 from tensorhub import checksum
 from tensorhub.actor import new_event_loop
@@ -321,52 +320,6 @@ class PeakRss:
 
 
 # ---- helper processes ---------------------------------------------------------------------------
-
-
-class Child:
-    """The parent's end of a helper process (``spawn``), talking over a pipe; a child that fails
-    answers ``("error", traceback)``."""
-
-    def __init__(self, name: str, target: Any, args: tuple, timeout: float) -> None:
-        ctx = mp.get_context("spawn")
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
-        self.timeout = timeout
-        self.proc.start()
-        child.close()
-
-    def expect(self, what: str) -> tuple:
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.conn.poll(0.2):
-                try:
-                    msg = self.conn.recv()
-                except EOFError:
-                    self.proc.join(5)
-                    raise BenchmarkError(f"the {self.name} process died (exit code {self.proc.exitcode})") from None
-                if msg[0] == "error":
-                    raise BenchmarkError(f"the {self.name} process failed:\n{msg[1]}")
-                if msg[0] != what:
-                    raise BenchmarkError(f"the {self.name} process answered {msg[0]!r}, expected {what!r}")
-                return msg
-            if not self.proc.is_alive():
-                raise BenchmarkError(f"the {self.name} process died (exit code {self.proc.exitcode})")
-        raise BenchmarkError(f"the {self.name} process did not answer {what!r} within {self.timeout:g} s")
-
-    def stop(self) -> None:
-        try:
-            self.conn.send(("quit",))
-        except (OSError, ValueError):
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
 
 
 def _baseline_serve(lst: socket.socket, views: list[memoryview], stop: threading.Event) -> None:

@@ -3,6 +3,7 @@ loopback port, started and stopped by the benchmark scripts in this folder."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import select
 import socket
 import subprocess
@@ -62,3 +63,55 @@ def stop_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+class Child:
+    """The parent's end of a helper process (``spawn``), talking over a pipe: ``target(conn,
+    *args)`` in the child. A child that fails answers ``("error", text)``."""
+
+    def __init__(self, name: str, target: Any, args: tuple, timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
+        self.timeout = timeout
+        self.proc.start()
+        child.close()
+
+    def expect(self, what: str, timeout: float | None = None) -> tuple:
+        """The child's next message, which must be ``(what, ...)``; bounded by ``timeout``
+        (default: the child's)."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if self.conn.poll(0.2):
+                try:
+                    msg = self.conn.recv()
+                except EOFError:
+                    self.proc.join(5)
+                    raise BenchmarkError(f"the {self.name} process died (exit code {self.proc.exitcode})") from None
+                if msg[0] == "error":
+                    raise BenchmarkError(f"the {self.name} process failed:\n{msg[1]}")
+                if msg[0] != what:
+                    raise BenchmarkError(f"the {self.name} process answered {msg[0]!r}, expected {what!r}")
+                return msg
+            if not self.proc.is_alive():
+                raise BenchmarkError(f"the {self.name} process died (exit code {self.proc.exitcode})")
+        raise BenchmarkError(f"the {self.name} process did not answer {what!r} within {limit:g} s")
+
+    def send(self, *msg: Any) -> None:
+        try:
+            self.conn.send(msg)
+        except (OSError, ValueError):
+            pass
+
+    def stop(self) -> None:
+        self.send("quit")
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
