@@ -17,14 +17,28 @@ end to end), then its large tensors, in the order the layout's packing plan fixe
 Serving threads of two-sided transports block on the counter until a range is covered, so a
 partial holder serves each range as soon as it has it (pipeline replication). Every wait is
 bounded by a timeout and ends early when the generation moves.
+
+One-sided readers (``nixl``, ``local``) cannot block on a condition in another process: they
+read the counter's *words* instead, four int64 in CPU memory that the counter rewrites on every
+change: ``[tag, generation, version + 1 (0: none), verified]``. The words live in slots of a
+process-wide arena (:data:`WORDS`) whose chunks are allocated once and never freed, so a
+transport registers each chunk once and a stale reader can never read unmapped memory; ``tag``
+is a random nonzero number per counter (zeroed when the counter dies), so a reader that cached
+the address of a slot later given to another counter sees the tag differ and stops. Writers
+store ``generation`` before ``version`` before ``verified`` and advance ``verified`` only after
+the bytes below it are in place (x86 and the PCIe ordering of a NIC's READ keep stores in that
+order); a reader reads the words before its bytes and again after them (a seqlock), and accepts
+the bytes only if the tag and generation did not change and ``verified`` covered them.
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import secrets
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,23 +47,107 @@ import torch
 from .errors import InvalidArgument, InvalidName
 from .layout import DTYPE_SIZES, Layout, TensorSpec, plan_of
 
-__all__ = ["ProgressCounter", "Segment", "ShardBuffers", "layout_of", "memory_of"]
+__all__ = ["WORDS", "WORD_BYTES", "ProgressCounter", "Segment", "ShardBuffers", "WordsArena", "layout_of", "memory_of", "read_words"]
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_PACK_THRESHOLD = 2 << 20
 CHECKSUM_ALGORITHM = "xxh3-64"
 
 
-class ProgressCounter:
-    """``(generation, verified)`` of one holding, safe to read and wait on from any thread."""
+WORD_BYTES = 32  #: one counter's words: tag, generation, version + 1, verified (int64 each)
 
-    __slots__ = ("_cond", "generation", "verified", "version")
+
+class WordsArena:
+    """Slots of :data:`WORD_BYTES` for progress words, in CPU chunks that are never freed.
+
+    Attributes:
+        chunks: the chunks allocated so far (uint8 tensors), in order; a transport that must
+            register memory registers each one once.
+    """
+
+    def __init__(self, chunk_slots: int = 2048) -> None:
+        self.chunk_slots = chunk_slots
+        self.chunks: list[torch.Tensor] = []
+        self._free: list[int] = []  # addresses of free slots
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[int, int]:
+        """A free slot: ``(address, chunk index)``; its words are zero."""
+        with self._lock:
+            if not self._free:
+                chunk = torch.zeros(self.chunk_slots * WORD_BYTES, dtype=torch.uint8)
+                self.chunks.append(chunk)
+                base = chunk.data_ptr()
+                self._free = [base + i * WORD_BYTES for i in reversed(range(self.chunk_slots))]
+            addr = self._free.pop()
+            return addr, self.chunk_of(addr)
+
+    def give(self, addr: int) -> None:
+        """Return a slot (its tag is zeroed first, so stale readers see it is not theirs)."""
+        ctypes.memset(addr, 0, WORD_BYTES)
+        with self._lock:
+            self._free.append(addr)
+
+    def chunk_of(self, addr: int) -> int:
+        for i, c in enumerate(self.chunks):
+            if c.data_ptr() <= addr < c.data_ptr() + c.numel():
+                return i
+        raise InvalidArgument(f"address {addr:#x} is not in the progress-words arena")
+
+
+#: The process's progress words (see the module docstring).
+WORDS = WordsArena()
+
+
+def read_words(raw: bytes | memoryview) -> tuple[int, int, int | None, int]:
+    """``(tag, generation, version, verified)`` from a copy of a counter's 32 words bytes."""
+    tag, gen, ver, verified = (int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, 32, 8))
+    return tag, gen, (ver - 1 if ver > 0 else None), verified
+
+
+class ProgressCounter:
+    """``(generation, verified)`` of one holding, safe to read and wait on from any thread, and
+    mirrored into progress words for one-sided readers (see the module docstring).
+
+    Attributes:
+        tag: this counter's nonzero random tag (first of its words).
+        words_address: where its words are (in :data:`WORDS`).
+        words_chunk: the index of the arena chunk that holds them.
+    """
+
+    __slots__ = ("__weakref__", "_cond", "_words", "generation", "tag", "verified", "version", "words_address", "words_chunk")
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self.generation = 1
         self.verified = 0
         self.version: int | None = None
+        self.tag = secrets.randbits(62) + 1
+        self.words_address, self.words_chunk = WORDS.take()
+        self._words = (ctypes.c_int64 * 4).from_address(self.words_address)
+        self._words[1] = 1
+        self._words[0] = self.tag  # last: a reader that sees the tag sees the rest
+        weakref.finalize(self, WORDS.give, self.words_address)
+
+    def retag(self) -> int:
+        """Give the words a new tag: one-sided readers that described these buffers before
+        fail their next read and must describe them again (a one-sided transport calls it when
+        it withdraws the buffers). Returns the new tag."""
+        with self._cond:
+            self.tag = secrets.randbits(62) + 1
+            self._words[0] = self.tag
+            return self.tag
+
+    def words(self) -> bytes:
+        """A copy of the 32 bytes of words (what a one-sided reader reads)."""
+        return ctypes.string_at(self.words_address, WORD_BYTES)
+
+    def _mirror(self) -> None:
+        """Write the words (under the lock): generation, then version, then verified."""
+        w = self._words
+        w[1] = self.generation
+        w[2] = 0 if self.version is None else self.version + 1
+        w[3] = self.verified
 
     def snapshot(self) -> tuple[int, int | None, int]:
         """``(generation, version, verified)`` read together."""
@@ -63,6 +161,7 @@ class ProgressCounter:
             self.generation += 1
             self.version = version
             self.verified = verified
+            self._mirror()
             self._cond.notify_all()
             return self.generation
 
@@ -71,6 +170,7 @@ class ProgressCounter:
         with self._cond:
             if verified > self.verified:
                 self.verified = verified
+                self._words[3] = verified
                 self._cond.notify_all()
 
     def wait_covered(self, version: int, end: int, generation: int | None, timeout: float) -> tuple[int, bool]:
