@@ -20,7 +20,10 @@ __all__ = ["ENTRY_POINT_GROUP", "get_transport", "register_transport", "transpor
 ENTRY_POINT_GROUP = "tensorhub.transports"
 
 _BUILTIN: dict[str, str] = {
+    "local": "transports.local:LocalTransport",
     "memory": "transports.memory:MemoryTransport",
+    "nixl": "transports.nixl:NixlTransport",
+    "rdma_copy": "transports.rdma_copy:RdmaCopyTransport",
     "tcp": "transports.tcp:TcpTransport",
 }
 _registered: dict[str, type[Transport] | str] = dict(_BUILTIN)

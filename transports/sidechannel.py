@@ -38,6 +38,7 @@ from typing import Any
 
 import msgpack
 import zmq
+import zmq.utils.monitor
 
 from tensorhub.errors import TransportError
 
@@ -232,6 +233,7 @@ class SideClient:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._sockets: list[zmq.Socket] = []
+        self._monitors: dict[int, zmq.Socket] = {}
         self._ids = itertools.count(1)
         self._closed = False
 
@@ -250,6 +252,10 @@ class SideClient:
             self._drop(address)
             raise TransportError(f"{self.name}: side channel to {address} refused {op!r}: {err}") from err
         deadline = time.monotonic() + timeout
+        monitor = self._monitors[id(sock)]
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         for _ in range(1 << 30):  # bounded by the deadline
             if self._closed or (closed is not None and closed()):
                 raise TransportError(f"{self.name}: closed while waiting for {op!r} from {address}")
@@ -257,7 +263,11 @@ class SideClient:
             if left <= 0:
                 self._drop(address)  # a late reply must not be taken for the next call's
                 raise TransportError(f"{self.name}: no reply to {op!r} from {address} within {timeout:g} s")
-            if not sock.poll(min(_SLICE_MS, max(1, int(left * 1000)))):
+            ready = dict(poller.poll(min(_SLICE_MS, max(1, int(left * 1000)))))
+            if monitor in ready and self._lost(monitor):
+                self._drop(address)
+                raise TransportError(f"{self.name}: the holder at {address} went away while answering {op!r}")
+            if sock not in ready:
                 continue
             reply = decode(sock.recv(), MAX_REPLY)
             if reply.get("id") != rid:
@@ -267,6 +277,26 @@ class SideClient:
             code, error = reply.get("code"), reply.get("error")
             raise SideError(code if isinstance(code, str) else "malformed", str(error)[:2000])
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def notify(self, address: str, op: str, fields: dict[str, Any]) -> None:
+        """Send a request without waiting for its reply (a later call drops the reply)."""
+        try:
+            self._socket(address).send(encode({**fields, "op": op, "id": next(self._ids)}), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._drop(address)
+
+    @staticmethod
+    def _lost(monitor: zmq.Socket) -> bool:
+        """Whether the monitor reports the connection dropped (the holder closed or died) or
+        could not be made (nothing listens there: with reconnection off, the socket closes)."""
+        lost = False
+        for _ in range(64):
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return lost
+            lost = lost or event["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED)
+        return lost
 
     def _socket(self, address: str) -> zmq.Socket:
         if self._closed:
@@ -280,6 +310,10 @@ class SideClient:
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY)
+                # A holder that goes away must fail the call now, not at its timeout: watch
+                # for the connection dropping, and do not reconnect behind our back.
+                sock.setsockopt(zmq.RECONNECT_IVL, -1)
+                self._monitors[id(sock)] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
                 sock.connect(address)
                 self._sockets.append(sock)
             socks[address] = sock
@@ -292,6 +326,10 @@ class SideClient:
             with self._lock:
                 if sock in self._sockets:
                     self._sockets.remove(sock)
+                monitor = self._monitors.pop(id(sock), None)
+            sock.disable_monitor()
+            if monitor is not None:
+                monitor.close(linger=0)
             sock.close(linger=0)
 
     def close(self) -> None:

@@ -1,0 +1,632 @@
+"""``nixl``: RDMA direct, one-sided READs of registered tensors through a NIXL agent (UCX).
+
+Theory of operation
+-------------------
+Each process has one NIXL agent (UCX backend), created at ``start()``. ``expose(buffers)``
+registers the buffers' regions (the packs and the large tensors, CPU "DRAM" or CUDA "VRAM") and
+the arena chunks of the progress words (:data:`tensorhub.buffers.WORDS`) with it, once: reads
+never register anything. ``withdraw`` deregisters them and re-tags the progress words, so a
+reader holding an old description fails its next read.
+
+The holder's CPU takes part once per pull, not per read. Its endpoint is ``{"agent": name,
+"side": address}``; a reader first asks the holder's side channel to *describe* ``(region,
+version)``: the answer is plain msgpack data, the base address, size and device of every
+region, the address and tag of the progress words, and NIXL's partial agent metadata for those
+registrations (connection info and memory keys, NIXL's own serialization; never a pickled
+descriptor list), which the reader loads with ``add_remote_agent``. The reader keeps the
+description until a read of it fails.
+
+A read of ``[offset, offset + length)``, in one of the transport's threads:
+
+1. READ the holder's 32 bytes of progress words (into a registered scratch slot of this
+   thread) until the tag is the described one, the version is held and ``verified`` covers the
+   range; poll with backoff, bounded by ``wait_timeout`` (-> :class:`RangeNotReady`), failing at
+   once if the generation is not the caller's or the holding changed. A pipelined reader thus
+   follows a partial holder's progress with READs alone: no holder CPU. The step is skipped when
+   an earlier read of this description already saw the range covered under the same generation
+   (``verified`` never decreases within a generation; step 3 still checks the generation).
+2. One transfer request of READs, one descriptor per region segment the range covers (the
+   layouts are equal, so the reader cuts the range with its own plan), posted at once.
+3. READ the words again: the tag, generation and version must not have moved (a seqlock).
+
+Completion polling lives in one place, :func:`wait_xfer` (an enum status, polled with
+backoff, bounded by ``xfer_timeout`` and by the transport closing); every transfer handle is
+released in a ``finally`` on every path. Remote agents are dropped (``remove_remote_agent``)
+when a read from them fails for the peer's sake, when they were idle for ``peer_idle_s``,
+and at close.
+
+NIC affinity: option ``nic`` is a UCX device list (``mlx5_0:1``), ``"auto"`` (the NIC nearest
+the GPU of option ``cuda_device`` or the current CUDA device, from sysfs; see
+:mod:`transports.nic`) or ``""`` (UCX chooses). The choice is passed to the UCX backend as
+``ucx_devices`` and logged.
+
+What it must never do: unpickle NIXL descriptors from a peer (``deserialize_descs``), register
+memory per read, leave a transfer handle unreleased, or wait without a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import enum
+import itertools
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tensorhub.buffers import WORD_BYTES, WORDS, ShardBuffers, read_words
+from tensorhub.errors import InvalidArgument, TransportError
+from tensorhub.log import get_logger
+
+from .base import RangeNotReady, Transport
+from .sidechannel import SideClient, SideError, SideServer
+from .sidechannel import field as req_field
+
+__all__ = ["NixlIO", "NixlTransport", "XferStatus", "load_nixl", "wait_xfer"]
+
+
+def load_nixl() -> Any:
+    """NIXL's Python API module (``nixl_cu12._api``, else ``nixl._api``), or None."""
+    for name in ("nixl_cu12._api", "nixl._api"):
+        try:
+            return __import__(name, fromlist=["nixl_agent"])
+        except Exception:  # noqa: BLE001,S112 - an absent or broken install is "not available"
+            continue
+    return None
+
+
+class XferStatus(enum.Enum):
+    """A transfer request's state, as NIXL reports it."""
+
+    DONE = "DONE"
+    PROC = "PROC"
+    ERR = "ERR"
+
+
+def wait_xfer(agent: Any, handle: Any, first: str, deadline: float, closed: Callable[[], bool]) -> XferStatus:
+    """Poll ``handle`` until it is no longer in progress: spin a little (a short READ finishes
+    in microseconds), then sleep with backoff up to 0.5 ms. ``first`` is what ``transfer``
+    returned. Returns DONE or ERR; raises :class:`TransportError` past ``deadline`` or when
+    ``closed()``. The caller releases the handle."""
+    status = XferStatus(first)
+    sleep = 0.0
+    for spins in itertools.count():  # bounded by the deadline
+        if status is not XferStatus.PROC:
+            return status
+        if closed():
+            raise TransportError("the transport closed during the transfer")
+        if time.monotonic() > deadline:
+            raise TransportError("the transfer did not complete in time (xfer_timeout)")
+        if spins > 64:
+            time.sleep(sleep)
+            sleep = min(max(sleep * 2, 20e-6), 5e-4)
+        status = XferStatus(agent.check_xfer_state(handle))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def completion(agent: Any, handle: Any, first: str, timeout: float) -> XferStatus:
+    """:func:`wait_xfer` as an awaitable (polled in a worker thread, off the event loop)."""
+    deadline = time.monotonic() + timeout
+    return await asyncio.to_thread(wait_xfer, agent, handle, first, deadline, lambda: False)
+
+
+def memtype(t: torch.Tensor) -> tuple[str, int]:
+    """NIXL's memory type and device id of a tensor."""
+    return ("VRAM", t.device.index or 0) if t.device.type == "cuda" else ("DRAM", 0)
+
+
+@dataclass
+class _Registration:
+    """What ``expose`` registered for one set of buffers."""
+
+    buffers: ShardBuffers
+    dlists: list[Any]  # reg descriptor lists, per memory type
+    metadata: list[bytes] | None = None  # partial agent metadata (built at the first describe)
+    regions: list[list[Any]] = field(default_factory=list)  # [address, nbytes, memtype, device]
+
+
+class NixlIO:
+    """One NIXL agent and the memory this process registered with it (the plumbing both
+    NIXL transports share). ``agent`` is duck-typed: NIXL's ``nixl_agent`` or a test fake with
+    the same methods.
+    """
+
+    def __init__(self, agent: Any, name: str) -> None:
+        self.agent = agent
+        self.name = name
+        self.lock = threading.Lock()
+        self._words_chunks: dict[int, Any] = {}  # arena chunk index -> reg dlist
+        self._peers: dict[str, float] = {}  # remote agent name -> last use (monotonic)
+
+    # ---- registration ----------------------------------------------------------------------
+
+    def register(self, tensors: list[torch.Tensor]) -> tuple[list[Any], list[list[Any]]]:
+        """Register the tensors (grouped per memory type). Returns the reg descriptor lists and
+        ``[address, nbytes, memtype, device]`` per tensor."""
+        rows = [[t.data_ptr(), t.numel() * t.element_size(), *memtype(t)] for t in tensors]
+        groups: dict[str, list[tuple[int, int, int, str]]] = {}
+        for addr, n, kind, dev in rows:
+            if n:
+                groups.setdefault(kind, []).append((addr, n, dev, ""))
+        dlists = []
+        try:
+            for kind, descs in groups.items():
+                dlists.append(self.agent.register_memory(self.agent.get_reg_descs(descs, kind)))
+        except Exception:
+            for d in dlists:
+                self.agent.deregister_memory(d)
+            raise
+        return dlists, rows
+
+    def deregister(self, dlists: list[Any]) -> None:
+        for d in dlists:
+            self.agent.deregister_memory(d)
+
+    def words_dlist(self, chunk: int) -> Any:
+        """The reg descriptor list of a progress-words arena chunk (registered on first use)."""
+        with self.lock:
+            got = self._words_chunks.get(chunk)
+            if got is None:
+                t = WORDS.chunks[chunk]
+                got = self._words_chunks[chunk] = self.agent.register_memory(
+                    self.agent.get_reg_descs([(t.data_ptr(), t.numel(), 0, "")], "DRAM")
+                )
+            return got
+
+    def metadata(self, dlists: list[Any]) -> list[bytes]:
+        """Partial agent metadata (with connection info) for these registrations."""
+        return [bytes(self.agent.get_partial_agent_metadata(d, True)) for d in dlists]
+
+    # ---- peers -----------------------------------------------------------------------------
+
+    def load_peer(self, expected: str, blobs: list[Any]) -> None:
+        """Load a peer's metadata blobs; each must name the agent ``expected``."""
+        for md in blobs:
+            if not isinstance(md, bytes):
+                raise TransportError(f"agent metadata of {expected!r} is {type(md).__name__}, not bytes")
+            got = self.agent.add_remote_agent(md)
+            got = got.decode() if isinstance(got, bytes) else str(got)
+            if got != expected:
+                self.drop_peer(got)
+                raise TransportError(f"the metadata names agent {got!r}, the endpoint {expected!r}")
+        self._peers[expected] = time.monotonic()
+
+    def touch(self, peer: str) -> None:
+        self._peers[peer] = time.monotonic()
+
+    def drop_peer(self, peer: str) -> None:
+        """Forget a remote agent (its metadata and connection)."""
+        self._peers.pop(peer, None)
+        try:
+            self.agent.remove_remote_agent(peer)
+        except Exception:  # noqa: BLE001,S110 - already gone is fine
+            pass
+
+    def drop_idle(self, idle_s: float) -> list[str]:
+        now = time.monotonic()
+        old = [p for p, t in self._peers.items() if now - t > idle_s]
+        for p in old:
+            self.drop_peer(p)
+        return old
+
+    @property
+    def peers(self) -> list[str]:
+        return sorted(self._peers)
+
+    # ---- transfers -------------------------------------------------------------------------
+
+    def read(
+        self,
+        peer: str,
+        pairs: list[tuple[int, int, int, int]],
+        local_kind: tuple[str, int],
+        remote_kind: tuple[str, int],
+        deadline: float,
+        closed: Callable[[], bool],
+    ) -> None:
+        """One transfer request of READs: ``(local address, remote address, nbytes, _)`` pairs,
+        all of one local and one remote memory type; raises :class:`TransportError` unless it
+        completes. The handle is released on every path."""
+        local = self.agent.get_xfer_descs([(a, n, local_kind[1]) for a, _, n, _ in pairs], local_kind[0])
+        remote = self.agent.get_xfer_descs([(r, n, remote_kind[1]) for _, r, n, _ in pairs], remote_kind[0])
+        handle = self.agent.initialize_xfer("READ", local, remote, peer)
+        try:
+            status = wait_xfer(self.agent, handle, self.agent.transfer(handle), deadline, closed)
+            if status is not XferStatus.DONE:
+                raise TransportError(f"the READ from agent {peer!r} failed (status {status.value})")
+        finally:
+            self.agent.release_xfer_handle(handle)
+
+    def close(self) -> None:
+        for p in list(self._peers):
+            self.drop_peer(p)
+        with self.lock:
+            chunks, self._words_chunks = self._words_chunks, {}
+        for d in chunks.values():
+            self.agent.deregister_memory(d)
+
+
+def default_agent(name: str, ucx_devices: str | None) -> Any:
+    """A NIXL agent with the UCX backend, thread-safe (several reader threads use it)."""
+    api = load_nixl()
+    if api is None:
+        raise TransportError("NIXL is not installed (pip install nixl-cu12)")
+    config = api.nixl_agent_config(backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+    agent = api.nixl_agent(name, config)
+    agent.create_backend("UCX", {"ucx_devices": ucx_devices} if ucx_devices else {})
+    return agent
+
+
+_OPTIONS = {
+    # name: (default, minimum, kind)
+    "host": ("127.0.0.1", None, str),
+    "wait_timeout": (5.0, 0.0, float),
+    "xfer_timeout": (30.0, 0.001, float),
+    "describe_timeout": (5.0, 0.001, float),
+    "peer_idle_s": (300.0, 0.0, float),
+    "threads": (8, 1, int),
+    "streams": (4, 1, int),
+    "nic": ("auto", None, str),
+    "cuda_device": (-1, -1, int),
+}
+
+
+def options_of(kind: str, options: dict[str, Any], table: dict[str, tuple[Any, Any, type]]) -> dict[str, Any]:
+    """Validated options with defaults. Raises :class:`InvalidArgument` naming a bad one."""
+    unknown = sorted(str(k) for k in options if k not in table)
+    if unknown:
+        raise InvalidArgument(f"unknown {kind} transport options {unknown}; known: {sorted(table)}")
+    out = {}
+    for name, (default, minimum, want) in table.items():
+        v = options.get(name, default)
+        if want is str:
+            ok = type(v) is str
+        elif want is int:
+            ok = type(v) is int and v >= minimum
+        else:
+            ok = type(v) in (int, float) and math.isfinite(v) and v >= minimum
+        if not ok:
+            what = "a string" if want is str else f"{'an integer' if want is int else 'a finite number'} >= {minimum}"
+            raise InvalidArgument(f"{kind} transport option {name!r} must be {what}, got {v!r}")
+        out[name] = float(v) if want is float else v
+    return out
+
+
+def choose_ucx_devices(nic: str, cuda_device: int) -> tuple[str | None, str]:
+    """(UCX device list or None, why) for the ``nic`` option (see the module docstring)."""
+    from .nic import choose_nic
+
+    if nic not in ("auto", ""):
+        choice = choose_nic(nic, None)
+        return choice.ucx_net_devices(), choice.reason
+    if nic == "":
+        return None, "UCX chooses (nic option empty)"
+    device = cuda_device if cuda_device >= 0 else (torch.cuda.current_device() if torch.cuda.is_available() else None)
+    choice = choose_nic(None, device)
+    return choice.ucx_net_devices(), choice.reason
+
+
+@dataclass
+class _Described:
+    """A holder's description of one (region, version), as a reader caches it."""
+
+    agent: str
+    tag: int
+    words: int
+    regions: list[list[Any]]
+    seen: tuple[int, int] | None = None  # (generation, verified) of the last words READ that covered
+
+
+class NixlTransport(Transport):
+    """RDMA direct over NIXL. See the module docstring.
+
+    Options: ``host`` (the side channel's interface, default 127.0.0.1), ``wait_timeout``
+    (seconds a read waits for a partial holder, default 5), ``xfer_timeout`` (one transfer,
+    default 30), ``describe_timeout`` (default 5), ``peer_idle_s`` (drop a remote agent unused
+    this long, default 300), ``threads`` (reads at once, default 8), ``streams`` (concurrent
+    reads per pull the engine runs, default 4), ``nic`` (default "auto"), ``cuda_device``.
+
+    Args:
+        agent_factory: ``factory(name, ucx_devices) -> agent`` (tests pass a fake agent).
+
+    Raises:
+        InvalidArgument: an unknown option or a bad value.
+    """
+
+    name = "nixl"
+    one_sided = True
+    cuda = True
+    cross_host = True
+
+    def __init__(self, options: dict[str, Any] | None = None, agent_factory: Callable[[str, str | None], Any] | None = None) -> None:
+        super().__init__(options)
+        o = options_of(self.name, self.options, _OPTIONS)
+        self.host = o["host"]
+        self.wait_timeout = o["wait_timeout"]
+        self.xfer_timeout = o["xfer_timeout"]
+        self.describe_timeout = o["describe_timeout"]
+        self.peer_idle_s = o["peer_idle_s"]
+        self.threads = o["threads"]
+        self.streams = o["streams"]
+        self.nic, self.cuda_device = o["nic"], o["cuda_device"]
+        self.agent_name = f"tensorhub-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._factory = agent_factory or default_agent
+        self.io: NixlIO | None = None
+        self.log = get_logger(transport=self.name)
+        self._lock = threading.Lock()
+        self._exposed: dict[int, _Registration] = {}
+        self._described: dict[tuple[str, int, int], _Described] = {}
+        self._scratch: torch.Tensor | None = None
+        self._slots = threading.local()
+        self._slot_ids = itertools.count()
+        self._executor: ThreadPoolExecutor | None = None
+        self._side: SideServer | None = None
+        self._client: SideClient | None = None
+        self._closed = False
+        self.ucx_devices: str | None = None
+
+    @classmethod
+    def available(cls) -> bool:
+        return load_nixl() is not None
+
+    # ---- both sides ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the agent (and its scratch words), start the side channel.
+
+        Raises:
+            TransportError: NIXL is missing or the agent cannot be created; it was closed.
+        """
+        if self._closed:
+            raise TransportError(f"nixl transport {self.agent_name} is closed; it cannot start again")
+        if self.io is not None:
+            return
+        self.ucx_devices, why = choose_ucx_devices(self.nic, self.cuda_device)
+        self.log.info("nixl nic", ucx_devices=self.ucx_devices or "(UCX default)", reason=why)
+        try:
+            agent = await asyncio.to_thread(self._factory, self.agent_name, self.ucx_devices)
+        except TransportError:
+            raise
+        except Exception as err:
+            raise TransportError(f"cannot create the NIXL agent: {type(err).__name__}: {err}") from err
+        self.io = NixlIO(agent, self.agent_name)
+        self._scratch = torch.zeros((self.threads + 1) * WORD_BYTES, dtype=torch.uint8)
+        self._scratch_dlists, _ = self.io.register([self._scratch])
+        self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="nixl-read")
+        self._client = SideClient(f"nixl reader {self.agent_name}")
+        self._side = SideServer(f"nixl-{os.getpid()}", {"describe": (self._describe, True)}, self.host)
+
+    def endpoint(self) -> dict[str, Any]:
+        if self._side is None:
+            raise TransportError("the nixl transport is not started")
+        return {"agent": self.agent_name, "side": self._side.address}
+
+    def expose(self, buffers: ShardBuffers) -> None:
+        """Register the buffers' regions and their progress words' arena chunk (once)."""
+        io = self._require()
+        with self._lock:
+            if id(buffers) in self._exposed:
+                return
+        dlists, rows = io.register(buffers.regions)
+        io.words_dlist(buffers.progress.words_chunk)
+        with self._lock:
+            self._exposed[id(buffers)] = _Registration(buffers, dlists, regions=rows)
+
+    def withdraw(self, buffers: ShardBuffers) -> None:
+        """Deregister the buffers; re-tag their words so that cached descriptions fail."""
+        with self._lock:
+            reg = self._exposed.get(id(buffers))
+            if reg is None or reg.buffers is not buffers:
+                return
+            del self._exposed[id(buffers)]
+        buffers.progress.retag()
+        if self.io is not None:
+            self.io.deregister(reg.dlists)
+
+    async def close(self) -> None:
+        """Stop serving (exposed buffers are re-tagged and deregistered), fail reads in flight,
+        drop remote agents and release the agent. A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            regs, self._exposed = list(self._exposed.values()), {}
+        for reg in regs:
+            reg.buffers.progress.retag()
+        if self._side is not None:
+            await asyncio.to_thread(self._side.close)
+        if self._executor is not None:
+            await asyncio.to_thread(self._executor.shutdown, True, cancel_futures=True)
+        if self._client is not None:
+            self._client.close()
+        io, self.io = self.io, None
+        if io is not None:
+            for reg in regs:
+                io.deregister(reg.dlists)
+            io.deregister(self._scratch_dlists)
+            io.close()
+            del io  # the agent goes with its last reference
+
+    def _require(self) -> NixlIO:
+        if self.io is None:
+            raise TransportError(f"nixl transport {self.agent_name} is {'closed' if self._closed else 'not started'}")
+        return self.io
+
+    # ---- holder side: describe -----------------------------------------------------------------
+
+    def _describe(self, msg: dict[str, Any]) -> dict[str, Any]:
+        region = req_field(msg, "region", int, 0)
+        version = req_field(msg, "version", int, 0)
+        io = self.io
+        if io is None or self._closed:
+            raise SideError("closed", "the holder's nixl transport is closed")
+        try:
+            buffers = self.resolve(region, version)
+        except Exception as err:  # noqa: BLE001 - the resolver's failure is this request's
+            raise SideError("internal", f"the resolver raised {type(err).__name__}: {err}") from None
+        if buffers is None:
+            raise SideError("unknown", f"no holding of region {region} version {version}")
+        with self._lock:
+            reg = self._exposed.get(id(buffers))
+            if reg is None or reg.buffers is not buffers:
+                raise SideError("not_exposed", f"the buffers of region {region} version {version} are not exposed")
+            if reg.metadata is None:
+                reg.metadata = io.metadata([*reg.dlists, io.words_dlist(buffers.progress.words_chunk)])
+            md = reg.metadata
+        p = buffers.progress
+        return {"agent": self.agent_name, "tag": p.tag, "words": p.words_address, "regions": reg.regions, "md": md}
+
+    # ---- reader side ---------------------------------------------------------------------------
+
+    async def read(
+        self,
+        peer: dict[str, Any],
+        region: int,
+        version: int,
+        offset: int,
+        length: int,
+        into: ShardBuffers,
+        generation: int | None,
+    ) -> int:
+        """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into`` (see the
+        module docstring). Returns the holder's generation.
+
+        Raises:
+            RangeNotReady: a partial holder's progress did not cover the range in time.
+            TransportError: anything else that kept the read from completing.
+        """
+        where = f"nixl peer {peer.get('agent') if isinstance(peer, dict) else peer!r} region {region} version {version} bytes [{offset}, {offset + length})"
+        if not (isinstance(peer, dict) and type(peer.get("agent")) is str and type(peer.get("side")) is str):
+            raise TransportError(f"read of {where}: the endpoint {peer!r} lacks 'agent' and 'side' strings")
+        if self._closed or self._executor is None:
+            raise TransportError(f"read of {where}: the nixl transport is {'closed' if self._closed else 'not started'}")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, self._read_blocking, peer, where, region, version, offset, length, into, generation)
+        except RuntimeError as err:  # the executor shut down under us
+            raise TransportError(f"read of {where}: the nixl transport closed") from err
+
+    def _read_blocking(
+        self, peer: dict, where: str, region: int, version: int, offset: int, length: int, into: ShardBuffers, generation: int | None
+    ) -> int:
+        io = self._require()
+        agent = peer["agent"]
+        key = (peer["side"], region, version)
+        if offset < 0 or length < 0 or offset + length > into.total_bytes:
+            raise TransportError(f"read of {where}: the range is outside the destination's {into.total_bytes} bytes")
+        with self._lock:
+            if id(into) not in self._exposed:
+                raise TransportError(f"read of {where}: the destination buffers are not exposed on this transport (expose() them first)")
+        try:
+            d = self._described.get(key) or self._describe_peer(io, peer, key, where, into)
+            if length == 0:
+                return self._covered(io, d, where, version, 0, generation)[0]
+            gen = self._wait_covered(io, d, where, version, offset + length, generation)
+            self._transfer(io, d, where, into, offset, length)
+            tag, after, held, _ = self._words(io, d, where)
+            if tag != d.tag or after != gen or held != version:
+                raise TransportError(f"read of {where}: the peer's holding changed during the read (generation {gen} -> {after})")
+            io.touch(agent)
+            return gen
+        except RangeNotReady:
+            raise
+        except TransportError as err:
+            self._described.pop(key, None)
+            raise TransportError(f"read of {where}: {err}") from err
+        except Exception as err:
+            self._described.pop(key, None)
+            io.drop_peer(agent)
+            raise TransportError(f"read of {where}: NIXL raised {type(err).__name__}: {err}") from err
+
+    def _describe_peer(self, io: NixlIO, peer: dict, key: tuple, where: str, into: ShardBuffers) -> _Described:
+        for dropped in io.drop_idle(self.peer_idle_s):
+            self.log.info("dropped idle remote agent", agent=dropped)
+        assert self._client is not None
+        try:
+            reply = self._client.call(peer["side"], "describe", {"region": key[1], "version": key[2]}, self.describe_timeout, lambda: self._closed)
+        except SideError as err:
+            raise TransportError(f"the holder refused to describe it ({err.code}: {err})") from err
+        regions, words, tag, md = reply.get("regions"), reply.get("words"), reply.get("tag"), reply.get("md")
+        ok = (
+            isinstance(regions, list)
+            and len(regions) == len(into.plan.regions)
+            and all(
+                isinstance(r, list) and len(r) == 4 and type(r[0]) is int and type(r[1]) is int and r[2] in ("DRAM", "VRAM") and type(r[3]) is int
+                for r in regions
+            )
+            and type(words) is int
+            and type(tag) is int
+            and isinstance(md, list)
+        )
+        if not ok:
+            raise TransportError("the holder's description is malformed or has a different number of regions")
+        for r, mine in zip(regions, into.plan.regions):
+            if r[1] != mine.nbytes:
+                raise TransportError(f"the holder's region of {r[1]} bytes is {mine.nbytes} bytes here (layouts differ)")
+        io.load_peer(peer["agent"], md)
+        d = _Described(peer["agent"], tag, words, regions)
+        self._described[key] = d
+        return d
+
+    def _scratch_address(self) -> int:
+        slot = getattr(self._slots, "index", None)
+        if slot is None:
+            slot = self._slots.index = next(self._slot_ids) % (self.threads + 1)
+        assert self._scratch is not None
+        return self._scratch.data_ptr() + slot * WORD_BYTES
+
+    def _words(self, io: NixlIO, d: _Described, where: str) -> tuple[int, int, int | None, int]:
+        local = self._scratch_address()
+        io.read(d.agent, [(local, d.words, WORD_BYTES, 0)], ("DRAM", 0), ("DRAM", 0), time.monotonic() + self.xfer_timeout, lambda: self._closed)
+        return read_words(ctypes.string_at(local, WORD_BYTES))
+
+    def _covered(self, io: NixlIO, d: _Described, where: str, version: int, end: int, generation: int | None) -> tuple[int, bool, bool]:
+        """One words READ: (generation, covered, holds the version)."""
+        tag, gen, held, verified = self._words(io, d, where)
+        if tag != d.tag:
+            raise TransportError("the holder withdrew or replaced these buffers (their tag changed)")
+        if generation is not None and gen != generation:
+            raise TransportError(f"the peer's holding changed (generation {gen}, the pull began at {generation})")
+        return gen, held == version and verified >= end, held == version
+
+    def _wait_covered(self, io: NixlIO, d: _Described, where: str, version: int, end: int, generation: int | None) -> int:
+        if d.seen is not None and d.seen[1] >= end and (generation is None or d.seen[0] == generation):
+            return d.seen[0]
+        deadline = time.monotonic() + self.wait_timeout
+        seen_version, sleep = False, 0.0005
+        for _ in range(1 << 30):  # bounded by the deadline
+            gen, covered, holds = self._covered(io, d, where, version, end, generation)
+            if covered:
+                d.seen = (gen, end) if d.seen is None or d.seen[0] != gen else (gen, max(d.seen[1], end))
+                return gen
+            if holds:
+                seen_version = True
+            elif seen_version:
+                raise TransportError("the peer's holding changed (it no longer holds the version)")
+            if self._closed:
+                raise TransportError("the nixl transport closed while waiting for the holder's progress")
+            if time.monotonic() > deadline:
+                state = "its progress does not cover the range" if holds else "it does not hold the version yet"
+                raise RangeNotReady(f"read of {where}: not covered within {self.wait_timeout:g} s ({state})")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.005)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _transfer(self, io: NixlIO, d: _Described, where: str, into: ShardBuffers, offset: int, length: int) -> None:
+        groups: dict[tuple[tuple[str, int], tuple[str, int]], list[tuple[int, int, int, int]]] = {}
+        for seg in into.segments(offset, length):
+            mine = into.regions[seg.index]
+            addr, _, kind, dev = d.regions[seg.index]
+            key = (memtype(mine), (kind, dev))
+            groups.setdefault(key, []).append((mine.data_ptr() + seg.start, addr + seg.start, seg.length, seg.index))
+        deadline = time.monotonic() + self.xfer_timeout
+        for (local_kind, remote_kind), pairs in groups.items():
+            io.read(d.agent, pairs, local_kind, remote_kind, deadline, lambda: self._closed)
