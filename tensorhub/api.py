@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import zmq.asyncio
 
+from scheduling.edges import parse_preference
 from scheduling.topology import Location
 
 from . import messages as m
@@ -115,12 +116,16 @@ class Runtime:
     async def _start_engine(self, transports: dict[str, dict] | None) -> EngineActor:
         from transports.registry import get_transport
 
+        defaults = transports is None
         if transports is None:
             names = [n.strip() for n in os.environ.get("TENSORHUB_TRANSPORTS", ",".join(DEFAULT_TRANSPORTS)).split(",")]
             transports = {n: {} for n in names if n}
         started = {}
         try:
             for name, options in transports.items():
+                if defaults and not get_transport(name).available():
+                    get_logger().info("transport unavailable here; not started", transport=name)
+                    continue
                 options = dict(options or {})
                 faults = options.pop("faults", None)  # wrap it in fault injection (testing integrations)
                 t = get_transport(name)(options)
@@ -137,7 +142,11 @@ class Runtime:
         chunk = os.environ.get("TENSORHUB_CHUNK_BYTES")
         if chunk is not None and (not chunk.isdigit() or int(chunk) < 4096):
             raise InvalidArgument(f"$TENSORHUB_CHUNK_BYTES must be an integer >= 4096, got {chunk!r}")
-        engine = EngineActor(started, chunk_bytes=int(chunk) if chunk else 8 << 20)
+        try:
+            preference = parse_preference(os.environ.get("TENSORHUB_TRANSPORT_PREFERENCE", ""))
+        except InvalidArgument as err:
+            raise InvalidArgument(f"$TENSORHUB_TRANSPORT_PREFERENCE: {err}") from None
+        engine = EngineActor(started, chunk_bytes=int(chunk) if chunk else 8 << 20, preference=preference)
         await engine.start()
         return engine
 
@@ -309,7 +318,7 @@ class AsyncShardHandle:
             layout = layout_of(tensors, pack_threshold=_pack_threshold(), ctx=self.ctx)
             buffers = ShardBuffers(tensors, layout)
             assert self._engine is not None and self._client is not None
-            endpoint = await self._engine.ask(AddSlot(self.session, buffers, self._client, self.ctx))
+            endpoint = await self._engine.ask(AddSlot(self.session, buffers, self._client, self.ctx, self.location))
             try:
                 await self._request(lambda req: m.Register(req, self.session, layout, endpoint))
             except BaseException:

@@ -53,6 +53,9 @@ from .actor import Actor
 from .buffers import ShardBuffers
 from .errors import InvalidArgument, TransportError
 from .layout import Read
+from scheduling.edges import choose_transport
+from scheduling.topology import Location
+
 from .session import (
     Advance,
     ReadRange,
@@ -96,6 +99,7 @@ class _Slot:
         "deferred",
         "grant",
         "idle_waiters",
+        "location",
         "offloads",
         "parked",
         "peer",
@@ -111,6 +115,7 @@ class _Slot:
     )  # fmt: skip
 
     def __init__(self, session: int, region: int, buffers: ShardBuffers, client: ClientActor, ctx: dict) -> None:
+        self.location: Location | None = None
         self.session = session
         self.region = region
         self.buffers = buffers
@@ -142,6 +147,7 @@ class AddSlot:
     buffers: ShardBuffers
     client: Any
     ctx: dict
+    location: Location | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,15 +224,21 @@ class _Offloaded:
 
 class EngineActor(Actor):
     """Args:
-    transports: started transports by name, in order of preference.
+    transports: started transports by name (the order breaks ties when no preferred one fits).
     chunk_bytes: size of one read of a pull.
+    preference: edge kind -> transport names (:func:`scheduling.edges.parse_preference`);
+        None: the defaults (same host ``local``, same datacenter ``nixl``, else ``tcp``).
     """
 
-    def __init__(self, transports: dict[str, Transport], chunk_bytes: int = 8 << 20) -> None:
+    def __init__(
+        self, transports: dict[str, Transport], chunk_bytes: int = 8 << 20, preference: dict[str, list[str]] | None = None
+    ) -> None:
         super().__init__("engine")
         if chunk_bytes < 1:
             raise InvalidArgument(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.transports = transports
+        self.preference = preference
+        self._fallbacks_logged: set[tuple[str, str, str]] = set()
         self.chunk_bytes = chunk_bytes
         self.slots: dict[int, _Slot] = {}
         self.regions: dict[int, _Slot] = {}
@@ -263,6 +275,7 @@ class EngineActor(Actor):
             raise InvalidArgument("this shard already has registered buffers", **msg.ctx)
         region = next(self._regions)
         slot = _Slot(msg.session, region, msg.buffers, msg.client, msg.ctx)
+        slot.location = msg.location
         self.slots[msg.session] = slot
         self.regions[region] = slot
         for t in self.transports.values():
@@ -307,7 +320,7 @@ class EngineActor(Actor):
         slot.term = g.term
         slot.peer_generation = None
         try:
-            slot.peer = self._pick(g.source.endpoint)
+            slot.peer = self._pick(slot, g.source)
         except TransportError as err:
             verified, reason = pull.verified, str(err)[:1000]
             self._report(slot, lambda req: m.SourceFailed(req, slot.session, g.grant, g.term, verified, reason))
@@ -341,14 +354,27 @@ class EngineActor(Actor):
     def _streams(self) -> int:
         return max((getattr(t, "streams", 1) for t in self.transports.values()), default=1)
 
-    def _pick(self, endpoint: Any) -> tuple[Transport, dict, int]:
+    def _pick(self, slot: _Slot, source: m.SourceInfo) -> tuple[Transport, dict, int]:
+        """The transport for this (reader, holder) edge (:func:`scheduling.edges.choose_transport`),
+        the holder's endpoint for it, and the holder's region id. A fallback from the preferred
+        transport is logged once per (edge kind, preferred, chosen)."""
+        endpoint = source.endpoint
         if not isinstance(endpoint, dict) or type(endpoint.get("region")) is not int:
             raise TransportError(f"source endpoint {endpoint!r} names no region")
-        for name, t in self.transports.items():
-            peer = endpoint.get(name)
-            if isinstance(peer, dict):
-                return t, peer, endpoint["region"]
-        raise TransportError(f"no transport in common with the source (it offers {sorted(k for k in endpoint if k != 'region')})")
+        offered = [k for k, v in endpoint.items() if k != "region" and isinstance(v, dict)]
+
+        def reaches(name: str) -> bool:
+            probe = getattr(self.transports[name], "reaches", None)
+            return probe is None or bool(probe(endpoint[name]))
+
+        reader = slot.location or source.location
+        choice = choose_transport(reader, source.location, offered, list(self.transports), self.preference, reaches)
+        if choice.fallback:
+            key = (choice.kind, choice.preferred, choice.name)
+            if key not in self._fallbacks_logged:
+                self._fallbacks_logged.add(key)
+                self.log.info(choice.describe(), **slot.ctx)
+        return self.transports[choice.name], endpoint[choice.name], endpoint["region"]
 
     def on_Revoke(self, msg: m.Revoke) -> None:
         slot = self.slots.get(msg.session)

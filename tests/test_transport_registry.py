@@ -74,7 +74,7 @@ def write_module(where: Path, name: str, body: str) -> None:
 
 
 def test_tcp_is_built_in_and_loads_lazily(registry: list) -> None:
-    assert reg.transport_names() == ["memory", "tcp"]
+    assert reg.transport_names() == ["local", "memory", "nixl", "rdma_copy", "tcp"]
     assert reg._registered["tcp"] == "transports.tcp:TcpTransport"  # not imported yet
     assert reg.get_transport("tcp") is TcpTransport
     assert reg._registered["tcp"] is TcpTransport  # cached once loaded
@@ -87,7 +87,7 @@ def test_tcp_is_built_in_and_loads_lazily(registry: list) -> None:
 def test_register_a_class_and_get_it_back(registry: list) -> None:
     reg.register_transport("fake", FakeTransport)
     assert reg.get_transport("fake") is FakeTransport
-    assert reg.transport_names() == ["fake", "memory", "tcp"]
+    assert reg.transport_names() == ["fake", "local", "memory", "nixl", "rdma_copy", "tcp"]
 
 
 def test_register_a_nameless_class_under_any_name(registry: list) -> None:
@@ -134,7 +134,7 @@ def test_names_must_be_identifiers(registry: list, name: Any) -> None:
 
 def test_unknown_name_lists_the_known_ones(registry: list) -> None:
     reg.register_transport("fake", FakeTransport)
-    with pytest.raises(InvalidArgument, match=r"no transport named 'rdma'; known: fake, memory, tcp$"):
+    with pytest.raises(InvalidArgument, match=r"no transport named 'rdma'; known: fake, local, memory, nixl, rdma_copy, tcp$"):
         reg.get_transport("rdma")
 
 
@@ -207,7 +207,7 @@ def test_entry_points_are_discovered_lazily(registry: list, plugin_dir: Path) ->
     write_module(plugin_dir, "thplugin_ep", "from transports.base import Transport\nclass Ep(Transport):\n    name = 'ep'\n")
     registry.append(EntryPoint("ep", "thplugin_ep:Ep", reg.ENTRY_POINT_GROUP))
     registry.append(EntryPoint("elsewhere", "thplugin_ep:Ep", "some.other.group"))
-    assert reg.transport_names() == ["ep", "memory", "tcp"]
+    assert reg.transport_names() == ["ep", "local", "memory", "nixl", "rdma_copy", "tcp"]
     assert "thplugin_ep" not in sys.modules
     assert reg.get_transport("ep").__name__ == "Ep"
 

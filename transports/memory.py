@@ -123,6 +123,10 @@ class MemoryTransport(Transport):
     def endpoint(self) -> dict[str, Any]:
         return {"id": self.id, "pid": os.getpid()}
 
+    def reaches(self, peer: dict[str, Any]) -> bool:
+        """Whether ``peer`` (an endpoint) is in this process: the only peers it can read."""
+        return isinstance(peer, dict) and peer.get("pid") == os.getpid()
+
     def expose(self, buffers: ShardBuffers) -> None:
         with self._lock:
             self._exposed[id(buffers)] = buffers
