@@ -83,6 +83,7 @@ class PullStats:
     bytes: int = 0
     grants: int = 0
     sources: list[str] = field(default_factory=list)
+    transports: list[str] = field(default_factory=list)  #: the transport of each grant's edge
     reads: int = 0  #: transfer operations that landed (one request each)
     segments: int = 0  #: memory regions those reads touched (descriptors, for a one-sided transport)
     regions: int = 0  #: regions of the shard (what a one-sided transport registers)
@@ -328,6 +329,7 @@ class EngineActor(Actor):
         assert slot.stats is not None
         slot.stats.grants += 1
         slot.stats.sources.append(f"{g.source.replica}/{g.source.shard_idx}")
+        slot.stats.transports.append(slot.peer[0].name)
         self._run(slot, pull, pull.on_grant(g.grant, g.source))
 
     def _new_pull(self, slot: _Slot, version: int) -> ReplicationSession:

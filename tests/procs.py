@@ -131,12 +131,13 @@ def _worker(cmds: Any, results: Any, open_kw: dict) -> None:
                 view[0] ^= 0xFF
                 value = None
             elif cmd == "fired":  # what the fault-injecting wrapper did
-                t = h._engine.transports.get("tcp")
-                value = [f.op for f in getattr(t, "fired", [])]
+                value = [f.op for t in h._engine.transports.values() for f in getattr(t, "fired", [])]
             elif cmd == "pulled":  # bytes the latest pull landed (re-reads count again)
                 value = h.last_pull.bytes if h.last_pull else 0
             elif cmd == "last_sources":
                 value = list(h.last_pull.sources) if h.last_pull else []
+            elif cmd == "last_transports":  # the transport of each grant of the latest pull
+                value = list(h.last_pull.transports) if h.last_pull else []
             else:
                 value = getattr(h, cmd)(*args)
                 if cmd == "list" and isinstance(value, dict):
