@@ -1,0 +1,784 @@
+"""``local``: a holder on the same host, read with one copy and no network stack.
+
+Theory of operation
+-------------------
+A holder's memory is read straight out of its process: ``process_vm_readv(2)`` for CPU memory
+(the kernel copies from the holder's pages into the reader's, once), CUDA IPC handles for GPU
+memory (a device-to-device copy over NVLink or PCIe). The holder's CPU takes part once per
+``(region, version)`` a reader pulls, to *describe* its memory over the side channel
+(:mod:`transports.sidechannel`); every read after that is one-sided.
+
+Holder side. :meth:`LocalTransport.start` starts a :class:`~transports.sidechannel.SideServer`
+(on ``host``, default 127.0.0.1) with one inline op, ``describe {region, version}``: it resolves
+the pair through the engine's resolver and answers ``{"pid", "tag", "words", "regions"}``: the
+tag and address of the holding's progress words (:mod:`tensorhub.buffers`), and for each region
+of the packing plan, in plan order, ``[address, nbytes, "cpu" | "cuda", device index, ipc]``
+(``ipc``: for a CUDA region, the fields of torch's ``_share_cuda_()`` as bytes and integers, the
+tensor's byte offset in its storage and the GPU's UUID; None for CPU memory). It refuses with
+``unknown`` (no such holding), ``not_exposed`` (buffers not exposed here) or ``closed``.
+:meth:`~LocalTransport.withdraw` forgets the buffers and retags their progress words;
+:meth:`~LocalTransport.close` retags every exposed buffer and closes the side server. The
+holder also calls ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` once, so that hosts with Yama
+``ptrace_scope=1`` let its same-user readers use ``process_vm_readv`` (this widens who may read
+the process, to every process of the same user; ``ptrace_scope`` 2 or 3 still refuse).
+
+Reader side. A read of ``[offset, offset + length)`` of ``(region, version)``, in one of the
+transport's threads (never on the event loop):
+
+1. describes ``(region, version)`` once per (peer side-channel address, region, version) and
+   caches the description (a bounded LRU; a newer version of the same region evicts the older).
+   Any failure other than :class:`RangeNotReady` drops the entry, so the next read describes
+   again. The described region sizes must equal ``into``'s plan, and the range must be inside
+   the shard -> :class:`TransportError` otherwise;
+2. reads the holder's 32 bytes of progress words with ``process_vm_readv``: the tag must be
+   the described one (else the buffers were withdrawn or replaced), the generation the caller's
+   (if given); it polls, with short sleeps growing to 1 ms and at most ``wait_timeout``, until
+   the words hold ``version`` with ``verified >= offset + length`` (seen twice alike: a look
+   that raced the holder's stores could show words that never held together). Not covered in time ->
+   :class:`RangeNotReady`; the generation moved, or the holder held the version and stopped ->
+   :class:`TransportError`;
+3. copies the range from the described addresses into ``into``'s memory. The layouts are
+   equal, so ``into.segments(offset, length)`` cuts both sides alike (a segment's region index
+   and start locate the source). Pieces of ``piece_bytes`` are copied one after another, with a
+   check for a close (of this transport) between pieces; a range larger than a piece is split
+   over up to ``threads`` threads. CPU -> CPU is one ``process_vm_readv`` per piece (looping over
+   partial transfers and ``IOV_MAX``); CUDA sources are copied by torch from the opened IPC
+   memory; a CPU source into CUDA memory is staged through a CPU buffer and ``copy_in``;
+4. reads the words again (a seqlock): the tag and generation must be unchanged, the version
+   still held and ``verified`` still covering the range -> :class:`TransportError` otherwise.
+   It returns the generation.
+
+Invariants: a read returns normally only when every byte of its range was written from memory
+that held ``version`` under one generation, with the range covered before and after the copy.
+Every error names the peer (its side-channel address and pid), region, version and range. The
+words live in a never-freed arena, so reading them never faults; a holder that died gives
+``ESRCH`` and memory that was unmapped gives ``EFAULT``, both a :class:`TransportError`.
+
+What it must never do: block the event loop, wait without a bound, unpickle anything (the
+description is plain msgpack data), trust a description without checking its types, or read
+the memory of a process that is not on this host (the endpoint carries the boot id and PID
+namespace; :meth:`LocalTransport.reaches` compares them, and a pid from another namespace
+would name another process).
+
+CUDA. A description asked for by another process carries IPC handles: one ``_share_cuda_()``
+per region per describe, which puts the holder's block behind a new reference count, as
+``torch.multiprocessing`` does for every tensor it sends. The reader opens each handle with
+``UntypedStorage._new_shared_cuda`` (torch's allocator maps a handle once per process and
+shares the mapping), keeps the storages with the cached description, and, by letting them go
+when the description is dropped or evicted, gives the count back; until then the holder's
+allocator keeps the block even if the holder frees the tensor, so a stale reader can never
+read reused GPU memory. (As with ``torch.multiprocessing``, a reader that dies without letting
+go leaves the block held until the holder exits.) A reader in the holder's own process (the
+conformance suite) cannot open its own IPC handles: it asks for none and uses the holder's
+tensors themselves. GPUs are matched by UUID, so ``CUDA_VISIBLE_DEVICES`` may differ between the
+two processes. CUDA copies are torch ``copy_`` calls followed by a synchronize of the devices
+involved; CPU memory into CUDA memory is staged through a CPU buffer. **The CUDA path has not
+been run on a GPU yet** (it was written on a host without one); the tests exercise the CPU path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import itertools
+import math
+import os
+import sys
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorhub.buffers import WORD_BYTES, ShardBuffers, read_words
+from tensorhub.errors import InvalidArgument, TransportError
+
+from .base import RangeNotReady, Transport
+from .sidechannel import SideClient, SideError, SideServer, field
+
+__all__ = ["LocalTransport"]
+
+_OPTIONS = {
+    # name: (default, minimum, integer)
+    "wait_timeout": (5.0, 0.0, False),
+    "describe_timeout": (5.0, 0.001, False),
+    "piece_bytes": (4 << 20, 1, True),
+    "threads": (4, 1, True),
+    "streams": (4, 1, True),
+}
+_KNOWN = sorted([*_OPTIONS, "host"])
+
+_IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux UIO_MAXIOV)
+_POLL_FIRST = 50e-6  # seconds: first sleep while waiting for a partial holder's progress
+_POLL_MAX = 1e-3  # ... doubling up to this
+_PART_ALIGN = 64 << 10  # a read split over threads is cut at multiples of this
+_DESCRIBED_MAX = 256  # cached descriptions per reader
+_CLOSE_WAIT = 2.0  # seconds close() waits for reads in flight to notice it
+
+_REFUSALS = {
+    "unknown": "the peer does not hold that version under that region",
+    "not_exposed": "the peer's buffers for it are not exposed",
+    "closed": "the peer closed",
+    "malformed": "the peer refused the request as malformed",
+}
+
+_HOLDERS: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+
+def _option(options: dict[str, Any], name: str) -> Any:
+    default, minimum, integer = _OPTIONS[name]
+    value = options.get(name, default)
+    ok = type(value) is int if integer else type(value) in (int, float)
+    if not ok or not math.isfinite(value) or value < minimum:
+        want = "an integer" if integer else "a finite number"
+        raise InvalidArgument(f"local transport option {name!r} must be {want} >= {minimum}, got {value!r}")
+    return value
+
+
+# ---- the system calls ----------------------------------------------------------------------------
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc: Any = None
+_ptracer_set = False
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+
+def _lib() -> Any:
+    """libc, with ``process_vm_readv`` typed (loaded on first use; ctypes drops the GIL in it)."""
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        fn = lib.process_vm_readv
+        fn.restype = ctypes.c_ssize_t
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+        _libc = lib
+    return _libc
+
+
+def _allow_readers() -> None:
+    """``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` once per process; failure is ignored (no
+    Yama: nothing to allow; a stricter ``ptrace_scope``: readers get EPERM and say so)."""
+    global _ptracer_set
+    if _ptracer_set:
+        return
+    _ptracer_set = True
+    with contextlib.suppress(Exception):
+        _lib().prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
+
+
+class _VmError(Exception):
+    def __init__(self, err: int) -> None:
+        super().__init__(err)
+        self.errno = err
+
+
+def _vm_read(pid: int, spans: list[tuple[int, int, int]]) -> None:
+    """Copy each ``(local address, remote address, n)`` of ``spans`` from process ``pid``,
+    looping over partial transfers and ``IOV_MAX``. Raises :class:`_VmError`."""
+    readv = _lib().process_vm_readv
+    k, done = 0, 0  # the span being copied, and the bytes of it already copied
+    while k < len(spans):
+        batch = spans[k : k + _IOV_MAX]
+        local = (_Iovec * len(batch))()
+        remote = (_Iovec * len(batch))()
+        for i, (la, ra, n) in enumerate(batch):
+            skip = done if i == 0 else 0
+            local[i].iov_base, local[i].iov_len = la + skip, n - skip
+            remote[i].iov_base, remote[i].iov_len = ra + skip, n - skip
+        got = readv(pid, local, len(batch), remote, len(batch), 0)
+        if got < 0:
+            raise _VmError(ctypes.get_errno())
+        if got == 0:
+            raise _VmError(errno.EFAULT)  # no progress: the remote memory is not there
+        done += got
+        while k < len(spans) and done >= spans[k][2]:
+            done -= spans[k][2]
+            k += 1
+
+
+def _vm_why(err: _VmError, pid: int) -> str:
+    if err.errno == errno.ESRCH:
+        return f"the holder process {pid} is gone"
+    if err.errno == errno.EFAULT:
+        return f"the described memory of process {pid} is not mapped (freed or replaced)"
+    if err.errno == errno.EPERM:
+        return (
+            f"not permitted to read the memory of process {pid} (another user, a container boundary, "
+            "or Yama ptrace_scope >= 2)"
+        )
+    return f"process_vm_readv from process {pid} failed: {os.strerror(err.errno)}"
+
+
+def _address(buf: bytearray | ctypes.Array) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if isinstance(buf, bytearray) else ctypes.addressof(buf)
+
+
+def _host_ids() -> tuple[str, str]:
+    """``(boot id, PID namespace)`` of this process ("" when unknown: nothing reaches then)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    return boot, pidns
+
+
+# ---- descriptions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Region:
+    address: int
+    nbytes: int
+    cuda: torch.Tensor | None  # for CUDA memory: a flat uint8 tensor of it, usable here
+
+
+@dataclass(frozen=True, slots=True)
+class _Described:
+    """What a holder said about one (region, version), checked."""
+
+    pid: int
+    tag: int
+    words: int
+    regions: tuple[_Region, ...]
+    total: int
+
+
+def _checked_description(reply: dict[str, Any], pid: int) -> tuple[int, int, list[list[Any]]]:
+    """``(tag, words address, raw regions)`` of a describe reply, or ValueError saying why not."""
+    if reply.get("pid") != pid or type(reply.get("pid")) is not int:
+        raise ValueError(f"it describes process {reply.get('pid')!r}, its endpoint says {pid}")
+    tag, words, regions = reply.get("tag"), reply.get("words"), reply.get("regions")
+    if type(tag) is not int or tag == 0 or type(words) is not int or words <= 0 or type(regions) is not list:
+        raise ValueError("the description lacks a tag, a words address or a region list")
+    for r in regions:
+        if (
+            type(r) is not list
+            or len(r) != 5
+            or type(r[0]) is not int
+            or type(r[1]) is not int
+            or r[0] < 0
+            or r[1] < 0
+            or r[2] not in ("cpu", "cuda")
+            or type(r[3]) is not int
+            or not (r[4] is None or type(r[4]) is dict)
+        ):
+            raise ValueError(f"a region is described as {r!r}")
+    return tag, words, regions
+
+
+#: Types of the ``_share_cuda_()`` fields (what ``_new_shared_cuda`` takes back): device,
+#: handle, storage bytes, storage offset in its block, ref counter file, ref counter offset,
+#: event handle, event sync required.
+_IPC_TYPES = (int, bytes, int, int, bytes, int, bytes, bool)
+
+
+def _open_ipc(ipc: dict[str, Any], nbytes: int) -> torch.Tensor:
+    """The CUDA memory another process shared (``_share_cuda_()`` fields), as a flat uint8
+    tensor of ``nbytes`` here. Untested on a GPU (see the module docstring)."""
+    fields = ipc.get("fields")
+    offset = ipc.get("offset")
+    if (
+        type(fields) is not list
+        or len(fields) != len(_IPC_TYPES)
+        or any(type(v) is not t for v, t in zip(fields, _IPC_TYPES))
+        or type(offset) is not int
+        or offset < 0
+    ):
+        raise ValueError("malformed CUDA IPC fields")
+    device = _local_device(ipc.get("uuid"), fields[0])
+    storage = torch.UntypedStorage._new_shared_cuda(device, *fields[1:])
+    if offset + nbytes > storage.nbytes():
+        raise ValueError(f"CUDA region of {nbytes} bytes at {offset} overruns its {storage.nbytes()}-byte storage")
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, offset, (nbytes,), (1,))
+
+
+def _device_uuid(index: int) -> str | None:
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return None if uuid is None else str(uuid)
+
+
+def _local_device(uuid: Any, index: int) -> int:
+    """This process's index of the GPU with ``uuid`` (``index`` when no UUID is given)."""
+    if not torch.cuda.is_available():
+        raise ValueError("the holder's region is CUDA memory and this process has no CUDA device")
+    if not isinstance(uuid, str):
+        return index
+    for i in range(torch.cuda.device_count()):
+        if _device_uuid(i) == uuid:
+            return i
+    raise ValueError(f"the holder's GPU {uuid} is not visible to this process")
+
+
+# ---- the transport ------------------------------------------------------------------------------
+
+
+class LocalTransport(Transport):
+    """Same-host transport: ``process_vm_readv`` for CPU memory, CUDA IPC for GPU memory.
+
+    Options: ``host`` (the side channel's interface, default "127.0.0.1"), ``wait_timeout``
+    (seconds a read waits for a partial holder's progress, default 5), ``describe_timeout``
+    (seconds a describe may take, default 5), ``piece_bytes`` (bytes copied between two checks
+    for a close, default 4 MiB), ``threads`` (threads one large read is split over, default 4),
+    ``streams`` (reads of one pull the engine runs at once, default 4).
+
+    Only exposed buffers are described; withdrawing them (or closing) retags their progress
+    words, so that readers holding a description fail and describe again.
+
+    Raises:
+        InvalidArgument: an unknown option, or a bad value.
+    """
+
+    name = "local"
+    one_sided = True
+    cuda = True
+    cross_host = False
+    streams: int = 4
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        super().__init__(options)
+        unknown = sorted(str(k) for k in self.options if k not in _KNOWN)
+        if unknown:
+            raise InvalidArgument(f"unknown local transport options {unknown}; known: {_KNOWN}")
+        host = self.options.get("host", "127.0.0.1")
+        if type(host) is not str or not host:
+            raise InvalidArgument(f"local transport option 'host' must be a non-empty string, got {host!r}")
+        self.host = host
+        self.wait_timeout = float(_option(self.options, "wait_timeout"))
+        self.describe_timeout = float(_option(self.options, "describe_timeout"))
+        self.piece_bytes = int(_option(self.options, "piece_bytes"))
+        self.threads = int(_option(self.options, "threads"))
+        self.streams = int(_option(self.options, "streams"))
+        self.id = f"local-{os.getpid()}-{next(_IDS)}"
+        self._lock = threading.Lock()
+        self._exposed: dict[int, ShardBuffers] = {}
+        self._side: SideServer | None = None
+        self._client = SideClient(self.id)
+        self._described: OrderedDict[tuple[str, int, int], _Described] = OrderedDict()
+        self._describing: dict[tuple[str, int, int], threading.Lock] = {}
+        self._reads = ThreadPoolExecutor(max_workers=max(8, 2 * self.streams), thread_name_prefix="local-read")
+        self._helpers = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="local-copy") if self.threads > 1 else None
+        self._tls = threading.local()
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self._boot_id, self._pidns = _host_ids()
+
+    @classmethod
+    def available(cls) -> bool:
+        """Linux with ``process_vm_readv`` in libc."""
+        if not sys.platform.startswith("linux"):
+            return False
+        try:
+            return _lib() is not None
+        except (OSError, AttributeError):  # no libc to load, or one without process_vm_readv
+            return False
+
+    # ---- both sides ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the side channel (peers can describe this process's buffers from now on).
+
+        Raises:
+            TransportError: it was closed, or the side channel cannot bind.
+        """
+        if self._closed:
+            raise TransportError(f"local transport {self.id} is closed; it cannot start again")
+        if self._side is not None:
+            return
+        _allow_readers()
+        self._side = SideServer(self.id, {"describe": (self._on_describe, True)}, self.host)
+        _HOLDERS[self._side.address] = self
+
+    def endpoint(self) -> dict[str, Any]:
+        """``{"side", "pid", "boot_id", "pidns"}``: plain msgpack data.
+
+        Raises:
+            TransportError: not started.
+        """
+        if self._side is None:
+            raise TransportError(f"local transport {self.id} has no endpoint before start()")
+        return {"side": self._side.address, "pid": os.getpid(), "boot_id": self._boot_id, "pidns": self._pidns}
+
+    def reaches(self, peer: dict[str, Any]) -> bool:
+        """Whether ``peer`` (an endpoint of this transport) is on this host and in this PID
+        namespace, so that its pid names the process it says."""
+        if not isinstance(peer, dict) or not self._boot_id or not self._pidns:
+            return False
+        return peer.get("boot_id") == self._boot_id and peer.get("pidns") == self._pidns
+
+    def expose(self, buffers: ShardBuffers) -> None:
+        with self._lock:
+            self._exposed[id(buffers)] = buffers
+
+    def withdraw(self, buffers: ShardBuffers) -> None:
+        """Forget ``buffers`` and retag their words: readers holding a description fail."""
+        with self._lock:
+            if self._exposed.get(id(buffers)) is buffers:
+                del self._exposed[id(buffers)]
+        buffers.progress.retag()
+
+    async def close(self) -> None:
+        """Stop describing, retag every exposed buffer (readers of them fail), fail this side's
+        reads in flight (they notice between pieces, wait slices and side-channel slices). A
+        second call does nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            exposed = list(self._exposed.values())
+            self._exposed.clear()
+            self._described.clear()
+        for buf in exposed:
+            buf.progress.retag()
+        side = self._side
+        if side is not None and _HOLDERS.get(side.address) is self:
+            with contextlib.suppress(KeyError):
+                del _HOLDERS[side.address]
+        # Reads queued behind the running ones start, see the transport closed, and fail.
+        self._reads.shutdown(wait=False)
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=False)
+        await asyncio.get_running_loop().run_in_executor(None, self._close_blocking, side)
+
+    def _close_blocking(self, side: SideServer | None) -> None:
+        if side is not None:
+            side.close()
+        # The side client's sockets belong to the read threads: let them notice the close first.
+        deadline = time.monotonic() + _CLOSE_WAIT
+        with self._idle:
+            while self._inflight and time.monotonic() < deadline:
+                self._idle.wait(0.05)
+        self._client.close()
+
+    # ---- holder side ---------------------------------------------------------------------------
+
+    def _on_describe(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The ``describe`` op (inline on the side server's thread: no waiting here)."""
+        region = field(msg, "region", int)
+        version = field(msg, "version", int, 0)
+        share = msg.get("ipc") is True
+        if self._closed:
+            raise SideError("closed", f"local transport {self.id} closed")
+        try:
+            buf = self.resolve(region, version)
+        except Exception as err:  # noqa: BLE001 - the resolver's failure is this request's
+            raise SideError("internal", f"the resolver raised {type(err).__name__}: {err}") from None
+        if buf is None:
+            raise SideError("unknown", f"no holding of version {version} under region {region}")
+        with self._lock:
+            if self._exposed.get(id(buf)) is not buf:
+                raise SideError("not_exposed", f"the buffers of region {region} version {version} are not exposed")
+        tag = buf.progress.tag  # first: a withdraw from now on makes the reader's first look fail
+        return {
+            "pid": os.getpid(),
+            "tag": tag,
+            "words": buf.progress.words_address,
+            "regions": [_describe_region(t, share) for t in buf.regions],
+        }
+
+    # ---- reader side ---------------------------------------------------------------------------
+
+    async def read(
+        self,
+        peer: dict[str, Any],
+        region: int,
+        version: int,
+        offset: int,
+        length: int,
+        into: ShardBuffers,
+        generation: int | None,
+    ) -> int:
+        """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into``; see the
+        module docstring for the steps.
+
+        Returns:
+            The holder's generation the bytes were read under.
+
+        Raises:
+            RangeNotReady: the holder's progress did not cover the range within the wait.
+            TransportError: anything else that kept the read from completing (it names the
+                peer, region, version and range).
+        """
+        span = f"region {region} version {version} bytes [{offset}, {offset + length})"
+        side = peer.get("side") if isinstance(peer, dict) else None
+        pid = peer.get("pid") if isinstance(peer, dict) else None
+        if type(side) is not str or not side or type(pid) is not int or pid <= 0:
+            raise TransportError(f"local endpoint {peer!r} lacks a side-channel address or a pid (reading {span})")
+        where = f"local peer {side} (pid {pid}) {span}"
+        if self._closed:
+            raise TransportError(f"local transport {self.id} closed; read of {where} not started")
+        loop = asyncio.get_running_loop()
+        try:
+            fut = loop.run_in_executor(self._reads, self._read_blocking, side, pid, where, region, version, offset, length, into, generation)
+        except RuntimeError as err:  # the pool shut down: closed meanwhile
+            raise TransportError(f"local transport {self.id} closed; read of {where} not started") from err
+        return await fut
+
+    def _read_blocking(
+        self,
+        side: str,
+        pid: int,
+        where: str,
+        region: int,
+        version: int,
+        offset: int,
+        length: int,
+        into: ShardBuffers,
+        generation: int | None,
+    ) -> int:
+        with self._idle:
+            self._inflight += 1
+        key = (side, region, version)
+        desc: _Described | None = None
+        try:
+            self._check_open(where)
+            desc = self._description(key, pid, where)
+            if offset < 0 or length < 0 or offset + length > desc.total:
+                raise TransportError(f"read of {where}: the range is outside the shard's {desc.total} bytes")
+            mine = [r.nbytes for r in into.plan.regions]
+            if mine != [r.nbytes for r in desc.regions]:
+                raise TransportError(f"read of {where}: the peer's regions do not match the destination's layout")
+            end = offset + length
+            gen = self._wait(desc, version, end, generation, where)
+            if length:
+                self._copy(desc, into, offset, length, where)
+            self._seqlock(desc, version, end, gen, where)
+            return gen
+        except RangeNotReady:
+            raise  # the holder is fine, only behind: keep its description
+        except TransportError:
+            self._forget(key, desc)
+            raise
+        except Exception as err:  # a CUDA copy's or a bug's failure is this read's
+            self._forget(key, desc)
+            raise TransportError(f"read of {where}: {type(err).__name__}: {err}") from err
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def _check_open(self, where: str) -> None:
+        if self._closed:
+            raise TransportError(f"local transport {self.id} closed during the read of {where}")
+
+    def _description(self, key: tuple[str, int, int], pid: int, where: str) -> _Described:
+        """The cached description of ``key``, or a new one (one describe at a time per key)."""
+        with self._lock:
+            desc = self._described.get(key)
+            if desc is not None and desc.pid == pid:
+                self._described.move_to_end(key)
+                return desc
+            gate = self._describing.setdefault(key, threading.Lock())
+        with gate:
+            with self._lock:
+                desc = self._described.get(key)
+            if desc is not None and desc.pid == pid:
+                return desc
+            try:
+                desc = self._describe(key, pid, where)
+            finally:
+                with self._lock:
+                    self._describing.pop(key, None)
+        with self._lock:
+            if self._closed:
+                raise TransportError(f"local transport {self.id} closed during the read of {where}")
+            side, region, version = key
+            for old in [k for k in self._described if k[:2] == (side, region) and k[2] != version]:
+                del self._described[old]  # the region moved on to another version
+            self._described[key] = desc
+            while len(self._described) > _DESCRIBED_MAX:
+                self._described.popitem(last=False)
+        return desc
+
+    def _forget(self, key: tuple[str, int, int], desc: _Described | None) -> None:
+        with self._lock:
+            if desc is not None and self._described.get(key) is desc:
+                del self._described[key]
+
+    def _describe(self, key: tuple[str, int, int], pid: int, where: str) -> _Described:
+        side, region, version = key
+        in_process = pid == os.getpid()
+        request = {"region": region, "version": version, "ipc": not in_process and torch.cuda.is_available()}
+        try:
+            reply = self._client.call(side, "describe", request, self.describe_timeout, closed=lambda: self._closed)
+        except SideError as err:
+            why = _REFUSALS.get(err.code, f"the peer refused to describe it ({err.code})")
+            raise TransportError(f"read of {where}: {why}: {err}") from None
+        except TransportError as err:
+            raise TransportError(f"read of {where}: {err}") from err
+        try:
+            tag, words, raw = _checked_description(reply, pid)
+            regions = []
+            for k, (address, nbytes, kind, _index, ipc) in enumerate(raw):
+                cuda = None
+                if kind == "cuda" and nbytes:
+                    if in_process:
+                        cuda = self._own_cuda(side, words, k)
+                    elif ipc is not None:
+                        cuda = _open_ipc(ipc, nbytes)
+                    elif not request["ipc"]:
+                        raise ValueError(f"region {k} is CUDA memory and this process has no CUDA device to open it")
+                    if cuda is None:
+                        raise ValueError(f"region {k} is CUDA memory and came without a usable IPC handle")
+                regions.append(_Region(address, nbytes, cuda))
+        except ValueError as err:
+            raise TransportError(f"read of {where}: the peer's description is unusable: {err}") from None
+        return _Described(pid, tag, words, tuple(regions), sum(r.nbytes for r in regions))
+
+    def _own_cuda(self, side: str, words: int, k: int) -> torch.Tensor | None:
+        """Region ``k`` of the buffers a holder in this very process described (CUDA IPC
+        handles cannot be opened by the process that made them)."""
+        holder = _HOLDERS.get(side)
+        if holder is None:
+            return None
+        with holder._lock:
+            found = [b for b in holder._exposed.values() if b.progress.words_address == words]
+        return found[0].regions[k].reshape(-1).view(torch.uint8) if found else None
+
+    def _words(self, desc: _Described, where: str) -> tuple[int, int | None, int]:
+        """``(generation, version, verified)`` from the holder's words, the tag checked."""
+        buf = getattr(self._tls, "words", None)
+        if buf is None:
+            buf = self._tls.words = ctypes.create_string_buffer(WORD_BYTES)
+        try:
+            _vm_read(desc.pid, [(ctypes.addressof(buf), desc.words, WORD_BYTES)])
+        except _VmError as err:
+            raise TransportError(f"read of {where}: {_vm_why(err, desc.pid)}") from None
+        tag, gen, ver, verified = read_words(buf.raw)
+        if tag != desc.tag:
+            raise TransportError(f"read of {where}: the peer's buffers were withdrawn or replaced (their tag changed)")
+        return gen, ver, verified
+
+    def _wait(self, desc: _Described, version: int, end: int, generation: int | None, where: str) -> int:
+        """The generation under which the holder holds ``version`` with ``[0, end)`` covered."""
+        deadline = time.monotonic() + self.wait_timeout
+        delay = _POLL_FIRST
+        gen, ver, verified = self._words(desc, where)
+        g0, v0 = gen, ver
+        seen = False
+        while True:
+            if generation is not None and gen != generation:
+                raise TransportError(f"read of {where}: the peer's holding changed (generation {gen}, the pull began at {generation})")
+            if ver == version:
+                # A look that raced the holder's stores may show words that never held together
+                # (they are stored one by one, and a copy need not read each word whole); a
+                # second look that agrees rules that out.
+                if verified >= end and self._words(desc, where) == (gen, ver, verified):
+                    return gen
+                seen = True
+            elif seen or (gen != g0 and v0 == version):
+                raise TransportError(f"read of {where}: the peer's holding changed (it no longer holds the version)")
+            self._check_open(where)
+            if time.monotonic() >= deadline:
+                state = f"{verified} bytes verified" if ver == version else "it does not hold the version yet"
+                raise RangeNotReady(f"read of {where}: the peer's progress did not cover the range in time ({state})")
+            time.sleep(delay)
+            delay = min(2 * delay, _POLL_MAX)
+            gen, ver, verified = self._words(desc, where)
+
+    def _seqlock(self, desc: _Described, version: int, end: int, gen: int, where: str) -> None:
+        after, held, verified = self._words(desc, where)
+        # ``verified`` cannot fall within a generation; checking it again also rejects a first
+        # look that caught a reset half-written (new generation, old ``verified``).
+        if after != gen or held != version or verified < end:
+            raise TransportError(f"read of {where}: the peer's holding changed during the read (generation {gen} -> {after})")
+
+    def _copy(self, desc: _Described, into: ShardBuffers, offset: int, length: int, where: str) -> None:
+        """Copy the range, split over up to ``threads`` threads (this one does the first part)."""
+        parts = max(1, min(self.threads, length // self.piece_bytes))
+        if parts == 1 or self._helpers is None:
+            self._copy_part(desc, into, offset, length, where, None)
+            return
+        size = -(-length // parts)
+        size = -(-size // _PART_ALIGN) * _PART_ALIGN
+        cuts = [(p, min(size, offset + length - p)) for p in range(offset, offset + length, size)]
+        stop = threading.Event()
+        futures: list[Future[None]] = []
+        try:
+            for pos, n in cuts[1:]:
+                futures.append(self._helpers.submit(self._copy_part, desc, into, pos, n, where, stop))
+        except RuntimeError:  # the pool shut down: closed meanwhile
+            stop.set()
+            self._check_open(where)
+            raise
+        failure: BaseException | None = None
+        try:
+            self._copy_part(desc, into, *cuts[0], where, stop)
+        except BaseException as err:  # noqa: BLE001 - stop the other parts, then report it
+            failure = err
+            stop.set()
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as err:  # noqa: BLE001 - the first failure is the one to report
+                failure = failure or err
+                stop.set()
+        if failure is not None:
+            raise failure
+
+    def _copy_part(self, desc: _Described, into: ShardBuffers, offset: int, length: int, where: str, stop: threading.Event | None) -> None:
+        pos, end = offset, offset + length
+        while pos < end:
+            self._check_open(where)
+            if stop is not None and stop.is_set():
+                raise TransportError(f"read of {where}: another part of the read failed")
+            n = min(self.piece_bytes, end - pos)
+            self._copy_piece(desc, into, pos, n, where)
+            pos += n
+
+    def _copy_piece(self, desc: _Described, into: ShardBuffers, offset: int, n: int, where: str) -> None:
+        spans: list[tuple[int, int, int]] = []
+        synced: set[torch.device] = set()
+        for seg in into.segments(offset, n):
+            src = desc.regions[seg.index]
+            dst = into.regions[seg.index]
+            if src.cuda is not None:  # GPU memory of the holder: torch copies it
+                flat = dst.reshape(-1).view(torch.uint8)[seg.start : seg.start + seg.length]
+                flat.copy_(src.cuda[seg.start : seg.start + seg.length])
+                synced.update(t.device for t in (dst, src.cuda) if t.device.type == "cuda")
+            elif dst.device.type == "cpu":
+                spans.append((dst.data_ptr() + seg.start, src.address + seg.start, seg.length))
+            else:  # CPU memory into GPU memory: stage it
+                staged = bytearray(seg.length)
+                self._vm_copy(desc, [(_address(staged), src.address + seg.start, seg.length)], where)
+                into.copy_in(seg.offset, memoryview(staged))
+        if spans:
+            self._vm_copy(desc, spans, where)
+        for device in synced:
+            torch.cuda.synchronize(device)
+
+    def _vm_copy(self, desc: _Described, spans: list[tuple[int, int, int]], where: str) -> None:
+        try:
+            _vm_read(desc.pid, spans)
+        except _VmError as err:
+            raise TransportError(f"read of {where}: {_vm_why(err, desc.pid)}") from None
+
+
+def _describe_region(t: torch.Tensor, share: bool) -> list[Any]:
+    """``[address, nbytes, kind, device index, ipc]`` of one region tensor (see the module
+    docstring); CUDA IPC fields only when the reader asked for them (another process)."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cuda":
+        return [t.data_ptr(), nbytes, "cpu", -1, None]
+    ipc = None
+    if share and nbytes:
+        fields = list(t.untyped_storage()._share_cuda_())
+        ipc = {"fields": fields, "offset": t.storage_offset() * t.element_size(), "uuid": _device_uuid(t.device.index)}
+    return [t.data_ptr(), nbytes, "cuda", t.device.index, ipc]
