@@ -24,11 +24,13 @@ change: ``[tag, generation, version + 1 (0: none), verified]``. The words live i
 process-wide arena (:data:`WORDS`) whose chunks are allocated once and never freed, so a
 transport registers each chunk once and a stale reader can never read unmapped memory; ``tag``
 is a random nonzero number per counter (zeroed when the counter dies), so a reader that cached
-the address of a slot later given to another counter sees the tag differ and stops. Writers
-store ``generation`` before ``version`` before ``verified`` and advance ``verified`` only after
-the bytes below it are in place (x86 and the PCIe ordering of a NIC's READ keep stores in that
-order); a reader reads the words before its bytes and again after them (a seqlock), and accepts
-the bytes only if the tag and generation did not change and ``verified`` covered them.
+the address of a slot later given to another counter sees the tag differ and stops. A reset
+stores ``verified = 0`` and the version before the new generation, then the real ``verified``;
+``verified`` advances only after the bytes below it are in place (x86 and the PCIe ordering of
+a NIC's READ keep stores in that order). A READ of the words is not atomic, so a reader takes
+them as covering its range only when two READs in a row agree; it reads them again after its
+bytes (a seqlock) and accepts the bytes only if the tag, generation and version did not change
+and ``verified`` still covers them.
 """
 
 from __future__ import annotations
@@ -143,10 +145,13 @@ class ProgressCounter:
         return ctypes.string_at(self.words_address, WORD_BYTES)
 
     def _mirror(self) -> None:
-        """Write the words (under the lock): generation, then version, then verified."""
+        """Write the words after a reset (under the lock): ``verified`` to 0 and the version
+        first, then the generation, then the real ``verified``, so that a reader that sees the
+        new generation never sees the old holding's progress with it."""
         w = self._words
-        w[1] = self.generation
+        w[3] = 0
         w[2] = 0 if self.version is None else self.version + 1
+        w[1] = self.generation
         w[3] = self.verified
 
     def snapshot(self) -> tuple[int, int | None, int]:

@@ -531,9 +531,11 @@ class NixlTransport(Transport):
                 return self._covered(io, d, where, version, 0, generation)[0]
             gen = self._wait_covered(io, d, where, version, offset + length, generation)
             self._transfer(io, d, where, into, offset, length)
-            tag, after, held, _ = self._words(io, d, where)
-            if tag != d.tag or after != gen or held != version:
-                raise TransportError(f"read of {where}: the peer's holding changed during the read (generation {gen} -> {after})")
+            tag, after, held, verified = self._words(io, d, where)
+            if tag != d.tag:
+                raise TransportError("the holder withdrew or replaced these buffers during the read (their tag changed)")
+            if after != gen or held != version or verified < offset + length:
+                raise TransportError(f"the peer's holding changed during the read (generation {gen} -> {after})")
             io.touch(agent)
             return gen
         except RangeNotReady:
@@ -589,8 +591,18 @@ class NixlTransport(Transport):
         return read_words(ctypes.string_at(local, WORD_BYTES))
 
     def _covered(self, io: NixlIO, d: _Described, where: str, version: int, end: int, generation: int | None) -> tuple[int, bool, bool]:
-        """One words READ: (generation, covered, holds the version)."""
-        tag, gen, held, verified = self._words(io, d, where)
+        """Words READs: (generation, covered, holds the version). "Covered" needs two READs in a
+        row to agree: a READ of the words is not atomic, and one that overlaps the holder's
+        writes could combine a new generation with an old version."""
+        words = self._words(io, d, where)
+        for _ in range(8):
+            again = self._words(io, d, where)
+            if again == words:
+                break
+            words = again
+        else:
+            return words[1], False, words[2] == version
+        tag, gen, held, verified = words
         if tag != d.tag:
             raise TransportError("the holder withdrew or replaced these buffers (their tag changed)")
         if generation is not None and gen != generation:

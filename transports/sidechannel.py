@@ -47,6 +47,7 @@ __all__ = ["SideClient", "SideError", "SideServer", "decode", "encode"]
 MAX_REQUEST = 64 << 10  #: a request is a handful of integers and names
 MAX_REPLY = 16 << 20  #: a describe reply carries memory keys of every region of a shard
 _SLICE_MS = 50
+MAX_PEERS_PER_THREAD = 64  #: sockets a thread keeps open (least recently used closed first)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -270,8 +271,9 @@ class SideClient:
             if sock not in ready:
                 continue
             reply = decode(sock.recv(), MAX_REPLY)
-            if reply.get("id") != rid:
+            if reply.get("id") is not None and reply.get("id") != rid:
                 continue  # the answer to an earlier call that gave up
+            # (id nil: the holder could not read the request at all; that is this call's answer)
             if reply.get("ok") is True:
                 return reply
             code, error = reply.get("code"), reply.get("error")
@@ -304,8 +306,12 @@ class SideClient:
         socks = getattr(self._local, "socks", None)
         if socks is None:
             socks = self._local.socks = {}
-        sock = socks.get(address)
-        if sock is None:
+        sock = socks.pop(address, None)
+        if sock is not None:
+            socks[address] = sock  # most recently used last
+        else:
+            while len(socks) >= MAX_PEERS_PER_THREAD:  # a long job meets many holders: bound the sockets
+                self._drop(next(iter(socks)))
             with self._lock:
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
@@ -327,10 +333,13 @@ class SideClient:
                 if sock in self._sockets:
                     self._sockets.remove(sock)
                 monitor = self._monitors.pop(id(sock), None)
-            sock.disable_monitor()
-            if monitor is not None:
-                monitor.close(linger=0)
-            sock.close(linger=0)
+            try:
+                sock.disable_monitor()
+                if monitor is not None:
+                    monitor.close(linger=0)
+                sock.close(linger=0)
+            except zmq.ZMQError:
+                pass  # the client closed (its context is gone with the sockets)
 
     def close(self) -> None:
         """Close every socket. Call it after the threads that use the client have stopped (or
