@@ -62,6 +62,14 @@ def test_selection_and_its_errors(seed: int) -> None:
         check_transport(lambda options: {}, only=["start_endpoint"])
 
 
+def test_a_transport_named_by_path_conforms_in_process(seed: int) -> None:
+    # The same names check_transport(..., holder_process=True) takes (see test_conformance_processes).
+    path = "transports.memory:MemoryTransport"
+    assert check_transport(path, seed=seed, only=["odd_ranges"]) == {"odd_ranges": "passed"}
+    with pytest.raises(InvalidArgument, match="does not load: ModuleNotFoundError"):
+        check_transport("transports.nope:Nope", only=["odd_ranges"])
+
+
 def test_every_check_says_what_it_asserts() -> None:
     assert all(len(doc) > 40 for doc in CHECKS.values()), CHECKS
 
