@@ -9,7 +9,7 @@ Two shards, each about ``--size-mib`` MiB (default 1,024), with seeded content:
   bf16), the rest large bf16 weights, in a shuffled, model-like order.
 
 The holder is a separate process (multiprocessing ``spawn``) that serves from its own memory;
-the reader is this process. The sections (``--sections``, default all) measure:
+the reader is this process (section 6: separate processes too). The sections (``--sections``, default all) measure:
 
 1. ``plan``: registrations and transfer operations of one pull, with packing (the default
    ``pack_threshold``, 2 MiB) and without (0), from the layout's read plan as the engine uses
@@ -82,6 +82,35 @@ the reader is this process. The sections (``--sections``, default all) measure:
    printed. The memory ``register`` itself takes (mostly the pack buffers: a second copy of the
    packed tensors, made resident when they are zeroed) is reported beside it, outside the
    goal. Goal: ``<= 64 MiB`` each.
+6. ``rdma``: the one-sided and same-host transports, driven directly (``start``, ``serve``,
+   ``expose``, ``read``, as ``tensorhub.testing`` drives them) with their default options, each
+   against a baseline: ``nixl`` and ``rdma_copy`` against a raw NIXL READ of the same bytes
+   (two bare ``nixl_agent``s with NIXL's defaults: the holder registers the same regions, the
+   reader its destination, metadata exchanged, one READ transfer request per read of the plan
+   with a descriptor per segment, 4 in flight, polled as the transports poll), ``local``
+   against a one-thread torch ``copy_`` of the same regions in one process. One holder process
+   (the shard seeded, packed and verified, as a publish job leaves it) and 1, 2 and 4 reader
+   processes, each pulling the whole shard at once (released together by a start time on the
+   host's monotonic clock): the engine's read plan (whole checksum units of up to 8 MiB), the
+   transport's ``streams`` reads in flight (``asyncio.gather`` under a semaphore), each read
+   after the first passing the generation the first returned. ``GB/s total`` is all readers'
+   bytes over the time from the first start to the last end. The processes (5, started once:
+   importing torch costs seconds) serve every shard, reader count and repeat. NIXL agents
+   exist only while their own path runs: an idle agent's progress thread keeps about half a
+   core busy (the ``idle cores`` column; NIXL's Python API sets no progress-thread delay), and
+   two more idle agents in each process cut a raw pull from 1.8 to 0.6 GB/s on 2 cores. So a NIXL
+   path and its baseline take turns pull by pull, each turn starting its agents, making its
+   connections with one untimed read per reader, pulling once (``--warmup`` more, untimed, on
+   the first turn) and closing them; ``local`` and memcpy alternate pull by pull. Registration
+   is reported apart from throughput: ``expose()`` of the shard on each transport right after
+   its agent started (holder and readers), again ``--repeats`` times after ``withdraw`` in the
+   holder, and NIXL ``register_memory`` of the same regions for the raw baseline; ``start()``
+   beside it (``rdma_copy`` registers its staging pool there, never the shard). Every pull is
+   verified: xxh3-64 of every checksum unit of the reader's transfer space (packs and large
+   tensors; the packs are not unpacked) against the holder's. ``--ucx-tls tcp`` runs the NIXL
+   phases again with ``$UCX_TLS=tcp`` set in fresh helper processes. Goals (1 GiB shards):
+   ``nixl >= 0.9 x`` raw NIXL for every reader count; ``local >= 0.7 x`` memcpy with one
+   reader; ``rdma_copy`` has none (its ratio is printed). The section needs no server.
 
 Before every transfer the reader's tensors (and its pack buffers) are zeroed; after it, a CRC-32
 of every tensor is compared with the one the holder computed over its seeded content: a
@@ -98,9 +127,11 @@ disturbs less than its speed. ``--json FILE`` writes every figure, every sample 
 every verdict.
 
 Usage: python benchmarks/bench_transfer.py [--size-mib N] [--streams S] [--repeats R]
-       [--sections plan,transfer,verify,publish,memory] [--publish-repeats P] [--json FILE]
+       [--sections plan,transfer,verify,publish,memory,rdma] [--publish-repeats P] [--ucx-tls TLS]
+       [--json FILE]
 Goals: packing keeps regions/reads/segments near the large tensors; tcp >= 0.9 x baseline;
-tcp+verify <= 1.10 x tcp; hash >= memcpy; publish independent of size; <= 64 MiB RSS per side.
+tcp+verify <= 1.10 x tcp; hash >= memcpy; publish independent of size; <= 64 MiB RSS per side;
+nixl >= 0.9 x raw NIXL READ; local >= 0.7 x memcpy (one reader).
 """
 
 from __future__ import annotations
@@ -108,6 +139,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -120,7 +152,7 @@ import traceback
 import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +191,14 @@ REGION_UNPACKED = 2  # the same tensors, laid out with pack_threshold 0 (--tcp-u
 ENGINE_CHUNK = int(os.environ.get("TENSORHUB_CHUNK_BYTES") or 8 << 20)
 POOL_BYTES = 64 << 20  # seeded random bytes that tensor contents are windows of
 DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
-SECTIONS = ("plan", "transfer", "verify", "publish", "memory")
+SECTIONS = ("plan", "transfer", "verify", "publish", "memory", "rdma")
 MEMORY_SHARD = "model-500"
+GOAL_NIXL = 0.9  # nixl / raw NIXL READ, GB/s
+GOAL_LOCAL = 0.7  # local / one-thread memcpy, GB/s, one reader
+RDMA_READERS = (1, 2, 4)  # concurrent reader processes of section 6
+RDMA_BASELINE = {"nixl": "raw nixl", "rdma_copy": "raw nixl", "local": "memcpy"}
+RAW_INFLIGHT = 4  # READ requests the raw baseline keeps in flight (the transports' default streams)
+RDMA_REGION_BASE = 10  # region ids of section 6's shards (one per shard)
 
 Spec = list[tuple[str, str, int]]  # (name, dtype, numel)
 
@@ -863,6 +901,572 @@ def bench_publish(args: argparse.Namespace, server: str) -> dict[str, Any]:
     return out
 
 
+# ---- section 6: rdma (nixl, rdma_copy, local) -------------------------------------------------
+
+
+def _ucx_env(ucx_tls: str | None) -> None:
+    """In a helper process, before any NIXL agent exists: UCX reads its environment when an
+    agent starts its UCX context."""
+    if ucx_tls:
+        os.environ["UCX_TLS"] = ucx_tls
+
+
+def rdma_available() -> bool:
+    """Whether NIXL imports here (the nixl, rdma_copy and raw NIXL paths need it)."""
+    from transports.nixl import load_nixl
+
+    return load_nixl() is not None
+
+
+def rdma_phases(ucx_tls: str | None) -> list[tuple[str, str]]:
+    """``(baseline, path)`` pairs of one run of section 6, each measured in its own phase.
+    Under ``UCX_TLS`` only the NIXL paths change, so ``local`` runs only under UCX's default;
+    without NIXL only it runs."""
+    nixl = [("raw nixl", "nixl"), ("raw nixl", "rdma_copy")] if rdma_available() else []
+    return nixl if ucx_tls else [*nixl, ("memcpy", "local")]
+
+
+def raw_nixl_agent(name: str) -> Any:
+    """A bare NIXL agent with the UCX backend (NIXL's defaults), for the raw READ baseline."""
+    from transports.nixl import load_nixl
+
+    api = load_nixl()
+    if api is None:
+        raise BenchmarkError("NIXL is not installed (pip install nixl-cu12)")
+    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+
+
+def raw_register(agent: Any, regions: list[torch.Tensor]) -> Any:
+    """Register the regions (CPU memory) with a bare agent, as ``NixlIO.register`` does."""
+    descs = [(t.data_ptr(), t.numel() * t.element_size(), 0, "") for t in regions if t.numel()]
+    return agent.register_memory(agent.get_reg_descs(descs, "DRAM"))
+
+
+def start_transport(runner: asyncio.Runner, name: str, timeout: float) -> tuple[Any, float]:
+    """Transport ``name`` (the registry's class, default options), started on ``runner``'s
+    loop, and the seconds its ``start()`` took."""
+    from transports.registry import get_transport
+
+    transport = get_transport(name)({})
+    t0 = time.perf_counter()
+    runner.run(asyncio.wait_for(transport.start(), timeout))
+    return transport, time.perf_counter() - t0
+
+
+def close_transport(runner: asyncio.Runner, transport: Any, timeout: float) -> None:
+    try:
+        runner.run(asyncio.wait_for(transport.close(), timeout))
+    except Exception as err:  # noqa: BLE001 - say so and go on: the process is done with it
+        print(f"{transport.name}: close failed: {err!r}", file=sys.stderr)
+
+
+def _serve_commands(conn: Any, side: Any) -> None:
+    """Run ``side.<command>(*args)`` for each ``(command, *args)`` the parent sends, answering
+    ``(command, *result)``, until ``quit`` (or the parent is gone)."""
+    for _ in range(1 << 30):
+        if not conn.poll(1.0):
+            if os.getppid() == 1:
+                return
+            continue
+        try:
+            cmd = conn.recv()
+        except (EOFError, OSError):
+            return
+        if cmd[0] == "quit":
+            return
+        conn.send((cmd[0], *getattr(side, "do_" + cmd[0])(*cmd[1:])))
+
+
+def _rdma_process(conn: Any, make: Any, ucx_tls: str | None, timeout: float) -> None:
+    """The body of section 6's helper processes: ``make(runner)`` builds the side (holder or
+    reader), whose ``ready()`` is sent first; then commands until ``quit``."""
+    _ucx_env(ucx_tls)
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            side = make(runner)
+            try:
+                conn.send(("ready", *side.ready()))
+                _serve_commands(conn, side)
+            finally:
+                side.close()
+    except Exception:  # noqa: BLE001 - the parent reports it and stops
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+
+
+class RdmaHolder:
+    """The holder process of section 6: one shard at a time, seeded and packed as the publish
+    job leaves it, complete and verified; served by ``local`` (started once) and by the NIXL
+    paths of a phase (``up``: started and exposed; ``down``: withdrawn and closed), so that no
+    agent outlives its phase (an idle NIXL agent keeps a progress thread busy)."""
+
+    def __init__(self, runner: asyncio.Runner, timeout: float) -> None:
+        self.runner, self.timeout = runner, timeout
+        self.region = 0
+        self.buffers: ShardBuffers | None = None
+        self.transports: dict[str, Any] = {}
+        self.raw: Any = None
+        self.raw_name = ""
+        self.raw_dlist: Any = None
+        self._ids = itertools.count()
+        local, self.local_start = start_transport(runner, "local", timeout)
+        local.serve(self.resolve)
+        self.transports["local"] = local
+
+    def resolve(self, region: int, version: int) -> ShardBuffers | None:
+        return self.buffers if (region, version) == (self.region, VERSION) else None
+
+    def ready(self) -> tuple:
+        return self.transports["local"].endpoint(), self.local_start
+
+    def do_load(self, region: int, spec: Spec, seed: int) -> tuple:
+        tensors = allocate(spec)
+        fill_seeded(tensors, seed)
+        buffers = ShardBuffers(tensors, layout_of(tensors, pack_threshold=DEFAULT_PACK_THRESHOLD))
+        buffers.pack()  # as the publish job does, before anything is served
+        sums = checksum.compute(buffers)
+        buffers.progress.reset(VERSION, buffers.total_bytes)  # a complete, verified holding
+        self.region, self.buffers = region, buffers
+        t0 = time.perf_counter()
+        self.transports["local"].expose(buffers)
+        return sums, time.perf_counter() - t0
+
+    def do_unload(self) -> tuple:
+        if self.buffers is not None:
+            self.transports["local"].withdraw(self.buffers)
+        self.buffers = None
+        return ()
+
+    def do_up(self, names: list[str]) -> tuple:
+        """Start the agents of ``names`` and register the shard; their endpoints, the seconds
+        each start and each registration took, and what a raw reader needs."""
+        assert self.buffers is not None
+        start_s, expose_s = {}, {}
+        raw_info = None
+        for name in names:
+            if name == "raw nixl":
+                t0 = time.perf_counter()
+                self.raw_name = f"bench-raw-holder-{os.getpid()}-{next(self._ids)}"
+                self.raw = raw_nixl_agent(self.raw_name)
+                start_s[name] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                self.raw_dlist = raw_register(self.raw, self.buffers.regions)
+                expose_s[name] = time.perf_counter() - t0
+                rows = [(t.data_ptr(), t.numel() * t.element_size()) for t in self.buffers.regions]
+                raw_info = (self.raw_name, bytes(self.raw.get_agent_metadata()), rows)
+            else:
+                t, start_s[name] = start_transport(self.runner, name, self.timeout)
+                t.serve(self.resolve)
+                self.transports[name] = t
+                t0 = time.perf_counter()
+                t.expose(self.buffers)
+                expose_s[name] = time.perf_counter() - t0
+        endpoints = {n: self.transports[n].endpoint() for n in names if n in self.transports}
+        return endpoints, start_s, expose_s, raw_info
+
+    def do_down(self, names: list[str], again: int) -> tuple:
+        """Withdraw and close the agents of ``names``; first, ``again`` times, withdraw and
+        expose (deregister and register) the shard: registration once first-touch effects are
+        gone. Returns those seconds per name."""
+        buffers = self.buffers
+        secs: dict[str, list[float]] = {}
+        for name in names:
+            times = secs[name] = []
+            if name == "raw nixl":
+                for _ in range(again if buffers is not None else 0):
+                    self.raw.deregister_memory(self.raw_dlist)
+                    t0 = time.perf_counter()
+                    self.raw_dlist = raw_register(self.raw, buffers.regions)
+                    times.append(time.perf_counter() - t0)
+                self._drop_raw()
+            else:
+                t = self.transports.pop(name)
+                for _ in range(again if buffers is not None else 0):
+                    t.withdraw(buffers)
+                    t0 = time.perf_counter()
+                    t.expose(buffers)
+                    times.append(time.perf_counter() - t0)
+                if buffers is not None:
+                    t.withdraw(buffers)
+                close_transport(self.runner, t, self.timeout)
+        return (secs,)
+
+    def _drop_raw(self) -> None:
+        if self.raw is not None and self.raw_dlist is not None:
+            self.raw.deregister_memory(self.raw_dlist)
+        self.raw = self.raw_dlist = None  # the agent goes with its last reference
+
+    def close(self) -> None:
+        self._drop_raw()
+        for t in self.transports.values():
+            close_transport(self.runner, t, self.timeout)
+        self.transports.clear()
+
+
+class RdmaReader:
+    """A reader process of section 6: its ``local`` transport (started once) and, per phase,
+    the NIXL paths' agents; zeroes its shard, pulls it whole when told ``go``, verifies it."""
+
+    def __init__(self, runner: asyncio.Runner, index: int, timeout: float) -> None:
+        torch.set_num_threads(1)  # the memcpy baseline is one thread; nothing else here uses torch's pool
+        self.runner, self.index, self.timeout = runner, index, timeout
+        self.transports: dict[str, Any] = {}
+        self.peers: dict[str, Any] = {}
+        self.region = 0
+        self.into: ShardBuffers | None = None
+        self.src: ShardBuffers | None = None  # the same bytes, for the memcpy baseline
+        self.sums: list[int] = []
+        self.reads: list[tuple[int, int]] = []  # the engine's read plan: (offset, length)
+        self.raw: Any = None
+        self.raw_peer = ""
+        self.raw_dlist: Any = None
+        self.raw_reads: list[tuple[list, list]] = []  # per read: local, remote descriptors
+        self._ids = itertools.count()
+        self.transports["local"], self.local_start = start_transport(runner, "local", timeout)
+
+    def ready(self) -> tuple:
+        return (self.local_start,)
+
+    def do_load(self, region: int, spec: Spec, seed: int, sums: list[int], memcpy: bool, local_peer: dict) -> tuple:
+        tensors = allocate(spec)
+        into = ShardBuffers(tensors, layout_of(tensors, pack_threshold=DEFAULT_PACK_THRESHOLD))
+        if len(sums) != len(into.plan.units):
+            raise BenchmarkError(f"the holder sent {len(sums)} checksums for {len(into.plan.units)} units")
+        self.region, self.into, self.sums, self.peers["local"] = region, into, sums, local_peer
+        self.reads = [(r.offset, r.length) for r in into.plan.reads(read_bytes_of(into.layout)) if r.length]
+        t0 = time.perf_counter()
+        self.transports["local"].expose(into)
+        expose_s = time.perf_counter() - t0
+        if memcpy:
+            src = allocate(spec)
+            fill_seeded(src, seed)
+            self.src = ShardBuffers(src, layout_of(src, pack_threshold=DEFAULT_PACK_THRESHOLD))
+            self.src.pack()
+        segments = sum(len(into.segments(o, n)) for o, n in self.reads)
+        return expose_s, len(self.reads), segments
+
+    def do_unload(self) -> tuple:
+        if self.into is not None:
+            self.transports["local"].withdraw(self.into)
+        self.into = self.src = None
+        return ()
+
+    def do_up(self, names: list[str], endpoints: dict[str, Any], raw_info: tuple | None) -> tuple:
+        assert self.into is not None
+        start_s, expose_s = {}, {}
+        for name in names:
+            if name == "raw nixl":
+                assert raw_info is not None
+                self.raw_peer, md, rows = raw_info
+                t0 = time.perf_counter()
+                self.raw = raw_nixl_agent(f"bench-raw-reader{self.index}-{os.getpid()}-{next(self._ids)}")
+                start_s[name] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                self.raw_dlist = raw_register(self.raw, self.into.regions)
+                expose_s[name] = time.perf_counter() - t0
+                self.raw.add_remote_agent(md)
+                if len(rows) != len(self.into.regions):
+                    raise BenchmarkError(f"the holder has {len(rows)} regions, this reader {len(self.into.regions)}")
+                self.raw_reads = []
+                for offset, length in self.reads:  # what a one-sided reader posts: a descriptor per segment
+                    segs = self.into.segments(offset, length)
+                    local = [(self.into.regions[s.index].data_ptr() + s.start, s.length, 0) for s in segs]
+                    remote = [(rows[s.index][0] + s.start, s.length, 0) for s in segs]
+                    self.raw_reads.append((local, remote))
+            else:
+                t, start_s[name] = start_transport(self.runner, name, self.timeout)
+                self.transports[name] = t
+                self.peers[name] = endpoints[name]
+                t0 = time.perf_counter()
+                t.expose(self.into)
+                expose_s[name] = time.perf_counter() - t0
+        return start_s, expose_s
+
+    def do_down(self, names: list[str]) -> tuple:
+        for name in names:
+            if name == "raw nixl":
+                self._drop_raw()
+            else:
+                t = self.transports.pop(name)
+                if self.into is not None:
+                    t.withdraw(self.into)
+                close_transport(self.runner, t, self.timeout)
+        return ()
+
+    def _drop_raw(self) -> None:
+        if self.raw is not None:
+            if self.raw_dlist is not None:
+                self.raw.deregister_memory(self.raw_dlist)
+            with contextlib.suppress(Exception):
+                self.raw.remove_remote_agent(self.raw_peer)
+        self.raw = self.raw_dlist = None
+
+    def do_prep(self) -> tuple:
+        assert self.into is not None
+        for t in self.into.regions:  # a pull that skipped bytes must not be saved by an earlier one
+            t.zero_()
+        return ()
+
+    def do_touch(self, path: str) -> tuple:
+        """The first read of the plan along ``path``, untimed: connections and descriptions are
+        made here, not in a timed pull."""
+        assert self.into is not None
+        if path == "raw nixl":
+            raw_nixl_pull(self.raw, self.raw_peer, self.raw_reads[:1], 1, time.monotonic() + self.timeout)
+        elif path != "memcpy":
+            t = self.transports[path]
+            pull = transport_pull(t, self.peers[path], self.region, self.into, self.reads[:1], 1)
+            self.runner.run(asyncio.wait_for(pull, self.timeout))
+        return ()
+
+    def do_go(self, path: str, start_at: float) -> tuple:
+        """One timed pull of the whole shard along ``path``, started at ``start_at`` (the
+        monotonic clock is the host's: the readers of a round start together)."""
+        into = self.into
+        assert into is not None
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        c0, t0 = time.process_time(), time.monotonic()
+        if path == "memcpy":
+            assert self.src is not None
+            for dst, src in zip(into.regions, self.src.regions, strict=True):
+                dst.copy_(src)
+        elif path == "raw nixl":
+            raw_nixl_pull(self.raw, self.raw_peer, self.raw_reads, RAW_INFLIGHT, time.monotonic() + self.timeout)
+        else:
+            t = self.transports[path]
+            pull = transport_pull(t, self.peers[path], self.region, into, self.reads, t.streams)
+            self.runner.run(asyncio.wait_for(pull, self.timeout))
+        return t0, time.monotonic(), time.process_time() - c0
+
+    def do_verify(self) -> tuple:
+        assert self.into is not None
+        got = checksum.compute(self.into)
+        return (sum(1 for a, b in zip(got, self.sums, strict=True) if a != b),)
+
+    def close(self) -> None:
+        self._drop_raw()
+        for t in self.transports.values():
+            close_transport(self.runner, t, self.timeout)
+        self.transports.clear()
+
+
+def rdma_holder_main(conn: Any, ucx_tls: str | None, timeout: float) -> None:
+    _rdma_process(conn, lambda runner: RdmaHolder(runner, timeout), ucx_tls, timeout)
+
+
+def rdma_reader_main(conn: Any, index: int, ucx_tls: str | None, timeout: float) -> None:
+    _rdma_process(conn, lambda runner: RdmaReader(runner, index, timeout), ucx_tls, timeout)
+
+
+async def transport_pull(transport: Any, peer: dict, region: int, into: ShardBuffers, reads: list[tuple[int, int]],
+                         streams: int) -> int:  # fmt: skip
+    """One pull of the whole shard through ``transport``: the engine's read plan, ``streams``
+    reads in flight, each read after the first passing the generation the first returned.
+    Returns that generation."""
+    gate = asyncio.Semaphore(streams)
+    seen: set[int] = set()
+    gen: int | None = None
+
+    async def one(offset: int, length: int) -> None:
+        nonlocal gen
+        async with gate:
+            got = await transport.read(peer, region, VERSION, offset, length, into, gen)
+        if gen is None:
+            gen = got
+        seen.add(got)
+
+    await asyncio.gather(*(one(o, n) for o, n in reads))
+    if len(seen) != 1 or gen is None:
+        raise BenchmarkError(f"{transport.name}: the reads of one pull returned generations {sorted(seen)}")
+    return gen
+
+
+def raw_nixl_pull(agent: Any, peer: str, reads: list[tuple[list, list]], inflight: int, deadline: float) -> None:
+    """The raw baseline: one READ transfer request per read of the plan (a descriptor per
+    segment), ``inflight`` of them posted at once from this thread, completion polled as the
+    transports poll it (spin a little, then sleep with backoff up to 0.5 ms)."""
+    pending = iter(reads)
+    nxt = next(pending, None)
+    active: list[Any] = []
+    spins, sleep = 0, 0.0
+    try:
+        while nxt is not None or active:
+            while nxt is not None and len(active) < inflight:
+                local, remote = nxt
+                handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer)
+                active.append(handle)
+                if agent.transfer(handle) == "ERR":
+                    raise BenchmarkError("raw nixl: a READ failed to post")
+                nxt = next(pending, None)
+            still = []
+            for handle in active:
+                state = agent.check_xfer_state(handle)
+                if state == "DONE":
+                    agent.release_xfer_handle(handle)
+                elif state == "PROC":
+                    still.append(handle)
+                else:
+                    raise BenchmarkError(f"raw nixl: a READ ended in state {state}")
+            done = len(still) < len(active)
+            active = still
+            if done:
+                spins, sleep = 0, 0.0
+                continue
+            if time.monotonic() > deadline:
+                raise BenchmarkError("raw nixl: the pull did not complete in time")
+            spins += 1
+            if spins > 64:
+                time.sleep(sleep)
+                sleep = min(max(sleep * 2, 20e-6), 5e-4)
+    finally:
+        for handle in active:
+            with contextlib.suppress(Exception):
+                agent.release_xfer_handle(handle)
+
+
+NIXL_PATHS = ("raw nixl", "nixl", "rdma_copy")  # the paths that need NIXL agents
+
+
+def bench_rdma(args: argparse.Namespace, shards: dict[str, Spec], wanted: list[str], ucx_tls: str | None) -> dict[str, Any]:
+    """Section 6 under one UCX setting: one holder process and ``max(RDMA_READERS)`` reader
+    processes, started once and reused for every shard, phase, reader count and repeat."""
+    phases = rdma_phases(ucx_tls)
+    env = f"UCX_TLS={ucx_tls}" if ucx_tls else "UCX default transports"
+    print(f"section rdma ({env}): 1 holder and {max(RDMA_READERS)} reader processes; phases "
+          f"{', '.join(f'{p} vs {b}' for b, p in phases)}", flush=True)  # fmt: skip
+    procs: list[Child] = []
+    out: dict[str, Any] = {"ucx_tls": ucx_tls, "phases": phases, "shards": {}}
+    try:
+        holder = Child("rdma holder", rdma_holder_main, (ucx_tls, args.timeout), args.timeout)
+        procs.append(holder)
+        readers = [Child(f"rdma reader {i}", rdma_reader_main, (i, ucx_tls, args.timeout), args.timeout)
+                   for i in range(max(RDMA_READERS))]  # fmt: skip
+        procs += readers
+        _, local_peer, holder_local_start = holder.expect("ready")
+        reader_local_start = [r.expect("ready")[1] for r in readers]
+        out["local_start_s"] = {"holder": holder_local_start, "readers": reader_local_start}
+        for k, label in enumerate(wanted):
+            rig = _RdmaRig(holder, readers, local_peer, args)
+            out["shards"][label] = rig.shard(label, RDMA_REGION_BASE + k, shards[label], phases)
+    finally:
+        for p in procs:
+            p.stop()
+    return out
+
+
+@dataclass
+class _RdmaRig:
+    """The parent's side of section 6 for one shard."""
+
+    holder: Child
+    readers: list[Child]
+    local_peer: dict
+    args: argparse.Namespace
+    reg: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # registration seconds, per name and key
+
+    def ask(self, procs: list[Child], *cmd: Any, timeout: float | None = None) -> list[tuple]:
+        """Send ``cmd`` to every process of ``procs`` at once, then collect their answers."""
+        for p in procs:
+            p.send(*cmd)
+        return [p.expect(cmd[0], timeout) for p in procs]
+
+    def shard(self, label: str, region: int, spec: Spec, phases: list[tuple[str, str]]) -> dict[str, Any]:
+        args = self.args
+        total = spec_bytes(spec)
+        print(f"  shard {label}: {len(spec)} tensors, {total / 2**20:,.1f} MiB", flush=True)
+        (_, sums, holder_local), = self.ask([self.holder], "load", region, spec, args.seed)  # fmt: skip
+        memcpy = any(b == "memcpy" for b, _ in phases)
+        loaded = self.ask(self.readers, "load", region, spec, args.seed, sums, memcpy, self.local_peer)
+        self.reg = {}
+        if any(p == "local" for _, p in phases):
+            self.note("local", "holder_expose_s", holder_local)
+            self.note("local", "readers_expose_s", *(x[1] for x in loaded))
+        res: dict[str, Any] = {"bytes": total, "tensors": len(spec), "reads_per_pull": loaded[0][2],
+                               "segments_per_pull": loaded[0][3], "registration": self.reg, "phases": {}}  # fmt: skip
+        try:
+            for baseline, path in phases:
+                phase = res["phases"][path] = {"baseline": baseline, "by_readers": {}}
+                for k in RDMA_READERS:
+                    phase["by_readers"][str(k)] = self.phase(label, total, self.readers[:k], (baseline, path))
+        finally:
+            self.ask(self.readers, "unload")
+            self.ask([self.holder], "unload")
+        return res
+
+    def note(self, name: str, key: str, *secs: float) -> None:
+        self.reg.setdefault(name, {}).setdefault(key, []).extend(secs)
+
+    def phase(self, label: str, total: int, group: list[Child], paths: tuple[str, str]) -> dict[str, Any]:
+        """Both paths of a phase with the readers of ``group``: ``--warmup`` untimed pulls,
+        then ``--repeats`` timed pulls each, taking turns (baseline first, then the order
+        alternates). A NIXL path's agents exist only for its own turn: every turn starts them,
+        makes the connections with one untimed read per reader, pulls, and closes them (an
+        idle agent keeps a progress thread busy, which slows whatever else runs on 2 cores)."""
+        args = self.args
+        out: dict[str, Any] = {"seconds_by_repeat": {p: [] for p in paths}, "cpu_seconds_by_repeat": {p: [] for p in paths},
+                               "idle_cores": {}}  # fmt: skip
+        for rep in range(args.repeats):
+            for path in paths if rep % 2 == 0 else paths[::-1]:
+                names = [path] if path in NIXL_PATHS else []
+                self.up(group, names)
+                try:
+                    self.ask(group, "touch", path)
+                    if rep == 0:
+                        out["idle_cores"][path] = self.idle_cores(group)
+                    for _ in range(args.warmup if rep == 0 else 0):
+                        self.pull(label, total, group, path, None)
+                    self.pull(label, total, group, path, out)
+                finally:
+                    again = args.repeats if rep == 0 and len(group) == RDMA_READERS[0] else 0
+                    self.down(group, names, again)
+        k = len(group)
+        line = "  ".join(f"{p} {median([k * total / s / 1e9 for s in out['seconds_by_repeat'][p]]):5.2f}" for p in paths)
+        print(f"    {k} reader{'s' if k > 1 else ' '}: median GB/s  {line}", flush=True)
+        return out
+
+    def up(self, group: list[Child], names: list[str]) -> None:
+        if not names:
+            return
+        (_, endpoints, start_s, expose_s, raw_info), = self.ask([self.holder], "up", names)  # fmt: skip
+        ups = self.ask(group, "up", names, endpoints, raw_info)
+        for n in names:
+            self.note(n, "holder_start_s", start_s[n])
+            self.note(n, "holder_expose_s", expose_s[n])
+            self.note(n, "readers_start_s", *(u[1][n] for u in ups))
+            self.note(n, "readers_expose_s", *(u[2][n] for u in ups))
+
+    def down(self, group: list[Child], names: list[str], again: int) -> None:
+        if not names:
+            return
+        self.ask(group, "down", names)  # readers first: they drop the holder's agent before it goes
+        (_, secs), = self.ask([self.holder], "down", names, again)  # fmt: skip
+        for n in names:
+            self.note(n, "holder_again_s", *secs[n])
+
+    def pull(self, label: str, total: int, group: list[Child], path: str, out: dict[str, Any] | None) -> None:
+        """One round: every reader of ``group`` zeroes its shard, all pull it at once along
+        ``path``, all verify it; timed into ``out`` unless None."""
+        k = len(group)
+        self.ask(group, "prep")
+        h0 = process_cpu(self.holder.proc.pid)
+        got = self.ask(group, "go", path, time.monotonic() + 0.05, timeout=self.args.timeout * (1 + k))
+        h1 = process_cpu(self.holder.proc.pid)
+        bad = sum(v[1] for v in self.ask(group, "verify"))
+        if bad:
+            raise BenchmarkError(f"rdma {label} {path}, {k} readers: {bad} checksum units hold wrong bytes after the pull")
+        if out is not None:
+            out["seconds_by_repeat"][path].append(max(g[2] for g in got) - min(g[1] for g in got))
+            out["cpu_seconds_by_repeat"][path].append(sum(g[3] for g in got) + (h1 - h0))
+
+    def idle_cores(self, group: list[Child], window: float = 0.5) -> float:
+        """Cores that the holder and the readers of ``group`` keep busy doing nothing (NIXL
+        progress threads), over ``window`` seconds."""
+        pids = [self.holder.proc.pid, *(r.proc.pid for r in group)]
+        c0, t0 = sum(process_cpu(p) for p in pids), time.monotonic()
+        time.sleep(window)
+        return (sum(process_cpu(p) for p in pids) - c0) / (time.monotonic() - t0)
+
+
 def process_cpu(pid: int | None) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads) so far; 0 where /proc is
     missing (the CPU column then counts the reader alone)."""
@@ -1051,6 +1655,69 @@ def report_memory(results: dict[str, Any], rep: Report) -> None:
           f"pull it served; reader window: one replicate, {r['pull_s']:.2f} s)")  # fmt: skip
 
 
+RDMA_DESCRIBE = {"raw nixl": f"raw NIXL READ ({RAW_INFLIGHT} in flight)", "nixl": "nixl transport",
+                 "rdma_copy": "rdma_copy transport", "memcpy": "memcpy (torch, 1 thread)",
+                 "local": "local transport"}  # fmt: skip
+
+
+def report_rdma(rdma: dict[str, Any], args: argparse.Namespace, rep: Report) -> None:
+    for run in rdma.values():
+        env = f"UCX_TLS={run['ucx_tls']}" if run["ucx_tls"] else "UCX default transports"
+        print(f"\n6. one holder process -> {', '.join(map(str, RDMA_READERS))} reader processes, each pulling the whole "
+              f"shard [{env}]: the engine's read plan ({ENGINE_CHUNK >> 20} MiB reads), the transport's streams in "
+              f"flight; each transport in its own phase with its baseline (goals: nixl >= {GOAL_NIXL:.2f} x raw NIXL "
+              f"READ; local >= {GOAL_LOCAL:.2f} x memcpy with one reader)")  # fmt: skip
+        print(f"{'shard':<10} {'readers':>7} {'path':<27} {'GB/s total':>10} {'per reader':>10} {'min':>6} {'max':>6} "
+              f"{'vs baseline':>11} {'paired':>7} {'CPU s/GB':>8} {'idle cores':>10}  goal")  # fmt: skip
+        for label, res in run["shards"].items():
+            for path, phase in res["phases"].items():
+                base = phase["baseline"]
+                for k, kres in phase["by_readers"].items():
+                    moved = int(k) * res["bytes"]
+                    secs = kres["seconds_by_repeat"]
+                    rates = {p: sorted(moved / s / 1e9 for s in v) for p, v in secs.items()}
+                    med = {p: moved / median(v) / 1e9 for p, v in secs.items()}
+                    cpu = {p: median(v) / (moved / 1e9) for p, v in kres["cpu_seconds_by_repeat"].items()}
+                    ratio = med[path] / med[base]
+                    paired = median([b / t for t, b in zip(secs[path], secs[base], strict=True)])
+                    kres.update(gbps=rates, gbps_median=med, cpu_s_per_gb_median=cpu, ratio_to_baseline=ratio,
+                                paired_ratio_median=paired)  # fmt: skip
+                    note = "(no goal)"
+                    readers = f"{k} reader{'s' if k != '1' else ''}"
+                    if path == "nixl":
+                        met = kres["goal_met"] = ratio >= GOAL_NIXL
+                        note = f">= {GOAL_NIXL:.2f}: {rep.goal(f'{label} {readers} nixl vs raw NIXL ({env})', met)}"
+                    elif path == "local" and k == "1":
+                        met = kres["goal_met"] = ratio >= GOAL_LOCAL
+                        note = f">= {GOAL_LOCAL:.2f}: {rep.goal(f'{label} local vs memcpy, one reader', met)}"
+                    for p, vs, goal in ((base, f"{'(baseline)':>11} {'':>7}", "-"),
+                                        (path, f"{ratio:>10.2f}x {paired:>6.2f}x", note)):  # fmt: skip
+                        print(f"{label:<10} {k:>7} {RDMA_DESCRIBE[p]:<27} {med[p]:>10.2f} {med[p] / int(k):>10.2f} "
+                              f"{rates[p][0]:>6.2f} {rates[p][-1]:>6.2f} {vs} {cpu[p]:>8.3f} {kres['idle_cores'][p]:>10.2f}  {goal}")  # fmt: skip
+            print(f"{'':<10} ({res['reads_per_pull']} reads, {res['segments_per_pull']} segments per pull)")
+        print("(GB/s total: bytes of all readers / from the first start to the last end; paired: median of each round's "
+              "ratio; CPU s/GB: holder + readers, all threads; idle cores: what the holder and the readers burn with "
+              "nothing to do, that path's agents up and connected: NIXL progress threads)")  # fmt: skip
+        print(f"registration, not in the GB/s above (ms, median): expose() of the shard on each transport, raw: NIXL "
+              f"register_memory of the same regions; first: right after the agent started (once per phase and reader "
+              f"count); again: withdraw + expose {args.repeats} times; start(): the agent (rdma_copy registers its staging "
+              f"pool there, never the shard)")  # fmt: skip
+        print(f"{'shard':<10} {'what':<26} {'holder first':>12} {'holder again':>12} {'readers first':>13} "
+              f"{'holder start()':>14} {'readers start()':>15}")  # fmt: skip
+        for label, res in run["shards"].items():
+            res["registration_ms_median"] = {}
+            for name, reg in res["registration"].items():
+                ms = {key: median(v) * 1e3 for key, v in reg.items() if v}
+                res["registration_ms_median"][name] = ms
+                what = "raw NIXL register_memory" if name == "raw nixl" else f"{name} expose()"
+                cells = [f"{ms[key]:>{w}.2f}" if key in ms else f"{'-':>{w}}" for key, w in
+                         (("holder_expose_s", 12), ("holder_again_s", 12), ("readers_expose_s", 13),
+                          ("holder_start_s", 14), ("readers_start_s", 15))]  # fmt: skip
+                print(f"{label:<10} {what:<26} {' '.join(cells)}")
+    if rdma and args.size_mib != 1024:
+        print(f"(the rdma goals are stated for 1 GiB shards; this run used {args.size_mib} MiB)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mib", type=int, default=1024, help="bytes of each shard, in MiB (default 1024)")
@@ -1065,6 +1732,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--publish-repeats", type=int, default=10, help="timed publishes per size (section publish)")
     ap.add_argument("--no-product", action="store_true", help="skip the full path (server + publish + replicate), "
                                                                "and the sections that need it (publish, memory)")  # fmt: skip
+    ap.add_argument("--ucx-tls", default="", help="section rdma: run it again with $UCX_TLS set to this in its "
+                                                   "processes (e.g. tcp), after the run with UCX's default transports")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=120.0, help="bound on every wait, in seconds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -1082,6 +1751,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"(--no-product: skipping {', '.join(sorted(args.sections & {'publish', 'memory'}))})")
         args.sections -= {"publish", "memory"}
 
+    if "rdma" in args.sections and not rdma_available():
+        print("(section rdma: NIXL is not installed; running local against memcpy only)")
     print(f"holder -> reader on 127.0.0.1, {args.size_mib} MiB shards, tcp streams {args.streams}, chunk "
           f"{ENGINE_CHUNK >> 20} MiB, {args.repeats} repeats (+{args.warmup} warm-up), seed {args.seed}, {os.cpu_count()} CPUs, "
           f"sections {','.join(s for s in SECTIONS if s in args.sections)}")  # fmt: skip
@@ -1089,8 +1760,9 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     results: dict[str, Any] = {}
     pub = None
+    rdma: dict[str, Any] = {}
     try:
-        if not args.no_product:
+        if not args.no_product and args.sections & {"plan", "transfer", "publish", "memory"}:
             server_proc, server = start_server(args.timeout, echo_all=False)
         with asyncio.Runner(loop_factory=new_event_loop) as runner, ThreadPoolExecutor(2) as pool:
             if args.sections & {"plan", "transfer", "verify", "memory"}:
@@ -1098,6 +1770,11 @@ def main(argv: list[str] | None = None) -> int:
                     results[label] = bench_shard(label, shards[label], args, server, runner, pool)
         if "publish" in args.sections and server is not None:
             pub = bench_publish(args, server)
+        if "rdma" in args.sections:
+            for tls in [None, *([args.ucx_tls] if args.ucx_tls else [])]:
+                if tls and not rdma_available():
+                    continue
+                rdma[tls or "default"] = bench_rdma(args, shards, wanted, tls)
     except BenchmarkError as err:
         print(f"FAILED: {err}", file=sys.stderr)
         return 1
@@ -1113,18 +1790,22 @@ def main(argv: list[str] | None = None) -> int:
     if pub is not None:
         report_publish(pub, rep)
     report_memory(results, rep)
+    report_rdma(rdma, args, rep)
     print()
     if args.sections & {"plan", "transfer", "verify", "memory"}:
         print("all transfers verified: every tensor's CRC-32 matched the holder's")
+    if rdma:
+        print("all rdma pulls verified: every checksum unit's xxh3-64 matched the holder's")
     missed = [what for what, ok in rep.verdicts if not ok]
     print(f"goals: {len(rep.verdicts) - len(missed)} PASS, {len(missed)} MISS" + (f" ({'; '.join(missed)})" if missed else ""))
     if args.json:
         config = {k: (str(v) if isinstance(v, Path) else sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()}
         out = {"config": config, "goals": {"tcp_vs_baseline_min": GOAL_TCP, "verify_ratio_max": GOAL_VERIFY,
                                            "hash_vs_memcpy_min": GOAL_HASH, "publish_ratio_max": GOAL_PUBLISH,
-                                           "rss_delta_mib_max": GOAL_RSS_MIB},
+                                           "rss_delta_mib_max": GOAL_RSS_MIB, "nixl_vs_raw_min": GOAL_NIXL,
+                                           "local_vs_memcpy_min": GOAL_LOCAL},
                "verdicts": [{"goal": what, "met": ok} for what, ok in rep.verdicts],
-               "shards": results, "publish": pub}  # fmt: skip
+               "shards": results, "publish": pub, "rdma": rdma or None}  # fmt: skip
         args.json.write_text(json.dumps(out, indent=2))
     return 0
 
