@@ -82,7 +82,7 @@ def test_refusals_carry_their_code(pair):
 )
 def test_malformed_requests_are_refused_and_the_server_lives(pair, frame):
     server, client = pair
-    ctx = zmq.Context.instance()
+    ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(server.address)
@@ -93,6 +93,7 @@ def test_malformed_requests_are_refused_and_the_server_lives(pair, frame):
         assert reply["ok"] is False and reply["code"] == "malformed"
     finally:
         raw.close()
+        ctx.term()
     assert client.call(server.address, "echo", {"x": 1}, 5)["x"] == 1
 
 

@@ -23,8 +23,8 @@ A read of ``[offset, offset + length)``, in one of the transport's threads:
    range; poll with backoff, bounded by ``wait_timeout`` (-> :class:`RangeNotReady`), failing at
    once if the generation is not the caller's or the holding changed. A pipelined reader thus
    follows a partial holder's progress with READs alone: no holder CPU. The step is skipped when
-   an earlier read of this description already saw the range covered under the same generation
-   (``verified`` never decreases within a generation; step 3 still checks the generation).
+   the caller names its pull's generation and an earlier read already saw the range covered
+   under it (``verified`` never decreases within a generation; step 3 checks the generation).
 2. One transfer request of READs, one descriptor per region segment the range covers (the
    layouts are equal, so the reader cuts the range with its own plan), posted at once.
 3. READ the words again: the tag, generation and version must not have moved (a seqlock).
@@ -270,7 +270,7 @@ _OPTIONS = {
     "host": ("127.0.0.1", None, str),
     "wait_timeout": (5.0, 0.0, float),
     "xfer_timeout": (30.0, 0.001, float),
-    "describe_timeout": (5.0, 0.001, float),
+    "describe_timeout": (15.0, 0.001, float),
     "peer_idle_s": (300.0, 0.0, float),
     "threads": (8, 1, int),
     "streams": (4, 1, int),
@@ -330,7 +330,7 @@ class NixlTransport(Transport):
 
     Options: ``host`` (the side channel's interface, default 127.0.0.1), ``wait_timeout``
     (seconds a read waits for a partial holder, default 5), ``xfer_timeout`` (one transfer,
-    default 30), ``describe_timeout`` (default 5), ``peer_idle_s`` (drop a remote agent unused
+    default 30), ``describe_timeout`` (default 15), ``peer_idle_s`` (drop a remote agent unused
     this long, default 300), ``threads`` (reads at once, default 8), ``streams`` (concurrent
     reads per pull the engine runs, default 4), ``nic`` (default "auto"), ``cuda_device``.
 
@@ -610,8 +610,8 @@ class NixlTransport(Transport):
         return gen, held == version and verified >= end, held == version
 
     def _wait_covered(self, io: NixlIO, d: _Described, where: str, version: int, end: int, generation: int | None) -> int:
-        if d.seen is not None and d.seen[1] >= end and (generation is None or d.seen[0] == generation):
-            return d.seen[0]
+        if generation is not None and d.seen is not None and d.seen[0] == generation and d.seen[1] >= end:
+            return generation  # this pull's generation covered it before; step 3 checks it held
         deadline = time.monotonic() + self.wait_timeout
         seen_version, sleep = False, 0.0005
         for _ in range(1 << 30):  # bounded by the deadline

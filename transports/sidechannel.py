@@ -137,6 +137,14 @@ class SideServer:
         if self._closed.is_set():
             return
         self._closed.set()
+        if threading.current_thread().name.startswith(f"{self.name}-side"):
+            # A handler closes its own server (a holder closing while it serves): it cannot wait
+            # for itself; the rest of the close runs beside it.
+            threading.Thread(target=self._finish_close, name=f"{self.name}-closing", daemon=True).start()
+            return
+        self._finish_close()
+
+    def _finish_close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._thread.join(timeout=5.0)
         with self._push_lock:
@@ -230,7 +238,7 @@ class SideClient:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._ctx = zmq.Context()
+        self._ctx: zmq.Context | None = None  # made with the first socket: an unused client owns nothing
         self._local = threading.local()
         self._lock = threading.Lock()
         self._sockets: list[zmq.Socket] = []
@@ -313,6 +321,10 @@ class SideClient:
             while len(socks) >= MAX_PEERS_PER_THREAD:  # a long job meets many holders: bound the sockets
                 self._drop(next(iter(socks)))
             with self._lock:
+                if self._closed:
+                    raise TransportError(f"{self.name}: the side channel client is closed")
+                if self._ctx is None:
+                    self._ctx = zmq.Context()
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY)
@@ -346,7 +358,9 @@ class SideClient:
         are about to notice ``closed``): a call in flight fails with :class:`TransportError`."""
         if self._closed:
             return
-        self._closed = True
-        time.sleep(0)  # let a thread that just checked the flag reach its poll slice
-        self._ctx.destroy(linger=0)
+        with self._lock:
+            self._closed = True
+            ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.destroy(linger=0)
 
