@@ -927,13 +927,14 @@ def rdma_phases(ucx_tls: str | None) -> list[tuple[str, str]]:
 
 
 def raw_nixl_agent(name: str) -> Any:
-    """A bare NIXL agent with the UCX backend (NIXL's defaults), for the raw READ baseline."""
-    from transports.nixl import load_nixl
+    """A NIXL agent with the UCX backend configured as the transports configure theirs (the
+    progress thread's pause; see ``transports.nixl.default_agent``), for the raw READ baseline:
+    the comparison is of what the transport does with an agent, not of agent settings."""
+    from transports.nixl import default_agent, load_nixl
 
-    api = load_nixl()
-    if api is None:
+    if load_nixl() is None:
         raise BenchmarkError("NIXL is not installed (pip install nixl-cu12)")
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    return default_agent(name, None)
 
 
 def raw_register(agent: Any, regions: list[torch.Tensor]) -> Any:

@@ -29,9 +29,11 @@ A read of ``[offset, offset + length)``, in one of the transport's threads:
    layouts are equal, so the reader cuts the range with its own plan), posted at once.
 3. READ the words again: the tag, generation and version must not have moved (a seqlock).
 
-Completion polling lives in one place, :func:`wait_xfer` (an enum status, polled with
-backoff, bounded by ``xfer_timeout`` and by the transport closing); every transfer handle is
-released in a ``finally`` on every path. Remote agents are dropped (``remove_remote_agent``)
+Transfer requests are posted and polled by one driver thread per agent (:class:`XferDriver`;
+reading threads hand their READs to it and wait, bounded by ``xfer_timeout`` and by the
+transport closing); statuses are an enum (:class:`XferStatus`), and the driver releases every
+handle as soon as it is final or its waiter gave up. :func:`completion` is the same polling as
+an awaitable, for a handle posted elsewhere. Remote agents are dropped (``remove_remote_agent``)
 when a read from them fails for the peer's sake, when they were idle for ``peer_idle_s``,
 and at close.
 
@@ -49,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import enum
+import functools
 import itertools
 import math
 import os
@@ -70,7 +73,7 @@ from .base import RangeNotReady, Transport
 from .sidechannel import SideClient, SideError, SideServer
 from .sidechannel import field as req_field
 
-__all__ = ["NixlIO", "NixlTransport", "XferStatus", "load_nixl", "wait_xfer"]
+__all__ = ["NixlIO", "NixlTransport", "XferDriver", "XferStatus", "completion", "load_nixl", "wait_xfer"]
 
 
 def load_nixl() -> Any:
@@ -91,25 +94,177 @@ class XferStatus(enum.Enum):
     ERR = "ERR"
 
 
+#: The longest pause between two polls of a transfer in progress. Every microsecond of it can
+#: be added to a read's latency (an 8 MiB READ takes about 1.5 ms here), and a poll costs
+#: about one microsecond.
+_POLL_MAX = 50e-6
+
+
 def wait_xfer(agent: Any, handle: Any, first: str, deadline: float, closed: Callable[[], bool]) -> XferStatus:
     """Poll ``handle`` until it is no longer in progress: spin a little (a short READ finishes
-    in microseconds), then sleep with backoff up to 0.5 ms. ``first`` is what ``transfer``
+    in microseconds), then sleep with backoff up to 50 us. ``first`` is what ``transfer``
     returned. Returns DONE or ERR; raises :class:`TransportError` past ``deadline`` or when
-    ``closed()``. The caller releases the handle."""
+    ``closed()``. The caller releases the handle. (:class:`XferDriver` does the same for many
+    handles at once, from one thread.)"""
     status = XferStatus(first)
     sleep = 0.0
     for spins in itertools.count():  # bounded by the deadline
         if status is not XferStatus.PROC:
             return status
-        if closed():
-            raise TransportError("the transport closed during the transfer")
-        if time.monotonic() > deadline:
-            raise TransportError("the transfer did not complete in time (xfer_timeout)")
+        _check_wait(deadline, closed)
         if spins > 64:
             time.sleep(sleep)
-            sleep = min(max(sleep * 2, 20e-6), 5e-4)
+            sleep = min(max(sleep * 2, 10e-6), _POLL_MAX)
         status = XferStatus(agent.check_xfer_state(handle))
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _check_wait(deadline: float, closed: Callable[[], bool]) -> None:
+    if closed():
+        raise TransportError("the transport closed during the transfer")
+    if time.monotonic() > deadline:
+        raise TransportError("the transfer did not complete in time (xfer_timeout)")
+
+
+class _Request:
+    """One READ request handed to the driver; ``done`` is set when ``status`` is final."""
+
+    __slots__ = ("cancelled", "done", "error", "kinds", "pairs", "peer", "status")
+
+    def __init__(self, peer: str, pairs: list[tuple[int, int, int, int]], kinds: tuple[tuple[str, int], tuple[str, int]]) -> None:
+        self.peer, self.pairs, self.kinds = peer, pairs, kinds
+        self.status = XferStatus.PROC
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.done = threading.Event()
+
+
+class XferDriver:
+    """Every transfer request of an agent, posted and polled by one thread.
+
+    Reader threads hand their READs over (:meth:`run`) and wait; the driver thread (started on
+    first use, gone after :meth:`close`) builds the descriptor lists, creates and posts the
+    request, polls everything in flight (backing off from 10 us to 50 us while nothing
+    completes) and releases each handle as soon as it is final, or when its waiter gave up.
+    Only this thread touches transfer handles: several threads posting and polling at once
+    contend on the agent's lock (measured: four reading threads reached half the throughput of
+    one thread keeping four READs in flight), and a handle can never be polled after its
+    release.
+    """
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: list[_Request] = []
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def run(self, peer: str, pairs: list[tuple[int, int, int, int]], local_kind: tuple[str, int],
+            remote_kind: tuple[str, int], deadline: float, closed: Callable[[], bool]) -> XferStatus:  # fmt: skip
+        """Post one READ request of ``(local address, remote address, nbytes, _)`` pairs and
+        wait for it. Returns DONE or ERR; raises what NIXL raised building or posting it, or
+        :class:`TransportError` past ``deadline`` or when ``closed()``."""
+        req = _Request(peer, pairs, (local_kind, remote_kind))
+        with self._lock:
+            if self._stopped:
+                raise TransportError("the transport closed before the transfer")
+            self._queue.append(req)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nixl-xfer-driver", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        for _ in range(1 << 30):  # bounded by the deadline
+            if req.done.wait(0.02):
+                if req.error is not None:
+                    raise req.error
+                return req.status
+            try:
+                _check_wait(deadline, closed)
+            except TransportError:
+                req.cancelled = True  # the driver releases its handle on its next pass
+                req.done.wait(1.0)  # so that the read's error comes after the release
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _post(self, req: _Request) -> Any:
+        (lk, ld), (rk, rd) = req.kinds
+        local = self.agent.get_xfer_descs([(a, n, ld) for a, _, n, _ in req.pairs], lk)
+        remote = self.agent.get_xfer_descs([(r, n, rd) for _, r, n, _ in req.pairs], rk)
+        handle = self.agent.initialize_xfer("READ", local, remote, req.peer)
+        try:
+            req.status = XferStatus(self.agent.transfer(handle))
+        except BaseException:
+            self.agent.release_xfer_handle(handle)
+            raise
+        return handle
+
+    def _finish(self, req: _Request, handle: Any) -> None:
+        if handle is not None:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as err:  # noqa: BLE001 - a handle NIXL cannot free fails its transfer
+                req.status, req.error = XferStatus.ERR, TransportError(f"NIXL could not release the request: {err}")
+        req.done.set()
+
+    def _run(self) -> None:
+        inflight: list[tuple[_Request, Any]] = []
+        sleep = 0.0
+        for _ in itertools.count():  # ends at close
+            with self._lock:
+                while not self._queue and not inflight and not self._stopped:
+                    self._wake.wait(1.0)
+                if self._stopped:
+                    new, self._queue = self._queue, []
+                    for req in new:
+                        req.error = TransportError("the transport closed before the transfer")
+                        req.done.set()
+                    for req, handle in inflight:
+                        req.error = TransportError("the transport closed during the transfer")
+                        self._finish(req, handle)
+                    return
+                new, self._queue = self._queue, []
+            progressed = bool(new)
+            for req in new:
+                try:
+                    handle = self._post(req)
+                except BaseException as err:  # noqa: BLE001 - NIXL's error is this request's
+                    req.status, req.error = XferStatus.ERR, err
+                    req.done.set()
+                    continue
+                if req.status is XferStatus.PROC:
+                    inflight.append((req, handle))
+                else:
+                    self._finish(req, handle)
+            still = []
+            for req, handle in inflight:
+                status = req.status
+                if not req.cancelled:
+                    try:
+                        status = XferStatus(self.agent.check_xfer_state(handle))
+                    except Exception:  # noqa: BLE001 - a broken handle fails its own transfer
+                        status = XferStatus.ERR
+                if status is XferStatus.PROC and not req.cancelled:
+                    still.append((req, handle))
+                    continue
+                req.status = status
+                self._finish(req, handle)
+                progressed = True
+            inflight = still
+            if progressed:
+                sleep = 0.0
+            elif inflight:
+                time.sleep(sleep)
+                sleep = min(max(sleep * 2, 10e-6), _POLL_MAX)
+
+    def close(self) -> None:
+        """Fail what is queued or in flight (handles released), and stop the thread."""
+        with self._lock:
+            self._stopped = True
+            self._wake.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
 
 
 async def completion(agent: Any, handle: Any, first: str, timeout: float) -> XferStatus:
@@ -142,6 +297,7 @@ class NixlIO:
     def __init__(self, agent: Any, name: str) -> None:
         self.agent = agent
         self.name = name
+        self.driver = XferDriver(agent)
         self.lock = threading.Lock()
         self._words_chunks: dict[int, Any] = {}  # arena chunk index -> reg dlist
         self._peers: dict[str, float] = {}  # remote agent name -> last use (monotonic)
@@ -233,19 +389,14 @@ class NixlIO:
         closed: Callable[[], bool],
     ) -> None:
         """One transfer request of READs: ``(local address, remote address, nbytes, _)`` pairs,
-        all of one local and one remote memory type; raises :class:`TransportError` unless it
-        completes. The handle is released on every path."""
-        local = self.agent.get_xfer_descs([(a, n, local_kind[1]) for a, _, n, _ in pairs], local_kind[0])
-        remote = self.agent.get_xfer_descs([(r, n, remote_kind[1]) for _, r, n, _ in pairs], remote_kind[0])
-        handle = self.agent.initialize_xfer("READ", local, remote, peer)
-        try:
-            status = wait_xfer(self.agent, handle, self.agent.transfer(handle), deadline, closed)
-            if status is not XferStatus.DONE:
-                raise TransportError(f"the READ from agent {peer!r} failed (status {status.value})")
-        finally:
-            self.agent.release_xfer_handle(handle)
+        all of one local and one remote memory type, posted by the driver thread; raises
+        :class:`TransportError` unless it completes. The handle is released on every path."""
+        status = self.driver.run(peer, pairs, local_kind, remote_kind, deadline, closed)
+        if status is not XferStatus.DONE:
+            raise TransportError(f"the READ from agent {peer!r} failed (status {status.value})")
 
     def close(self) -> None:
+        self.driver.close()
         for p in list(self._peers):
             self.drop_peer(p)
         with self.lock:
@@ -254,13 +405,34 @@ class NixlIO:
             self.agent.deregister_memory(d)
 
 
-def default_agent(name: str, ucx_devices: str | None) -> Any:
-    """A NIXL agent with the UCX backend, thread-safe (several reader threads use it)."""
+_AGENT_LOCK = threading.Lock()
+
+
+def default_agent(name: str, ucx_devices: str | None, progress_delay_us: int = 100) -> Any:
+    """A NIXL agent with the UCX backend, thread-safe (several reader threads use it).
+
+    Its progress thread (which answers peers' READs under UCX's emulated RMA) sleeps
+    ``progress_delay_us`` between rounds: NIXL's Python API leaves it at 0, a busy loop that
+    burns a core while idle; 100 us cost nothing measurable in throughput here and bring an
+    idle agent from 1.0 core to 0.04 (``benchmarks/bench_transfer.py``).
+    """
     api = load_nixl()
     if api is None:
         raise TransportError("NIXL is not installed (pip install nixl-cu12)")
+    bind = api.nixlBind
+    make = bind.nixlAgent
+
+    def with_delay(agent_name: str, cfg: Any) -> Any:
+        cfg.pthrDelay = progress_delay_us  # the wrapper hard-codes 0 and offers no setting
+        return make(agent_name, cfg)
+
     config = api.nixl_agent_config(backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
-    agent = api.nixl_agent(name, config)
+    with _AGENT_LOCK:
+        bind.nixlAgent = with_delay
+        try:
+            agent = api.nixl_agent(name, config)
+        finally:
+            bind.nixlAgent = make
     agent.create_backend("UCX", {"ucx_devices": ucx_devices} if ucx_devices else {})
     return agent
 
@@ -276,6 +448,7 @@ _OPTIONS = {
     "streams": (4, 1, int),
     "nic": ("auto", None, str),
     "cuda_device": (-1, -1, int),
+    "progress_delay_us": (100, 0, int),
 }
 
 
@@ -332,7 +505,8 @@ class NixlTransport(Transport):
     (seconds a read waits for a partial holder, default 5), ``xfer_timeout`` (one transfer,
     default 30), ``describe_timeout`` (default 15), ``peer_idle_s`` (drop a remote agent unused
     this long, default 300), ``threads`` (reads at once, default 8), ``streams`` (concurrent
-    reads per pull the engine runs, default 4), ``nic`` (default "auto"), ``cuda_device``.
+    reads per pull the engine runs, default 4), ``nic`` (default "auto"), ``cuda_device``,
+    ``progress_delay_us`` (the agent's progress thread's pause, default 100).
 
     Args:
         agent_factory: ``factory(name, ucx_devices) -> agent`` (tests pass a fake agent).
@@ -358,7 +532,7 @@ class NixlTransport(Transport):
         self.streams = o["streams"]
         self.nic, self.cuda_device = o["nic"], o["cuda_device"]
         self.agent_name = f"tensorhub-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._factory = agent_factory or default_agent
+        self._factory = agent_factory or functools.partial(default_agent, progress_delay_us=o["progress_delay_us"])
         self.io: NixlIO | None = None
         self.log = get_logger(transport=self.name)
         self._lock = threading.Lock()
@@ -590,8 +764,10 @@ class NixlTransport(Transport):
         io.read(d.agent, [(local, d.words, WORD_BYTES, 0)], ("DRAM", 0), ("DRAM", 0), time.monotonic() + self.xfer_timeout, lambda: self._closed)
         return read_words(ctypes.string_at(local, WORD_BYTES))
 
-    def _covered(self, io: NixlIO, d: _Described, where: str, version: int, end: int, generation: int | None) -> tuple[int, bool, bool]:
-        """Words READs: (generation, covered, holds the version). "Covered" needs two READs in a
+    def _covered(
+        self, io: NixlIO, d: _Described, where: str, version: int, end: int, generation: int | None
+    ) -> tuple[int, bool, bool, int]:
+        """Words READs: (generation, covered, holds the version, verified). "Covered" needs two READs in a
         row to agree: a READ of the words is not atomic, and one that overlaps the holder's
         writes could combine a new generation with an old version."""
         words = self._words(io, d, where)
@@ -601,13 +777,13 @@ class NixlTransport(Transport):
                 break
             words = again
         else:
-            return words[1], False, words[2] == version
+            return words[1], False, words[2] == version, 0
         tag, gen, held, verified = words
         if tag != d.tag:
             raise TransportError("the holder withdrew or replaced these buffers (their tag changed)")
         if generation is not None and gen != generation:
             raise TransportError(f"the peer's holding changed (generation {gen}, the pull began at {generation})")
-        return gen, held == version and verified >= end, held == version
+        return gen, held == version and verified >= end, held == version, verified
 
     def _wait_covered(self, io: NixlIO, d: _Described, where: str, version: int, end: int, generation: int | None) -> int:
         if generation is not None and d.seen is not None and d.seen[0] == generation and d.seen[1] >= end:
@@ -615,9 +791,9 @@ class NixlTransport(Transport):
         deadline = time.monotonic() + self.wait_timeout
         seen_version, sleep = False, 0.0005
         for _ in range(1 << 30):  # bounded by the deadline
-            gen, covered, holds = self._covered(io, d, where, version, end, generation)
+            gen, covered, holds, verified = self._covered(io, d, where, version, end, generation)
             if covered:
-                d.seen = (gen, end) if d.seen is None or d.seen[0] != gen else (gen, max(d.seen[1], end))
+                d.seen = (gen, verified)  # what the holder had verified: later reads below it skip this
                 return gen
             if holds:
                 seen_version = True

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -70,6 +71,7 @@ _OPTIONS = {
     "streams": (4, 1, int),
     "nic": ("auto", None, str),
     "cuda_device": (-1, -1, int),
+    "progress_delay_us": (100, 0, int),
 }
 
 
@@ -140,7 +142,8 @@ class RdmaCopyTransport(Transport):
     ``xfer_timeout`` (default 30 s), ``lease_s`` (a holder slot's lease, default 10 s),
     ``staging_bytes`` (per side, default 64 MiB), ``slot_bytes`` (default 8 MiB),
     ``copy_threads`` (holder copies at once, default 4), ``threads`` (reads at once, default 8),
-    ``streams`` (concurrent reads per pull, default 4), ``nic``, ``cuda_device`` (as ``nixl``).
+    ``streams`` (concurrent reads per pull, default 4), ``nic``, ``cuda_device``,
+    ``progress_delay_us`` (as ``nixl``).
 
     Raises:
         InvalidArgument: an unknown option or a bad value.
@@ -159,7 +162,7 @@ class RdmaCopyTransport(Transport):
         self.o = o
         self.wait_timeout, self.streams = o["wait_timeout"], o["streams"]
         self.agent_name = f"tensorhub-copy-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._factory = agent_factory or default_agent
+        self._factory = agent_factory or functools.partial(default_agent, progress_delay_us=o["progress_delay_us"])
         self.io: NixlIO | None = None
         self.pool: StagingPool | None = None
         self._pool_dlists: list[Any] = []
