@@ -53,7 +53,17 @@ read across a generation change.
 
 **What must be overridden:** ``start``, ``endpoint``, ``read``, ``close``; two-sided transports
 also use ``serve``. **What may be:** ``available`` (a probe of optional libraries; import them
-only inside the plugin), ``expose``/``withdraw``.
+only inside the plugin), ``expose``/``withdraw``, and ``reaches(peer_endpoint) -> bool`` (can
+this process read from that peer at all: ``local`` checks that the peer shares this host's
+kernel, ``memory`` this process; the engine skips a transport that does not reach).
+
+**Which transport serves an edge** is not the transport's decision: the engine asks
+:func:`scheduling.edges.choose_transport` with both ends' locations, the transports the holder's
+endpoint offers, the ones this process started, and ``reaches``.
+
+**Talking to the holder** without bulk bytes (describing registered memory, asking for a
+staged slice) goes over :mod:`transports.sidechannel`: msgpack requests to a ZeroMQ ROUTER the
+holder runs, never pickled objects.
 
 **Capability flags** (class attributes): ``one_sided`` (reads need no holder CPU),
 ``cuda`` (reads and serves CUDA memory without staging), ``cross_host`` (works between hosts;
