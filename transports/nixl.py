@@ -487,6 +487,22 @@ def choose_ucx_devices(nic: str, cuda_device: int) -> tuple[str | None, str]:
     return choice.ucx_net_devices(), choice.reason
 
 
+async def start_agent(
+    kind: str, factory: Callable[[str, str | None], Any], name: str, nic: str, cuda_device: int, log: Any
+) -> tuple[NixlIO, str | None]:
+    """Choose the NIC (logged), create the agent off the event loop; ``(its NixlIO, the UCX
+    device list)``. Raises :class:`TransportError` naming what NIXL raised."""
+    devices, why = choose_ucx_devices(nic, cuda_device)
+    log.info(f"{kind} nic", ucx_devices=devices or "(UCX default)", reason=why)
+    try:
+        agent = await asyncio.to_thread(factory, name, devices)
+    except TransportError:
+        raise
+    except Exception as err:  # whatever NIXL raises, name it
+        raise TransportError(f"cannot create the NIXL agent: {type(err).__name__}: {err}") from err
+    return NixlIO(agent, name), devices
+
+
 @dataclass
 class _Described:
     """A holder's description of one (region, version), as a reader caches it."""
@@ -563,15 +579,7 @@ class NixlTransport(Transport):
             raise TransportError(f"nixl transport {self.agent_name} is closed; it cannot start again")
         if self.io is not None:
             return
-        self.ucx_devices, why = choose_ucx_devices(self.nic, self.cuda_device)
-        self.log.info("nixl nic", ucx_devices=self.ucx_devices or "(UCX default)", reason=why)
-        try:
-            agent = await asyncio.to_thread(self._factory, self.agent_name, self.ucx_devices)
-        except TransportError:
-            raise
-        except Exception as err:
-            raise TransportError(f"cannot create the NIXL agent: {type(err).__name__}: {err}") from err
-        self.io = NixlIO(agent, self.agent_name)
+        self.io, self.ucx_devices = await start_agent(self.name, self._factory, self.agent_name, self.nic, self.cuda_device, self.log)
         self._scratch = torch.zeros((self.threads + 1) * WORD_BYTES, dtype=torch.uint8)
         self._scratch_dlists, _ = self.io.register([self._scratch])
         self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="nixl-read")

@@ -51,7 +51,7 @@ from tensorhub.errors import InvalidArgument, TransportError
 from tensorhub.log import get_logger
 
 from .base import RangeNotReady, Transport
-from .nixl import NixlIO, choose_ucx_devices, default_agent, load_nixl, options_of
+from .nixl import NixlIO, default_agent, load_nixl, options_of, start_agent
 from .sidechannel import SideClient, SideError, SideServer
 from .sidechannel import field as req_field
 
@@ -189,15 +189,7 @@ class RdmaCopyTransport(Transport):
             raise TransportError(f"rdma_copy transport {self.agent_name} is closed; it cannot start again")
         if self.io is not None:
             return
-        devices, why = choose_ucx_devices(self.o["nic"], self.o["cuda_device"])
-        self.log.info("rdma_copy nic", ucx_devices=devices or "(UCX default)", reason=why)
-        try:
-            agent = await asyncio.to_thread(self._factory, self.agent_name, devices)
-        except TransportError:
-            raise
-        except Exception as err:
-            raise TransportError(f"cannot create the NIXL agent: {type(err).__name__}: {err}") from err
-        self.io = NixlIO(agent, self.agent_name)
+        self.io, _ = await start_agent(self.name, self._factory, self.agent_name, self.o["nic"], self.o["cuda_device"], self.log)
         self.pool = StagingPool(self.o["staging_bytes"], self.o["slot_bytes"])
         self._pool_dlists, _ = self.io.register([self.pool.tensor])
         self._executor = ThreadPoolExecutor(max_workers=self.o["threads"], thread_name_prefix="rdma-copy-read")
