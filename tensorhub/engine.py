@@ -375,7 +375,10 @@ class EngineActor(Actor):
             key = (choice.kind, choice.preferred, choice.name)
             if key not in self._fallbacks_logged:
                 self._fallbacks_logged.add(key)
-                self.log.info(choice.describe(), **slot.ctx)
+                # A warning when one side has the preferred transport (somebody meant to use
+                # it); when neither does, it was not configured here, and that is no news.
+                expected = choice.preferred in offered or choice.preferred in self.transports
+                (self.log.warning if expected else self.log.info)(choice.describe(), **slot.ctx)
         return self.transports[choice.name], endpoint[choice.name], endpoint["region"]
 
     def on_Revoke(self, msg: m.Revoke) -> None:
