@@ -214,12 +214,14 @@ class InprocServer:
     """A real server actor (real ROUTER socket) on a loop thread of the test process, so that
     the test can look into its table."""
 
-    def __init__(self) -> None:
+    def __init__(self, **table: float) -> None:
+        """``table``: TableConfig fields (heartbeat_interval, heartbeat_timeout, drain_timeout)."""
         from tensorhub.actor import LoopThread
         from tensorhub.server import ServerActor, ServerConfig
+        from tensorhub.table import TableConfig
 
         self.loop = LoopThread("test-server")
-        self.actor = ServerActor(ServerConfig(bind="tcp://127.0.0.1:*", seed=7))
+        self.actor = ServerActor(ServerConfig(bind="tcp://127.0.0.1:*", seed=7, table=TableConfig(**table)))
         self.loop.run(self.actor.start())
         self.address = self.actor.address
 
