@@ -133,7 +133,7 @@ class _Grant:
 class _Holder:
     __slots__ = (
         "id", "session", "version", "shard_idx", "state", "kind", "grants", "upstream", "excluded", "failures",
-        "verified", "checksums", "reporters", "verify_pending", "offload_pending", "drain_deadline",
+        "verified", "checksums", "reporters", "readmitted", "blamed_bad", "verify_pending", "offload_pending", "drain_deadline",
         "on_drained", "on_offloaded", "call", "waiting", "whole",
     )  # fmt: skip
 
@@ -151,6 +151,8 @@ class _Holder:
         self.verified = 0
         self.checksums: tuple[int, ...] | None = None
         self.reporters: dict[str, None] = {}  # replicas that reported a mismatch on this holder
+        self.readmitted: dict[int, None] = {}  # sources this reader blamed whose self-check then passed
+        self.blamed_bad = False  # a source this reader blamed failed its self-check (quarantined)
         self.verify_pending = False
         self.offload_pending = False
         self.drain_deadline: float | None = None
@@ -1233,7 +1235,14 @@ class ReferenceTable:
             ctx = reader.session.ctx(reader.version)
             holders = self._holder_set(reader.session.model, reader.version, reader.shard_idx)
             serving_excluded = [reader.excluded[h.id] for h in holders.values() if h.state in SERVING and h.id in reader.excluded]
-            if any(serving_excluded):
+            checking = [h for h in holders.values() if h.state in SERVING and reader.excluded.get(h.id) and h.verify_pending]
+            if checking:
+                # A source this reader found a mismatch on is re-hashing its copy: wait for the
+                # verdict (a pass re-admits it: the bytes were damaged on the way).
+                reader.waiting = True
+                reader.session.model.waiting_readers[reader] = None
+                return
+            if any(serving_excluded) or reader.blamed_bad:
                 err: TensorHubError = ChecksumMismatch("every remaining holder of this shard failed verification", **ctx)
             elif serving_excluded:
                 err = TransportError(f"every remaining source failed this reader ({reader.failures} failures)", **ctx)
@@ -1362,8 +1371,22 @@ class ReferenceTable:
             raise ContractViolation("no verification was requested for this version", **s.ctx(msg.version))
         h.verify_pending = False
         self._ack(s, msg.req)
+        model = s.model
         if not msg.ok:
+            for r in model.waiting_readers:
+                if r.excluded.get(h.id) is True:
+                    r.blamed_bad = True  # if nothing else can serve it, say why: the copy was bad
             self._quarantine(h)
+        else:
+            # Its copy is sound: the readers that blamed it saw bytes damaged on the way. Each
+            # may use it again, once (a second mismatch from the same reader excludes it for
+            # good: ``readmitted``), as a source that failed rather than one that lied.
+            for r in list(model.waiting_readers):
+                if r.excluded.get(h.id) is True and h.id not in r.readmitted:
+                    r.excluded[h.id] = False
+                    r.readmitted[h.id] = None
+            h.reporters.clear()
+        self._regrant_waiting(model)
 
     def _quarantine(self, h: _Holder) -> None:
         self.stats["quarantined"] += 1

@@ -123,3 +123,17 @@ def test_a_rollout_restarted_under_its_old_name_fences_the_old_incarnation(srv, 
     assert new.call("update", "latest", 30.0) is True
     assert new.call("holds", 2)
     wait_until(lambda: srv.counts()["sessions"] == 2, 10, "only the trainer and the new rollout")
+
+
+def test_a_lone_holder_blamed_for_wire_damage_is_readmitted_once_its_self_check_passes(srv, handles):
+    trainer = handles("trainer", server=srv.address, scale=SCALE)
+    damaged = {"tcp": {"faults": [{"op": "corrupt", "at": 1000, "times": 1}]}}  # one flipped byte on the way
+    reader = handles("rollout", server=srv.address, scale=SCALE, transports=damaged)
+    for h in (trainer, reader):
+        h.call("register")
+    publish_and_wait_checksums(srv, trainer, 1)
+    assert reader.call("replicate", 1, 30.0) == 1  # waited for the self-check, then read it again
+    assert reader.call("holds", 1)
+    assert reader.call("fired") == ["corrupt"]
+    assert reader.call("last_sources") == ["trainer/0", "trainer/0"]
+    assert srv.stats()["quarantined"] == 0
