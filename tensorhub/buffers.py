@@ -431,6 +431,18 @@ class ShardBuffers:
             torch.cuda.synchronize()
 
     def clone_cpu(self) -> ShardBuffers:
-        """A CPU copy of these buffers' transfer space (an offload copy: it only serves)."""
-        copies = [t.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True) for t in self.regions]
+        """A CPU copy of these buffers' transfer space (an offload copy: it only serves). Copies
+        of CUDA memory go to pinned memory (faster to fill, and what a NIC or a CUDA copy
+        reads best)."""
+        copies = []
+        for t in self.regions:
+            flat = t.detach().reshape(-1).view(torch.uint8)
+            if flat.device.type == "cuda":
+                pinned = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+                pinned.copy_(flat)
+                copies.append(pinned)
+            else:
+                copies.append(flat.to("cpu", copy=True))
+        if self.on_cuda:
+            torch.cuda.synchronize()
         return ShardBuffers({}, self.layout, regions=copies)
