@@ -5,18 +5,33 @@ facade that runs it on the process's background event loop (one thread). Both ar
 ``tensorhub.aio.open`` / ``tensorhub.open``.
 
 Each event loop has one :class:`Runtime`: one :class:`~tensorhub.engine.EngineActor` with the
-process's transports, and one :class:`~tensorhub.client.ClientActor` per server address. It
-starts with the first handle opened on that loop and stops when the last one closes.
+process's transports, and one :class:`~tensorhub.client.ClientActor` per list of server
+addresses. It starts with the first handle opened on that loop and stops when the last one closes.
+
+Server failover (DESIGN.md §5.5). ``server=`` may name several servers in order; when the one in
+use is lost, the client moves to the next and restores every handle's session there
+(:meth:`AsyncShardHandle.restore`). Handles survive the move. What each call does meanwhile:
+
+- a call waiting for its answer at the moment of loss fails with ``ServerUnavailable``, and
+  is not re-sent (it may have been decided by the lost server); its call number is given back,
+  so that the same call made again on the new server gets the answer that the replica's other
+  shards were given (they re-announce it). ``update()`` is the exception: if it had not started
+  pulling it returns False (the tensors still hold the old version); if it had, it raises
+  ``UpdateAborted`` and the handle holds nothing;
+- while no server is connected, ``update()`` returns False at once (no newer version is known),
+  and every other call raises ``ServerUnavailable``. The registered tensors are never touched;
+- once moved, calls work again; ``update()`` moves when the new server knows a newer version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,19 +43,30 @@ from scheduling.topology import Location
 from . import messages as m
 from .actor import LoopThread
 from .buffers import DEFAULT_PACK_THRESHOLD, ShardBuffers, layout_of
-from .client import Call, ClientActor
-from .embedded import resolve_server
-from .engine import AbortPull, AddSlot, DropSlot, EngineActor, PullStats, StartPublish, WaitPublished
+from .client import Call, ClientActor, Exchange
+from .embedded import parse_servers, resolve_servers
+from .engine import (
+    AbortPull,
+    AddSlot,
+    DropSlot,
+    EngineActor,
+    PullStats,
+    StartPublish,
+    WaitPublished,
+)
 from .errors import (
     AlreadyRegistered,
     CallInFlight,
+    Cancelled,
     ContractViolation,
     InvalidArgument,
     NotRegistered,
     ServerUnavailable,
     TensorHubError,
     Timeout,
+    UpdateAborted,
     UsageError,
+    VersionConflict,
 )
 from .log import get_logger
 from .naming import (
@@ -60,6 +86,22 @@ ReplicaInfo = m.ReplicaEntry
 Versions = dict[int, dict[str, m.ReplicaEntry]]
 
 DEFAULT_TRANSPORTS = ("tcp",)
+DEFAULT_FAILOVER_TIMEOUT = 120.0
+_ANSWERS_KEPT = 16  # model-parallel answers re-announced after a failover
+
+
+def _failover_timeout() -> float:
+    """``$TENSORHUB_FAILOVER_TIMEOUT`` (seconds a client looks for a server before giving up)."""
+    raw = os.environ.get("TENSORHUB_FAILOVER_TIMEOUT")
+    if raw is None:
+        return DEFAULT_FAILOVER_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1e6:
+        raise InvalidArgument(f"$TENSORHUB_FAILOVER_TIMEOUT must be a number of seconds > 0, got {raw!r}")
+    return value
 
 
 def _pack_threshold() -> int:
@@ -73,7 +115,7 @@ def _pack_threshold() -> int:
 
 
 class Runtime:
-    """The actors of one event loop: an engine and a client per server address."""
+    """The actors of one event loop: an engine and a client per list of server addresses."""
 
     _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Runtime] = weakref.WeakKeyDictionary()
 
@@ -92,20 +134,24 @@ class Runtime:
             rt = cls._by_loop[loop] = cls()
         return rt
 
-    async def acquire(self, server: str | None, transports: dict[str, dict] | None) -> tuple[ClientActor, EngineActor]:
+    async def acquire(
+        self, server: str | Sequence[str] | None, transports: dict[str, dict] | None
+    ) -> tuple[ClientActor, EngineActor]:
         async with self._lock:
             self.handles += 1
             try:
                 if self.ctx is None:
                     self.ctx = zmq.asyncio.Context()
-                address = await resolve_server(self.ctx, server)
+                addresses = await resolve_servers(self.ctx, server)
+                failover_timeout = _failover_timeout()
                 if self.engine is None:
                     self.engine = await self._start_engine(transports)
-                client = self.clients.get(address)
-                if client is None or client.stopped or client.lost is not None:
+                key = ",".join(addresses)
+                client = self.clients.get(key)
+                if client is None or client.stopped or client.gave_up is not None:
                     if client is not None:
                         await client.stop()
-                    client = self.clients[address] = ClientActor(address, self.ctx, self.engine)
+                    client = self.clients[key] = ClientActor(addresses, self.ctx, self.engine, failover_timeout)
                     await client.start()
                 return client, self.engine
             except BaseException:
@@ -183,7 +229,7 @@ class AsyncShardHandle:
         num_shards: int = 1,
         shard_idx: int = 0,
         retain: str | None = "latest",
-        server: str | None = None,
+        server: str | Sequence[str] | None = None,
         location: Location | None = None,
         spot: bool = False,
         transports: dict[str, dict] | None = None,
@@ -201,6 +247,11 @@ class AsyncShardHandle:
         if not isinstance(spot, bool):
             raise InvalidArgument(f"spot must be a bool, got {spot!r}", **self.ctx)
         self.spot = spot
+        if server is not None:
+            try:
+                parse_servers(server)
+            except InvalidArgument as err:
+                raise InvalidArgument(err.message, **self.ctx) from None
         self._server = server
         self._transports = transports
         self.connect_timeout = connect_timeout
@@ -214,6 +265,10 @@ class AsyncShardHandle:
         self._engine: EngineActor | None = None
         self._calls = 0
         self._busy: str | None = None
+        self._incarnation = uuid.uuid4().hex
+        self._endpoint: Any = None  # the engine's endpoint for the registered buffers
+        self._answered = 0  # the last call number that got a final answer
+        self._answers: collections.deque[m.CallAnswer] = collections.deque(maxlen=_ANSWERS_KEPT)
 
     # ---- opening and closing -------------------------------------------------------------------
 
@@ -221,24 +276,72 @@ class AsyncShardHandle:
         rt = Runtime.current()
         self._client, self._engine = await rt.acquire(self._server, self._transports)
         self._runtime = rt
-        incarnation = uuid.uuid4().hex
         try:
-            opened = await self._client.ask(
-                Call(lambda req: m.OpenShard(req, self.model, self.replica, self.num_shards, self.shard_idx, incarnation,
-                                             self.location, self.spot, self.retain_back)),  # fmt: skip
-                timeout=self.connect_timeout,
-            )
+            await self._client.ready(self.connect_timeout)
+            self.session, opened = await self._client.ask(Call(self.open_message, adopt=self), timeout=self.connect_timeout)
         except Timeout:
             await self._release()
             raise ServerUnavailable(f"no answer from the server at {self._client.address} in {self.connect_timeout:g} s", **self.ctx) from None
+        except ServerUnavailable as err:
+            await self._release()
+            raise ServerUnavailable(err.message, **self.ctx) from None
         except BaseException:
             await self._release()
             raise
-        self.session = opened.session
-        self._client.add_session(opened.session, opened.heartbeat_interval, opened.heartbeat_timeout)
         self.log = self.log.bind(session=self.session)
         self.log.debug("opened", server=self._client.address, term=opened.term)
         return self
+
+    @property
+    def server_address(self) -> str | None:
+        """The address of the server this handle's session is on now (None: none connected)."""
+        client = self._client
+        return client.address if client is not None and client.lost is None else None
+
+    # ---- failover (called by the client actor) ---------------------------------------------------
+
+    def open_message(self, req: int) -> m.OpenShard:
+        """This shard's ``OpenShard``: the same incarnation each time (a failover re-opens it)."""
+        return m.OpenShard(req, self.model, self.replica, self.num_shards, self.shard_idx, self._incarnation,
+                           self.location, self.spot, self.retain_back)  # fmt: skip
+
+    async def restore(self, send: Exchange) -> None:
+        """Re-open this shard on the server the client moved to (its ``OpenShard`` was answered):
+        register the layout again and announce what the shard holds: the version in the
+        registered buffers if they hold it whole, its offload copies, each with the checksums
+        this process knows, and its last model-parallel answers. Called by the client actor.
+
+        Raises:
+            ServerUnavailable: that server did not answer (the client tries the next).
+            ContractViolation: that server still has this session (nothing to announce).
+        """
+        buffers, engine, sid = self.buffers, self._engine, self.session
+        if buffers is None or self._endpoint is None or engine is None or self.closed:
+            return
+        endpoint = self._endpoint
+        await send(lambda req: m.Register(req, sid, buffers.layout, endpoint))
+        await engine.ask(WaitPublished(sid))  # a publish's checksums are known before it is announced
+        # The engine's slot has the checksums and offload copies. (An engine message answering
+        # them would be cleaner; the slot is read on the engine's own loop, between its messages.)
+        slot = engine.slots.get(sid)
+        sums: dict[int, tuple[int, ...]] = dict(slot.checksums) if slot is not None else {}
+        offloads = sorted(slot.offloads) if slot is not None else []
+        holdings: list[m.Held] = []
+        _, held, verified = buffers.progress.snapshot()
+        live = held if held is not None and held == self.version and verified >= buffers.total_bytes else None
+        if live is not None:
+            holdings.append(m.Held(live, m.KIND_NORMAL, sums.get(live)))
+        holdings.extend(m.Held(v, m.KIND_OFFLOAD, sums.get(v)) for v in offloads)
+        answered, answers = self._answered, tuple(self._answers)
+        try:
+            await send(lambda req: m.Announce(req, sid, tuple(holdings), None, answered, answers))
+        except VersionConflict as err:
+            # The server dropped holdings whose checksums disagree with what others declared.
+            self.log.error("failover: a re-announced holding conflicts with other holders; dropped", error=str(err))
+            if live is not None and err.version == live:
+                buffers.progress.reset(None)
+                self.version = None
+        self.log.info("re-announced after failover", held=live, offloads=offloads, answered=answered)
 
     async def _release(self) -> None:
         rt, self._runtime = self._runtime, None
@@ -299,6 +402,35 @@ class AsyncShardHandle:
         assert self._client is not None
         return await self._client.ask(Call(build, self.session))
 
+    async def _numbered(self, n: int, kind: str, build: Callable[[int], Any], version: int | None = None) -> Any:
+        """A model-parallel call ``n``: its answer (or typed error) is kept, to be re-announced
+        after a failover. A call that got no answer because the server was lost gives its number
+        back: made again on the next server, it gets what the other shards were given."""
+        try:
+            reply = await self._request(build)
+        except ServerUnavailable:
+            if self._calls == n:
+                self._calls = n - 1
+            raise
+        except TensorHubError as err:
+            if not isinstance(err, Cancelled):  # the server's answer (Cancelled: this process stopped)
+                self._keep(m.CallAnswer(n, kind, None, None, None, None, type(err).code[:64], err.message[:1000]))
+            raise
+        if isinstance(reply, m.Listing):
+            if reply.final:
+                self._keep(m.CallAnswer(n, kind, None, None, reply.epoch, reply.versions))
+        elif isinstance(reply, m.Replicated):
+            self._keep(m.CallAnswer(n, kind, reply.version, None, None, None))
+        elif isinstance(reply, m.Updated):
+            self._keep(m.CallAnswer(n, kind, reply.version, reply.moved, None, None))
+        else:
+            self._keep(m.CallAnswer(n, kind, version, None, None, None))
+        return reply
+
+    def _keep(self, answer: m.CallAnswer) -> None:
+        self._answers.append(answer)
+        self._answered = max(self._answered, answer.call)
+
     def _need_registered(self, what: str) -> ShardBuffers:
         if self.buffers is None:
             raise NotRegistered(f"{what}() needs registered tensors: call register() first", **self.ctx)
@@ -325,6 +457,7 @@ class AsyncShardHandle:
                 await self._engine.ask(DropSlot(self.session))
                 raise
             self.buffers = buffers
+            self._endpoint = endpoint
 
     async def unregister(self) -> None:
         """Forget the registered tensors. Refused while they hold a published version."""
@@ -336,6 +469,7 @@ class AsyncShardHandle:
             assert self._engine is not None
             await self._engine.ask(DropSlot(self.session))
             self.buffers = None
+            self._endpoint = None
 
     async def publish(self, version: int) -> None:
         """Make the registered tensors visible as ``version``. Until :meth:`unpublish` returns,
@@ -358,7 +492,7 @@ class AsyncShardHandle:
                 buffers.progress.reset(version, 0)
             n = self._next_call()
             try:
-                await self._request(lambda req: m.Publish(req, self.session, n, version, None))
+                await self._numbered(n, "publish", lambda req: m.Publish(req, self.session, n, version, None), version)
             except BaseException:
                 if held_before is None:
                     buffers.progress.reset(None)
@@ -374,7 +508,7 @@ class AsyncShardHandle:
             if self._engine is not None and self.session is not None:
                 await self._engine.ask(WaitPublished(self.session))  # its checksums are declared first
             n = self._next_call()
-            await self._request(lambda req: m.Unpublish(req, self.session, n))
+            await self._numbered(n, "unpublish", lambda req: m.Unpublish(req, self.session, n))
             if self.buffers is not None:
                 self.buffers.progress.reset(None)  # readers across this change discard their bytes
             self.version = None
@@ -400,19 +534,38 @@ class AsyncShardHandle:
             UpdateAborted: it had started moving and failed; the handle now holds nothing.
         """
         with self._call("update"):
-            reply = await self._pull(m.Update, version, timeout)
+            client = self._client
+            if client is not None and client.failing_over(self.session):
+                # No server now (failing over): no newer version is known. Arguments are still checked.
+                parse_version_spec(version, **self.ctx)
+                self._check_timeout(timeout)
+                self._need_registered("update")
+                return False
+            assert self._engine is not None
+            before = self._engine.pull_stats(self.session) if self.session is not None else None
+            try:
+                reply = await self._pull(m.Update, version, timeout)
+            except ServerUnavailable as err:
+                if client is None or not client.failing_over(self.session):
+                    raise
+                if self._engine.pull_stats(self.session) is not before:  # it had begun to move: the handle is empty
+                    raise UpdateAborted(f"update aborted: the server was lost mid-pull ({err.message})", **self.ctx) from err
+                return False  # lost before it moved: the tensors still hold what they held
             return reply.moved
+
+    def _check_timeout(self, timeout: float | None) -> None:
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise InvalidArgument(f"timeout must be a number >= 0 or None, got {timeout!r}", **self.ctx)
 
     async def _pull(self, cls: type, version: int | str, timeout: float | None) -> Any:
         spec = parse_version_spec(version, **self.ctx).wire()
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-            raise InvalidArgument(f"timeout must be a number >= 0 or None, got {timeout!r}", **self.ctx)
+        self._check_timeout(timeout)
         self._need_registered(cls.__name__.lower())
         assert self._engine is not None and self.session is not None
         before = self._engine.pull_stats(self.session)
         n = self._next_call()
         try:
-            reply = await self._request(lambda req: cls(req, self.session, n, spec, timeout))
+            reply = await self._numbered(n, cls.__name__.lower(), lambda req: cls(req, self.session, n, spec, timeout))
         except asyncio.CancelledError:
             await asyncio.shield(self._abandon())
             raise
@@ -445,7 +598,10 @@ class AsyncShardHandle:
         this replica gets the same answer (a model-parallel call)."""
         with self._call("list"):
             n = self._next_call() if consistent else None
-            reply = await self._request(lambda req: m.ListVersions(req, self.session, n))
+            if n is None:
+                reply = await self._request(lambda req: m.ListVersions(req, self.session, None))
+            else:
+                reply = await self._numbered(n, "list", lambda req: m.ListVersions(req, self.session, n))
             return reply.as_dict()
 
     async def wait(self, predicate: Callable[[Versions], bool], timeout: float | None = None) -> Versions:
@@ -462,7 +618,7 @@ class AsyncShardHandle:
             known = -1
             satisfied: int | None = None
             for _ in range(1 << 30):  # each turn waits for the listing to change: bounded by time
-                reply = await self._request(lambda req, k=known, sat=satisfied: m.Wait(req, self.session, n, k, sat, timeout))
+                reply = await self._numbered(n, "wait", lambda req, k=known, sat=satisfied: m.Wait(req, self.session, n, k, sat, timeout))
                 if reply.final:
                     return reply.as_dict()
                 versions = reply.as_dict()

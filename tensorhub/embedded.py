@@ -1,4 +1,11 @@
-"""Finding the server: ``$TENSORHUB_SERVER``, or the embedded default on this machine.
+"""Finding the server: ``server=``, ``$TENSORHUB_SERVER``, or the embedded default on this machine.
+
+``server=`` (and ``$TENSORHUB_SERVER``) is an ordered list of addresses: a list or tuple of
+strings, or one string with the addresses separated by commas
+(``"tcp://a:5557,tcp://b:5557"``). The first is the primary; the client moves to the next when
+the one it uses is lost (see :mod:`tensorhub.client`). Each entry must be a ZeroMQ address
+(``tcp://``, ``ipc://`` or ``inproc://``); a bad one is refused with
+:class:`~tensorhub.errors.InvalidArgument` naming it.
 
 With ``server=None`` and no ``$TENSORHUB_SERVER``, a handle connects to a well-known local
 address (``$TENSORHUB_EMBEDDED_ADDRESS``, default ``tcp://127.0.0.1:5557``). If nobody answers
@@ -30,7 +37,7 @@ from . import messages as m
 from .errors import InvalidArgument, ServerUnavailable
 from .wire import decode, encode
 
-__all__ = ["EMBEDDED_ADDRESS", "EMBEDDED_IDLE_EXIT", "probe", "resolve_server"]
+__all__ = ["EMBEDDED_ADDRESS", "EMBEDDED_IDLE_EXIT", "parse_servers", "probe", "resolve_server", "resolve_servers"]
 
 EMBEDDED_ADDRESS = "tcp://127.0.0.1:5557"
 EMBEDDED_IDLE_EXIT = 60.0
@@ -58,19 +65,57 @@ async def probe(ctx: zmq.asyncio.Context, address: str, timeout: float = 0.5) ->
         sock.close(0)
 
 
-async def resolve_server(ctx: zmq.asyncio.Context, server: str | None) -> str:
-    """The address a handle should connect to (starting the embedded server if needed).
+_ADDRESS = re.compile(r"^(tcp|ipc|inproc)://\S+$")
+MAX_SERVERS = 16
+
+
+def parse_servers(server: object, what: str = "server") -> tuple[str, ...]:
+    """The ordered addresses that ``server`` names (see the module docstring).
 
     Raises:
-        InvalidArgument: ``server=None`` in a multi-node job, or a malformed address.
+        InvalidArgument: not a string or a list/tuple of strings, no address at all, an entry
+            that is not a ZeroMQ address (named), or an address given twice.
+    """
+    if isinstance(server, str):
+        entries: list[object] = [e.strip() for e in server.split(",")]
+    elif isinstance(server, (list, tuple)):
+        entries = [e.strip() if isinstance(e, str) else e for e in server]
+    else:
+        raise InvalidArgument(
+            f"{what} must be an address like tcp://host:port, a comma-separated string of them, or a list; "
+            f"got {type(server).__name__}"
+        )
+    if not entries or entries == [""]:
+        raise InvalidArgument(f"{what} names no address: give at least one, like tcp://host:port")
+    if len(entries) > MAX_SERVERS:
+        raise InvalidArgument(f"{what} names {len(entries)} addresses; at most {MAX_SERVERS}")
+    seen: dict[str, None] = {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, str) or not _ADDRESS.match(entry):
+            raise InvalidArgument(f"{what} entry {i} ({entry!r}) is not a ZeroMQ address like tcp://host:port")
+        if entry in seen:
+            raise InvalidArgument(f"{what} entry {i} ({entry!r}) repeats an earlier address")
+        seen[entry] = None
+    return tuple(seen)
+
+
+async def resolve_server(ctx: zmq.asyncio.Context, server: str | list[str] | tuple[str, ...] | None) -> str:
+    """:func:`resolve_servers`, as one comma-separated string."""
+    return ",".join(await resolve_servers(ctx, server))
+
+
+async def resolve_servers(ctx: zmq.asyncio.Context, server: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The addresses a handle should use, in order (starting the embedded server if none is given).
+
+    Raises:
+        InvalidArgument: ``server=None`` in a multi-node job, or a malformed address list.
         ServerUnavailable: the embedded server could not be started.
     """
-    if server is None:
-        server = os.environ.get("TENSORHUB_SERVER") or None
     if server is not None:
-        if not isinstance(server, str) or not re.match(r"^(tcp|ipc|inproc)://\S+$", server):
-            raise InvalidArgument(f"server must be a ZeroMQ address like tcp://host:port, got {server!r}")
-        return server
+        return parse_servers(server)
+    env = os.environ.get("TENSORHUB_SERVER") or None
+    if env is not None:
+        return parse_servers(env, "$TENSORHUB_SERVER")
     world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
     if world and local and world.isdigit() and local.isdigit() and int(world) > int(local):
         raise InvalidArgument(
@@ -79,15 +124,15 @@ async def resolve_server(ctx: zmq.asyncio.Context, server: str | None) -> str:
         )
     address = embedded_address()
     if await probe(ctx, address):
-        return address
+        return (address,)
     lock_path = os.path.join(tempfile.gettempdir(), "tensorhub-" + re.sub(r"[^A-Za-z0-9]+", "_", address) + ".lock")
     fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
     try:
         await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
         if await probe(ctx, address):
-            return address  # another process started it while we waited for the lock
+            return (address,)  # another process started it while we waited for the lock
         await _start_detached(ctx, address)
-        return address
+        return (address,)
     finally:
         os.close(fd)  # releases the lock
 

@@ -1,0 +1,189 @@
+"""Server failover end to end (DESIGN §5.5): real ``tensorhub server`` processes with short
+heartbeats, shard handles in real worker processes, real SIGKILLs of the primary.
+
+- a trainer and two rollouts on ``server="primary,backup"``: the primary dies; rollouts keep
+  their weights and ``update()`` says "nothing newer" instead of raising; every handle moves to
+  the backup and re-announces what it holds; the trainer publishes v2 there and the rollouts
+  update to it, byte for byte;
+- no server at all for a while: ``update()`` is False, ``list()``/``replicate()``/``publish()``
+  raise ``ServerUnavailable``, the weights stay; a backup that starts later is found;
+- a handle given only dead servers fails with ``ServerUnavailable`` within its bound;
+- malformed ``server=`` values (argument or ``$TENSORHUB_SERVER``) are typed errors naming the
+  bad entry.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+import tensorhub
+from tensorhub import errors as e
+
+from .procs import RemoteError, ServerProcess
+
+pytestmark = pytest.mark.integration
+
+#: Short heartbeats: a lost server is noticed in about a second.
+FAST = ("--heartbeat-interval", "0.1", "--heartbeat-timeout", "1.0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def servers():
+    made: list[ServerProcess] = []
+
+    def make(*extra: str) -> ServerProcess:
+        s = ServerProcess(*FAST, *extra)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def kill(server: ServerProcess) -> None:
+    server.proc.kill()  # SIGKILL: no goodbye to anyone
+    server.proc.wait(10)
+
+
+def until_moved(h, timeout: float = 15.0) -> dict:
+    """Poll ``list()`` until the handle works again (it raises ServerUnavailable meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return h.call("list", timeout=timeout)
+        except RemoteError as err:
+            assert err.kind == "ServerUnavailable", err
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the handle did not move to another server in {timeout} s") from err
+            time.sleep(0.1)
+
+
+def test_rollouts_survive_the_primary_and_move_to_the_backup(servers, handles):
+    primary, backup = servers(), servers()
+    addresses = f"{primary.address},{backup.address}"
+    trainer = handles("trainer", server=addresses)
+    rollouts = [handles(f"rollout-{i}", server=addresses) for i in range(2)]
+    for h in (trainer, *rollouts):
+        h.call("register")
+        assert h.call("server_address") == primary.address
+    trainer.call("fill", 1)
+    trainer.call("publish", 1)
+    for r in rollouts:
+        assert r.call("replicate", "latest", 30.0) == 1
+        assert r.call("holds", 1)
+
+    t0 = time.monotonic()
+    kill(primary)
+    # Rollouts keep serving inference: update() is "nothing newer", never an error, and the
+    # weights are the ones they had (whether the loss is noticed yet or not).
+    for _ in range(3):
+        for r in rollouts:
+            assert r.call("update", "latest", timeout=10.0) is False
+            assert r.call("holds", 1)
+        time.sleep(0.2)
+
+    # Every handle moves to the backup and re-announces what it holds: version 1 is available
+    # there with all three holders, though the backup never saw it published.
+    listing = {}
+    for h in (trainer, *rollouts):
+        listing = until_moved(h)
+        assert h.call("server_address") == backup.address
+    moved_in = time.monotonic() - t0
+    assert moved_in < 10, f"moving took {moved_in:.1f} s"
+    assert listing == {1: ["rollout-0", "rollout-1", "trainer"]}
+
+    # A new step on the backup: the rollouts get it byte for byte.
+    trainer.call("unpublish")
+    trainer.call("fill", 2)
+    trainer.call("publish", 2)
+    for r in rollouts:
+        r.send("update", "latest", 30.0)
+    assert [r.result() for r in rollouts] == [True, True]
+    for r in rollouts:
+        assert r.call("holds", 2)
+        assert r.call("update", "latest") is False
+    assert trainer.call("list") == {2: ["rollout-0", "rollout-1", "trainer"]}
+    assert backup.alive()
+
+
+def test_no_server_at_all_then_a_backup_comes_up(servers, handles):
+    primary = servers()
+    port = _free_port()  # the backup's address, with nobody there yet
+    addresses = f"{primary.address},tcp://127.0.0.1:{port}"
+    trainer = handles("trainer", server=addresses)
+    rollout = handles("rollout", server=addresses)
+    for h in (trainer, rollout):
+        h.call("register")
+    trainer.call("fill", 1)
+    trainer.call("publish", 1)
+    assert rollout.call("replicate", 1, 30.0) == 1
+
+    kill(primary)
+    time.sleep(1.6)  # past the heartbeat timeout: the loss is noticed, and no server answers
+    assert rollout.call("server_address") is None
+    for _ in range(5):
+        assert rollout.call("update", "latest", timeout=5.0) is False
+        assert rollout.call("holds", 1)
+    for cmd, args in (("list", ()), ("replicate", ("latest", 1.0)), ("publish", (1,))):
+        h = trainer if cmd == "publish" else rollout
+        with pytest.raises(RemoteError) as err:
+            h.call(cmd, *args, timeout=5.0)
+        assert err.value.kind == "ServerUnavailable", (cmd, err.value)
+    trainer.call("fill", 2)  # the trainer trains on (its publish of v1 is still what it holds)
+    assert rollout.call("holds", 1)
+
+    backup = servers("--bind", f"tcp://127.0.0.1:{port}")
+    for h in (trainer, rollout):
+        until_moved(h)
+        assert h.call("server_address") == backup.address
+    assert rollout.call("list") == {1: ["rollout", "trainer"]}
+    assert rollout.call("update", "latest") is False  # the backup knows nothing newer yet
+    trainer.call("unpublish")
+    trainer.call("publish", 2)
+    assert rollout.call("update", "latest", 30.0) is True
+    assert rollout.call("holds", 2)
+
+
+def test_only_dead_servers_is_server_unavailable_within_the_bound():
+    dead = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
+    t0 = time.monotonic()
+    with pytest.raises(e.ServerUnavailable) as err:
+        tensorhub.open("actor", "rollout", server=dead, connect_timeout=1.0)
+    assert time.monotonic() - t0 < 5
+    assert "actor" in str(err.value) and "rollout" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "server, named",
+    [
+        ("", "no address"),
+        ([], "no address"),
+        ("tcp://127.0.0.1:5557,,tcp://127.0.0.1:5558", "entry 1 ('')"),
+        ("tcp://127.0.0.1:5557,http://example.com", "entry 1 ('http://example.com')"),
+        (["tcp://127.0.0.1:5557", 5558], "entry 1 (5558)"),
+        (("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557"), "repeats"),
+        (5557, "got int"),
+        ({"tcp://127.0.0.1:5557": 1}, "got dict"),
+    ],
+)
+def test_bad_server_values_are_invalid_arguments_naming_the_entry(server, named):
+    with pytest.raises(e.InvalidArgument) as err:
+        tensorhub.open("actor", "rollout", server=server)
+    assert named in str(err.value)
+
+
+def test_bad_server_list_in_the_environment_is_named(monkeypatch):
+    monkeypatch.setenv("TENSORHUB_SERVER", "tcp://127.0.0.1:5557, nonsense")
+    with pytest.raises(e.InvalidArgument) as err:
+        tensorhub.open("actor", "rollout", connect_timeout=1.0)
+    assert "$TENSORHUB_SERVER entry 1 ('nonsense')" in str(err.value)
