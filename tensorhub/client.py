@@ -365,16 +365,30 @@ class ClientActor(Actor):
         self._next_beat = 0.0
 
     def on__Beat(self, _: _Beat) -> None:
-        if self.lost is not None:
-            return
         now = time.monotonic()
-        waiting = bool(self.pending) or bool(self.sessions)
-        if waiting and now - self.last_heard > self.heartbeat_timeout:
-            self._lose(ServerUnavailable(f"no word from the server at {self.address} for {self.heartbeat_timeout:g} s"))
+        if self.lost is None:
+            waiting = bool(self.pending) or bool(self.sessions)
+            if waiting and now - self.last_heard > self.heartbeat_timeout:
+                self._lose(ServerUnavailable(f"no word from the server at {self.address} for {self.heartbeat_timeout:g} s"))
+                return
+        elif self.sock is None or self.gave_up is not None:
             return
+        # Also while sessions are being restored on a new server: those already re-opened
+        # there must not expire before the last one is done.
         if self.sessions and now >= self._next_beat:
             self._next_beat = now + self.heartbeat_interval
-            self.on_Send(Send(lambda req: m.Heartbeat(req, ())))
+            req = next(self._req)
+            msg = self._outgoing(m.Heartbeat(req, ()))
+            if not msg.sessions:
+                return
+            try:
+                self._send(msg)
+            except ServerUnavailable as err:
+                self.log.warning("heartbeat not sent", error=str(err))
+                return
+            fut = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(_log_failure(self, msg))
+            self.pending[req] = (fut, None, None)
 
     def _lose(self, err: ServerUnavailable) -> None:
         self.lost = err
@@ -456,6 +470,7 @@ class ClientActor(Actor):
         self._remote.clear()
         for shard in self.sessions.values():
             shard.remote = None
+        self._fail_all(ServerUnavailable(f"left the server at {self.address}"))  # nothing sent there will be answered
         if msg.index < 0:
             return
         sock = self.ctx.socket(zmq.DEALER)

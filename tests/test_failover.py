@@ -187,3 +187,28 @@ def test_bad_server_list_in_the_environment_is_named(monkeypatch):
     with pytest.raises(e.InvalidArgument) as err:
         tensorhub.open("actor", "rollout", connect_timeout=1.0)
     assert "$TENSORHUB_SERVER entry 1 ('nonsense')" in str(err.value)
+
+
+def test_a_client_that_gives_up_says_so_and_keeps_the_weights(servers, handles):
+    only = servers()
+    trainer = handles("trainer", server=only.address)
+    rollout = handles("rollout", server=only.address, env={"TENSORHUB_FAILOVER_TIMEOUT": "0.5"})
+    for h in (trainer, rollout):
+        h.call("register")
+    trainer.call("fill", 1)
+    trainer.call("publish", 1)
+    assert rollout.call("replicate", 1, 30.0) == 1
+    kill(only)
+    deadline = time.monotonic() + 10
+    while True:  # False while it looks for a server; then it gives up and says so
+        try:
+            assert rollout.call("update", "latest", timeout=5.0) is False
+        except RemoteError as err:
+            assert err.kind == "ServerUnavailable", err
+            break
+        assert time.monotonic() < deadline, "the client never gave up"
+        time.sleep(0.1)
+    assert rollout.call("holds", 1)
+    with pytest.raises(RemoteError) as err:
+        rollout.call("list")
+    assert err.value.kind == "ServerUnavailable"
