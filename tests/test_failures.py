@@ -8,7 +8,10 @@ handles in worker processes, real TCP pulls, real SIGKILLs.
   offload copy in CPU memory, and a later reader gets the old version from it;
 - a version whose last holders were spot replicas that died: VersionUnavailable, promptly;
 - a rollout restarted under its old name while the old incarnation is still known: the new one
-  fences the old and works.
+  fences the old and works;
+- a lone holder blamed for bytes damaged on the way: its self-check passes, it serves again;
+- an unpublish while a slow reader pulls: the reader is revoked at the drain timeout and resumes
+  from another holder.
 
 (Holders killed mid-pull are in test_integrity.py and test_transports_e2e.py; server failover in
 test_failover.py.)
@@ -137,3 +140,30 @@ def test_a_lone_holder_blamed_for_wire_damage_is_readmitted_once_its_self_check_
     assert reader.call("fired") == ["corrupt"]
     assert reader.call("last_sources") == ["trainer/0", "trainer/0"]
     assert srv.stats()["quarantined"] == 0
+
+
+@pytest.fixture
+def srv_quick_drain():
+    s = InprocServer(heartbeat_interval=0.1, heartbeat_timeout=1.0, drain_timeout=0.5)
+    yield s
+    s.close()
+
+
+def test_an_unpublish_revokes_a_slow_reader_at_the_drain_timeout_and_it_resumes_elsewhere(srv_quick_drain, handles):
+    srv = srv_quick_drain
+    trainer = handles("trainer", server=srv.address, scale=SCALE, env=BIG)
+    backup = handles("trainer-b", server=srv.address, scale=SCALE, env=BIG)
+    reader = handles("rollout", server=srv.address, scale=SCALE, env=MANY, transports=SLOW)
+    for h in (trainer, backup, reader):
+        h.call("register")
+    publish_and_wait_checksums(srv, trainer, 1)
+    reader.send("replicate", 1, 60.0)
+    wait_until(lambda: srv.counts()["grants"] == 1, 30, "the reader's grant")
+    publish_and_wait_checksums(srv, backup, 1)
+    t0 = time.monotonic()
+    trainer.call("unpublish", timeout=20.0)  # the reader still pulls: revoked at 0.5 s
+    assert time.monotonic() - t0 < 5
+    assert reader.result(60.0) == 1
+    assert reader.call("holds", 1)
+    assert reader.call("last_sources") == ["trainer/0", "trainer-b/0"]
+    assert srv.stats()["revoked"] >= 1
