@@ -216,7 +216,7 @@ class Worker:
         if self.proc.is_alive():
             try:
                 self.call("exit", bound=bound)
-            except (Hang,):
+            except Hang:
                 ok = False
             except (Died, CommandError, OSError, BrokenPipeError):
                 pass
@@ -242,6 +242,7 @@ class Summary:
     updates_completed: int = 0
     updates_moved: int = 0
     update_errors: Counter = field(default_factory=Counter)
+    error_samples: dict = field(default_factory=dict)  #: the first message of each update error type
     other_errors: Counter = field(default_factory=Counter)
     corrupted: list = field(default_factory=list)
     hangs: list = field(default_factory=list)
@@ -279,6 +280,8 @@ class Summary:
             f"  unexpected deaths: {len(self.unexpected_deaths)}",
             f"  final server counts: {self.final_counts}",
         ]
+        for kind, message in sorted(self.error_samples.items()):
+            lines.append(f"    e.g. {kind}: {message}")
         for what in ("corrupted", "hangs", "availability_violations", "unexpected_deaths"):
             for item in getattr(self, what)[:10]:
                 lines.append(f"    {what}: {item}")
@@ -527,6 +530,7 @@ class Chaos:
                     completed_at[name] = done_at
             else:
                 self.s.update_errors[res["error"][0]] += 1
+                self.s.error_samples.setdefault(res["error"][0], res["error"][1][:300])
                 if res["error"][0] not in LEGIT_UPDATE_ERRORS:
                     self.s.notes.append(f"step {v}: {name}: unexpected update error {res['error']}")
             if res["version"] is not None and res["intact"] is False:
@@ -669,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from benchmarks.chaos import main as _main  # run as the importable module, so workers unpickle
+    # Run as the importable module, so that the workers' target unpickles in the forkserver.
+    from benchmarks.chaos import main as _main
 
     sys.exit(_main())
