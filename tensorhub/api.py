@@ -220,6 +220,10 @@ class AsyncShardHandle:
 
     Only one call runs at a time on a handle; a second concurrent call raises
     :class:`~tensorhub.errors.CallInFlight`.
+
+    ``server``: an address, or an ordered list of them (a list/tuple, or one comma-separated
+    string): the primary first, then the servers to fail over to (see the module docstring).
+    None: ``$TENSORHUB_SERVER`` (same forms), else the embedded default server.
     """
 
     def __init__(
@@ -528,10 +532,13 @@ class AsyncShardHandle:
     async def update(self, version: int | str = "latest", timeout: float | None = None) -> bool:
         """Move to ``version`` if it resolves to an available version other than the one held
         (for ``"latest"``: a newer one). Returns whether it moved; never raises because no
-        version is available.
+        version is available. While the client fails over to another server it returns False
+        (the tensors keep what they hold).
 
         Raises:
-            UpdateAborted: it had started moving and failed; the handle now holds nothing.
+            UpdateAborted: it had started moving and failed (the server was lost mid-pull, too);
+                the handle now holds nothing.
+            ServerUnavailable: the client gave up looking for a server.
         """
         with self._call("update"):
             client = self._client

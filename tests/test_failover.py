@@ -212,3 +212,33 @@ def test_a_client_that_gives_up_says_so_and_keeps_the_weights(servers, handles):
     with pytest.raises(RemoteError) as err:
         rollout.call("list")
     assert err.value.kind == "ServerUnavailable"
+
+
+def test_model_parallel_replicas_move_together(servers, handles):
+    primary, backup = servers(), servers()
+    addresses = [primary.address, backup.address]  # the list form of server=
+    trainer = [handles("trainer", server=addresses, num_shards=2, shard_idx=i) for i in range(2)]
+    rollout = [handles("rollout", server=addresses, num_shards=2, shard_idx=i) for i in range(2)]
+    for h in (*trainer, *rollout):
+        h.call("register")
+        h.call("fill", 1) if h in trainer else None
+    for step, group in ((("publish", 1), trainer), (("replicate", "latest", 30.0), rollout)):
+        for h in group:
+            h.send(*step)
+        [h.result() for h in group]
+    kill(primary)
+    for h in (*trainer, *rollout):
+        until_moved(h)
+    assert rollout[0].call("list", True) == {1: ["rollout", "trainer"]}  # a consistent list: a model-parallel call
+    assert rollout[1].call("list", True) == {1: ["rollout", "trainer"]}
+    for h in trainer:
+        h.send("unpublish")
+    [h.result() for h in trainer]
+    for h in trainer:
+        h.call("fill", 2)
+        h.send("publish", 2)
+    [h.result() for h in trainer]
+    for h in rollout:
+        h.send("update", "latest", 30.0)
+    assert [h.result() for h in rollout] == [True, True]
+    assert all(h.call("holds", 2) for h in rollout)
