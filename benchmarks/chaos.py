@@ -58,7 +58,15 @@ HEARTBEAT_TIMEOUT = 1.0
 LEGIT_UPDATE_ERRORS = {"UpdateAborted", "VersionUnavailable", "ServerUnavailable", "TransportError",
                        "ChecksumMismatch", "ConnectionFailure", "StaleGrant", "Timeout"}  # fmt: skip
 
+#: what an UpdateAborted says when the version it moved to went away (a VersionUnavailable cause)
+GONE = ("unavailable", "no holder can serve", "is gone", "lost its last complete holder")
+
 _ctx: Any = None
+
+
+def _version_went_away(err: tuple[str, str]) -> bool:
+    kind, message = err
+    return kind == "VersionUnavailable" or (kind == "UpdateAborted" and any(g in message for g in GONE))
 
 
 def _mp() -> Any:
@@ -539,7 +547,7 @@ class Chaos:
         # Availability: VersionUnavailable while a live non-spot holder of v existed.
         for name, (res, done_at) in results.items():
             err = res["error"]
-            if err is None or not (err[0] == "VersionUnavailable" or (err[0] == "UpdateAborted" and "unavailable" in err[1].lower())):
+            if err is None or not _version_went_away(err):
                 continue
             live = []
             if trainer_holds_v and killed.get("trainer", float("inf")) > done_at:
