@@ -235,7 +235,7 @@ class _Txn:
 
 
 class _Replica:
-    __slots__ = ("name", "model", "num_shards", "spot", "shards", "txns", "serving")
+    __slots__ = ("name", "model", "num_shards", "spot", "shards", "txns", "serving", "announce_until")
 
     def __init__(self, name: str, model: "_Model", num_shards: int, spot: bool) -> None:
         self.name = name
@@ -245,6 +245,7 @@ class _Replica:
         self.shards: dict[int, _Session] = {}
         self.txns: dict[int, _Txn] = {}
         self.serving: dict[str, int] = {}  # reader replica -> active grants from this replica
+        self.announce_until: float | None = None  # its shards are re-announcing (after a failover)
 
 
 class _Version:
@@ -411,6 +412,10 @@ class ReferenceTable:
                 self._drain_expired(obj, now)
             elif what == "txn":
                 self._txn_expired(obj, now)
+            elif what == "announce":
+                obj.announce_until = None  # its shards had their time: decide without the rest
+                obj.model.availability_changed = True
+                self._mark_dirty(obj.model)
         if self.grace_until is not None and now >= self.grace_until:
             self.grace_until = None
             for model in list(self.models.values()):  # what waited out the grace period may fail now
@@ -1174,8 +1179,10 @@ class ReferenceTable:
 
     def _awaiting_announcements(self, replica: _Replica) -> bool:
         """After a failover, a replica that existed before decides nothing until all its shards
-        have re-announced (their last answers may fix this decision), or the grace period ends."""
-        if not self.in_grace:
+        have re-announced (their last answers may fix this decision), or the grace period ends:
+        the server's own (it started recently) or the replica's (its first shard announced less
+        than a heartbeat timeout ago: a backup that was up long before the failover)."""
+        if not self.in_grace and replica.announce_until is None:
             return False
         shards = replica.shards.values()
         return any(s.announced for s in shards) and not (
@@ -1515,10 +1522,16 @@ class ReferenceTable:
         s.answered = msg.answered
         s.announced = True
         replica = s.replica
+        if not self.in_grace and replica.announce_until is None:
+            replica.announce_until = self.clock() + self.config.heartbeat_timeout
+            self._timer(replica.announce_until, "announce", replica)
         for last in msg.answers:
-            if last.call in replica.txns:
-                continue
-            txn = replica.txns[last.call] = _Txn(last.call, last.kind, _AnnouncedArgs(), replica)
+            txn = replica.txns.get(last.call)
+            if txn is not None and (txn.decided or txn.kind != last.kind):
+                continue  # decided here already (or another call: the shards diverged; it will fail)
+            if txn is None:
+                txn = replica.txns[last.call] = _Txn(last.call, last.kind, _AnnouncedArgs(), replica)
+            # else: a sibling's call waiting for this very answer (parked until all announced)
             moved = last.moved if last.moved is not None else last.kind == "replicate" and last.error is None
             txn.decided, txn.version, txn.moved = True, last.version, moved
             if last.kind in ("list", "wait"):

@@ -633,6 +633,26 @@ def test_announce_restores_holdings_and_last_answers():
     assert d.table.sessions[x.session].holder is None
 
 
+def test_a_backup_up_long_before_the_failover_waits_for_every_shard_to_announce():
+    """Past the server's own grace period, a replica whose first shard re-announced decides
+    nothing until its other shards have announced too (their last answers may fix it)."""
+    d = Driver(term=2)
+    d.advance(30)  # the backup has been up for a while
+    n = LAYOUT.checksum_count()
+    for t in d.replica("t", 2):
+        t.expect_ok(t.request(m.Announce, t.session, (m.Held(5, "normal", (3,) * n),), None, 0, ()))
+    published(d, "t9", version=9, num_shards=2)
+    r0, r1 = d.replica("r", 2)
+    r1.expect_ok(r1.request(m.Announce, r1.session, (), None, 0, ()))
+    r1.call = 0
+    q = r1.replicate("latest")  # shard 0 had the answer "version 5" to call 1: not known yet
+    assert not r1.take(m.Grant)
+    answer = m.CallAnswer(1, "replicate", 5, None, None, None)
+    r0.expect_ok(r0.request(m.Announce, r0.session, (m.Held(5, "normal", None),), None, 1, (answer,)))
+    r1.complete(r1.grant())
+    assert r1.expect_ok(q).version == 5
+
+
 def test_grant_from_an_older_term_is_stale(d):
     (t,) = published(d)
     r = d.shard("r")
