@@ -7,6 +7,12 @@ rollout replicas of ``--shards`` processes each loop ``update("latest")`` betwee
 batches. The parent shows live progress, then a summary: versions, bytes moved, per-rollout
 stall time, who served whom. At the end every rollout shard's weights are compared with the
 trainer's final weights (a digest of the bytes); any difference fails the demo.
+
+With ``--chaos`` a seeded schedule (``--seed``) SIGKILLs a whole rollout replica (all its shard
+processes) every one to three seconds while training runs, and restarts it under the same name:
+the new incarnation fences the old one on the server, pulls the latest version, and carries on.
+Readers that were pulling from a killed replica are re-granted elsewhere. The end is the same
+byte-for-byte check; the summary counts the kills.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import multiprocessing
+import os
 import queue
+import random
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -142,10 +151,20 @@ def run_demo(args: argparse.Namespace) -> int:
     finish = ctx.Event()
     procs = [ctx.Process(target=_trainer, args=(i, a, events, finish), name=f"trainer/{i}") for i in range(a["shards"])]
     rollouts = [f"rollout-{j}" for j in range(a["rollouts"])]
-    procs += [ctx.Process(target=_rollout, args=(r, i, a, events), name=f"{r}/{i}") for r in rollouts for i in range(a["shards"])]
+
+    def rollout_proc(r: str, i: int) -> Any:
+        return ctx.Process(target=_rollout, args=(r, i, a, events), name=f"{r}/{i}")
+
+    procs += [rollout_proc(r, i) for r in rollouts for i in range(a["shards"])]
+    chaos = bool(getattr(args, "chaos", False))
+    seed = getattr(args, "seed", None)
+    rng = random.Random(seed if seed is not None else 0)
+    kills: list[tuple[float, str]] = []
     print(f"tensorhub demo: trainer x{a['shards']} shards, {a['rollouts']} rollouts x{a['shards']} shards, "
-          f"{a['steps']} steps, server {a['server'] or 'embedded default'}")  # fmt: skip
+          f"{a['steps']} steps, server {a['server'] or 'embedded default'}"
+          + (f", chaos (seed {seed if seed is not None else 0})" if chaos else ""))  # fmt: skip
     t_start = time.monotonic()
+    next_kill = t_start + rng.uniform(1.0, 3.0) if chaos else float("inf")
     for p in procs:
         p.start()
     finals: dict[tuple[str, int], tuple[int, str]] = {}
@@ -161,6 +180,22 @@ def run_demo(args: argparse.Namespace) -> int:
     failure = None
     try:
         while len(finals) < len(procs) and time.monotonic() < deadline:
+            if time.monotonic() >= next_kill:
+                next_kill = time.monotonic() + rng.uniform(1.0, 3.0)
+                alive = [r for r in rollouts if not all((r, i) in finals for i in range(a["shards"]))]
+                if alive and trained < a["steps"]:
+                    victim = rng.choice(alive)
+                    for k, p in enumerate(procs):  # the whole replica dies, and comes back
+                        if p.name.startswith(f"{victim}/"):
+                            if p.is_alive():
+                                os.kill(p.pid, signal.SIGKILL)
+                            p.join(10)
+                            procs[k] = rollout_proc(victim, int(p.name.rsplit("/", 1)[1]))
+                            procs[k].start()
+                    kills.append((time.monotonic() - t_start, victim))
+                    held.update({f"{victim}/{i}": 0 for i in range(a["shards"])})
+                    if not args.quiet:
+                        print(f"\r  chaos: SIGKILLed {victim} at {kills[-1][0]:.1f} s; restarting it", flush=True)
             try:
                 ev = events.get(timeout=0.5)
             except queue.Empty:
@@ -223,6 +258,9 @@ def run_demo(args: argparse.Namespace) -> int:
     for r in rollouts:
         v = min(finals.get((r, i), (0, ""))[0] for i in range(a["shards"]))
         print(f"  {r:<12} {('v' + str(v)):>6} {moved_bytes[r] / 1e6:>9.1f} {stall[r]:>8.2f} {aborted[r]:>8}")
+    if chaos:
+        print(f"  chaos: {len(kills)} rollout replicas SIGKILLed mid-run and restarted under their names"
+              + (f" ({', '.join(f'{v} at {t:.1f} s' for t, v in kills)})" if kills else ""))  # fmt: skip
     print("  who served whom (shard pulls):")
     for (src, dst), n in sorted(served.items()):
         print(f"    {src:>12} -> {dst:<12} {n}")
