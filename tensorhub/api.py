@@ -50,6 +50,7 @@ from .engine import (
     AddSlot,
     DropSlot,
     EngineActor,
+    Holdings,
     PullStats,
     StartPublish,
     WaitPublished,
@@ -325,11 +326,7 @@ class AsyncShardHandle:
         endpoint = self._endpoint
         await send(lambda req: m.Register(req, sid, buffers.layout, endpoint))
         await engine.ask(WaitPublished(sid))  # a publish's checksums are known before it is announced
-        # The engine's slot has the checksums and offload copies. (An engine message answering
-        # them would be cleaner; the slot is read on the engine's own loop, between its messages.)
-        slot = engine.slots.get(sid)
-        sums: dict[int, tuple[int, ...]] = dict(slot.checksums) if slot is not None else {}
-        offloads = sorted(slot.offloads) if slot is not None else []
+        sums, offloads = await engine.ask(Holdings(sid))  # the checksums and offload copies it knows
         holdings: list[m.Held] = []
         _, held, verified = buffers.progress.snapshot()
         live = held if held is not None and held == self.version and verified >= buffers.total_bytes else None

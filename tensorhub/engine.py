@@ -157,6 +157,14 @@ class DropSlot:
 
 
 @dataclass(frozen=True, slots=True)
+class Holdings:
+    """Ask: ``(checksums by version, offload versions)`` a shard's slot knows (what a failover
+    re-announces)."""
+
+    session: int
+
+
+@dataclass(frozen=True, slots=True)
 class AbortPull:
     """The slot's pull ended without success: answer once no read can write its buffers."""
 
@@ -282,6 +290,12 @@ class EngineActor(Actor):
         for t in self.transports.values():
             t.expose(msg.buffers)
         return self.endpoint(region)
+
+    def on_Holdings(self, msg: Holdings) -> tuple[dict[int, tuple[int, ...]], list[int]]:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return {}, []
+        return dict(slot.checksums), sorted(slot.offloads)
 
     def on_DropSlot(self, msg: DropSlot) -> None:
         slot = self.slots.pop(msg.session, None)
