@@ -1,0 +1,654 @@
+"""The emulated cluster (DESIGN §8): hosts as network namespaces, datacenters as bridges, links
+shaped by ``tc``, real processes inside; it tears itself down completely.
+
+Theory of operation
+-------------------
+A :class:`Cluster` owns, for one run, everything whose name carries its random ``prefix``
+(``th`` + 4 hex digits unless given):
+
+- one *switch* namespace ``<prefix>-sw`` holding a Linux bridge ``<prefix>b<d>`` per datacenter;
+- one namespace ``<prefix>-<host>`` per host, with ``lo`` up and one veth pair into its
+  datacenter's bridge: ``<prefix>h<n>`` on the host side (address ``10.<x>.<d>.<i>/16``, egress
+  shaped by ``htb`` at the host rate) and ``<prefix>s<n>`` on the bridge side;
+- one veth pair per inter-datacenter link, ``<prefix>x<d>a`` / ``<prefix>x<d>b``, between the
+  bridge of datacenter ``d`` and the bridge of the first datacenter (a star, so the layer-2 graph
+  has no loop). Both ends are shaped: ``htb`` at the inter-datacenter rate, with a ``netem``
+  child adding the one-way delay when one is asked for (a round trip costs twice the delay;
+  kernels without sch_netem can only shape the rate).
+- the processes :meth:`Cluster.run` started (each in its own process group, each carrying
+  ``TENSORHUB_CLUSTER=<prefix>`` in its environment so that its descendants can be found too).
+
+Every veth is created directly inside its namespaces, so nothing is added to the root
+namespace: its links and routes stay untouched. All hosts share one /16 and one layer-2
+domain, so any host reaches any other by address.
+
+Invariants: every ``ip``/``tc`` command runs under a timeout and raises :class:`ClusterError`
+naming the command and its stderr when it fails; teardown (context exit, an exception inside
+the ``with``, SIGINT/SIGTERM while active, ``atexit``) kills the processes (SIGTERM to their
+process groups, SIGKILL after a grace period, then SIGKILL to whatever still lives in the
+namespaces) before deleting the namespaces, which deletes the veths, bridges and qdiscs with
+them. :func:`leftovers` lists anything carrying a prefix that survived. It must never touch a
+namespace, link or process that does not carry its prefix.
+
+Memory and CPU are shared by all hosts: use transports that cross the links (``tcp``, NIXL with
+``UCX_TLS=tcp``), not ``local`` or shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+; annotations are not evaluated at run time
+
+__all__ = ["Cluster", "ClusterError", "available", "leftovers", "measure_throughput", "netem_available", "tcp_check"]
+
+MARKER = "TENSORHUB_CLUSTER"  # environment variable carrying the prefix into every process
+_COMMAND_TIMEOUT = 15.0
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,40}$")
+_PREFIX = re.compile(r"^[a-z][a-z0-9]{1,7}$")  # <= 8 chars: every interface name stays <= 15
+
+
+class ClusterError(RuntimeError):
+    """The emulated cluster could not be built, used or torn down (a failed ``ip``/``tc``
+    command, a bad spec, a host that does not exist...)."""
+
+
+def available() -> str | None:
+    """None if this machine can build a cluster, else the reason it cannot."""
+    if os.name != "posix" or not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces, veths and tc need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the {tool!r} command is missing (iproute2)"
+    try:
+        r = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"`ip netns list` failed: {err}"
+    if r.returncode != 0:
+        return f"`ip netns list` failed: {r.stderr.strip()}"
+    return None
+
+
+def netem_available() -> bool:
+    """Whether this kernel has the netem qdisc (needed for an inter-datacenter delay). Probed on
+    a throwaway veth pair in a throwaway namespace."""
+    ns = f"thprobe{secrets.token_hex(2)}"
+    try:
+        _cmd(["ip", "netns", "add", ns])
+    except ClusterError:
+        return False
+    try:
+        _cmd(["ip", "-n", ns, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
+        _cmd(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "p0", "root", "netem", "delay", "1ms"])
+        return True
+    except ClusterError:
+        return False
+    finally:
+        _cmd(["ip", "netns", "del", ns], check=False)
+
+
+def _cmd(argv: Sequence[str], timeout: float = _COMMAND_TIMEOUT, check: bool = True) -> str:
+    """Run one bounded command; raise ClusterError naming it and its stderr when it fails."""
+    try:
+        r = subprocess.run(list(argv), check=False, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        raise ClusterError(f"`{' '.join(argv)}` did not finish within {timeout:.0f} s") from err
+    except OSError as err:
+        raise ClusterError(f"`{' '.join(argv)}` could not run: {err}") from err
+    if check and r.returncode != 0:
+        raise ClusterError(f"`{' '.join(argv)}` failed (exit {r.returncode}): {r.stderr.strip()}")
+    return r.stdout
+
+
+def _netns_names() -> list[str]:
+    out = _cmd(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _netns_pids(ns: str) -> list[int]:
+    out = _cmd(["ip", "netns", "pids", ns], check=False)
+    return [int(tok) for tok in out.split() if tok.isdigit()]
+
+
+def _marked_pids(prefix: str) -> list[int]:
+    """Processes whose environment carries ``MARKER=prefix`` or whose command line names it."""
+    found = []
+    want_env = f"{MARKER}={prefix}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # gone meanwhile, or a kernel thread
+            continue
+        if want_env in env or prefix.encode() in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def leftovers(prefix: str) -> list[str]:
+    """Everything carrying ``prefix`` that still exists: namespaces (and the processes in them),
+    links and qdiscs in the root namespace, and processes marked with the prefix.
+
+    Returns:
+        one line per thing, e.g. ``"netns th1a2b-a1"``, ``"process 1234: python3 ..."``; empty
+        when the cluster was torn down completely.
+    """
+    if not prefix:
+        raise ValueError("leftovers needs a non-empty prefix")
+    found = []
+    for ns in _netns_names():
+        if prefix in ns:
+            found.append(f"netns {ns}")
+            found.extend(f"process {pid} in netns {ns}" for pid in _netns_pids(ns))
+    for line in _cmd(["ip", "-o", "link", "show"], check=False).splitlines():
+        if prefix in line:
+            found.append("link " + line.split("\\")[0].strip())
+    for line in _cmd(["tc", "qdisc", "show"], check=False).splitlines():
+        if prefix in line:
+            found.append("qdisc " + line.strip())
+    for pid in _marked_pids(prefix):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        found.append(f"process {pid}: {cmdline[:200]}")
+    return found
+
+
+def _htb(dev: str, rate: str) -> list[list[str]]:
+    """A root htb at ``rate`` with one default class (handles GSO packets, unlike a small tbf)."""
+    return [
+        ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"],
+        ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", rate, "ceil", rate],
+    ]
+
+
+class Cluster:
+    """An emulated cluster: a context manager that builds it on entry and tears it down on exit.
+
+    Args:
+        spec: ``{datacenter: [host, ...]}``, e.g. ``{"dc-a": ["a1", "a2"], "dc-b": ["b1"]}``;
+            host names are unique across datacenters.
+        prefix: the run's name prefix (default ``th`` + 4 random hex digits); 2-8 lowercase
+            letters and digits starting with a letter.
+        host_rate: every host's egress rate (a ``tc`` rate, e.g. ``"400mbit"``).
+        inter_dc_rate: the rate of each inter-datacenter link, each direction.
+        inter_dc_delay: the one-way delay of each inter-datacenter link, e.g. ``"20ms"`` (a
+            round trip across costs twice that); None for none. It needs the kernel's netem
+            qdisc (:func:`netem_available`).
+        grace: seconds between SIGTERM and SIGKILL at teardown.
+
+    Raises:
+        ClusterError: a bad spec, or a command that failed while building (whatever was built
+            is torn down first).
+    """
+
+    def __init__(
+        self,
+        spec: Mapping[str, Sequence[str]],
+        prefix: str | None = None,
+        *,
+        host_rate: str = "400mbit",
+        inter_dc_rate: str = "100mbit",
+        inter_dc_delay: str | None = None,
+        grace: float = 2.0,
+    ) -> None:
+        self.prefix = prefix if prefix is not None else "th" + secrets.token_hex(2)
+        if not _PREFIX.match(self.prefix):
+            raise ClusterError(f"prefix {self.prefix!r}: 2-8 lowercase letters/digits, starting with a letter")
+        if not spec:
+            raise ClusterError("a cluster needs at least one datacenter")
+        if len(spec) > 250:
+            raise ClusterError("at most 250 datacenters")
+        self.spec = {dc: list(hosts) for dc, hosts in spec.items()}
+        self.host_rate = host_rate
+        self.inter_dc_rate = inter_dc_rate
+        self.inter_dc_delay = inter_dc_delay
+        self.grace = grace
+        # the second octet from the prefix: concurrent runs get different subnets (cosmetic:
+        # their namespaces are isolated anyway)
+        self._net = 16 + int.from_bytes(self.prefix.encode(), "little") % 224
+        self._hosts: dict[str, tuple[str, int, int]] = {}  # host -> (dc, dc index, host index)
+        n = 0
+        for d, (dc, hosts) in enumerate(self.spec.items(), start=1):
+            if not dc or not hosts:
+                raise ClusterError(f"datacenter {dc!r} needs a name and at least one host")
+            if len(hosts) > 250:
+                raise ClusterError(f"datacenter {dc!r}: at most 250 hosts")
+            for i, host in enumerate(hosts, start=1):
+                if not _NAME.match(host):
+                    raise ClusterError(f"host name {host!r}: 1-40 letters, digits, '_', '.', '-'")
+                if host in self._hosts:
+                    raise ClusterError(f"host {host!r} appears twice")
+                n += 1
+                self._hosts[host] = (dc, d, i)
+        self._index = {host: k for k, host in enumerate(self._hosts)}
+        self._procs: list[Any] = []
+        self._namespaces: list[str] = []
+        self._active = False
+        self._lock = threading.RLock()
+        self._old_handlers: dict[int, Any] = {}
+
+    # ---- names ---------------------------------------------------------------------------
+
+    @property
+    def switch(self) -> str:
+        """The namespace holding the datacenter bridges."""
+        return f"{self.prefix}-sw"
+
+    @property
+    def hosts(self) -> list[str]:
+        return list(self._hosts)
+
+    def namespace(self, host: str) -> str:
+        """The network namespace of ``host``."""
+        self._check_host(host)
+        return f"{self.prefix}-{host}"
+
+    def address(self, host: str) -> str:
+        """The IPv4 address of ``host`` (reachable from every other host)."""
+        _, d, i = self._check_host(host)
+        return f"10.{self._net}.{d}.{i}"
+
+    def datacenter(self, host: str) -> str:
+        return self._check_host(host)[0]
+
+    def location(self, host: str) -> Any:
+        """``Location(datacenter, host, "")`` for a worker on ``host``."""
+        from scheduling.topology import Location
+
+        return Location(datacenter=self.datacenter(host), host=host, nic="")
+
+    def _check_host(self, host: str) -> tuple[str, int, int]:
+        try:
+            return self._hosts[host]
+        except KeyError:
+            raise ClusterError(f"no host {host!r} in this cluster (hosts: {', '.join(self._hosts)})") from None
+
+    # ---- building ------------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        left = self.close()
+        if left and exc_type is None:
+            raise ClusterError(f"teardown of {self.prefix} left: {'; '.join(left)}")
+
+    def start(self) -> None:
+        """Build the cluster (what ``with`` does); on failure tear down what was built."""
+        with self._lock:
+            if self._active:
+                raise ClusterError(f"cluster {self.prefix} is already started")
+            self._active = True
+            atexit.register(self.close)
+            self._install_signal_handlers()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _ns_add(self, ns: str) -> None:
+        self._namespaces.append(ns)  # before creating: a half-made namespace still gets deleted
+        _cmd(["ip", "netns", "add", ns])
+
+    def _ip(self, ns: str, *args: str) -> None:
+        _cmd(["ip", "-n", ns, *args])
+
+    def _tc(self, ns: str, *args: str) -> None:
+        _cmd(["ip", "netns", "exec", ns, "tc", *args])
+
+    def _build(self) -> None:
+        p, sw = self.prefix, self.switch
+        self._ns_add(sw)
+        self._ip(sw, "link", "set", "lo", "up")
+        for d, _dc in enumerate(self.spec, start=1):
+            br = f"{p}b{d}"
+            self._ip(sw, "link", "add", br, "type", "bridge")
+            self._ip(sw, "link", "set", br, "up")
+        # inter-datacenter links: a star around the first datacenter
+        for d in range(2, len(self.spec) + 1):
+            a, b = f"{p}x{d}a", f"{p}x{d}b"
+            self._ip(sw, "link", "add", a, "type", "veth", "peer", "name", b)
+            for end, br in ((a, f"{p}b1"), (b, f"{p}b{d}")):
+                self._ip(sw, "link", "set", end, "master", br)
+                self._ip(sw, "link", "set", end, "up")
+                for args in _htb(end, self.inter_dc_rate):
+                    self._tc(sw, *args)
+                if self.inter_dc_delay:
+                    self._add_delay(end)
+        for host, (_dc, d, _i) in self._hosts.items():
+            ns, n = self.namespace(host), self._index[host]
+            h, s = f"{p}h{n}", f"{p}s{n}"
+            self._ns_add(ns)
+            self._ip(ns, "link", "set", "lo", "up")
+            _cmd(["ip", "link", "add", h, "netns", ns, "type", "veth", "peer", "name", s, "netns", sw])
+            self._ip(sw, "link", "set", s, "master", f"{p}b{d}")
+            self._ip(sw, "link", "set", s, "up")
+            self._ip(ns, "addr", "add", f"{self.address(host)}/16", "dev", h)
+            self._ip(ns, "link", "set", h, "up")
+            for args in _htb(h, self.host_rate):
+                self._tc(ns, *args)
+        self._wait_links_up()
+
+    def _add_delay(self, dev: str) -> None:
+        try:
+            self._tc(self.switch, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:",
+                     "netem", "delay", str(self.inter_dc_delay), "limit", "10000")  # fmt: skip
+        except ClusterError as err:
+            if "unknown" not in str(err).lower():
+                raise
+            raise ClusterError(
+                f"inter_dc_delay={self.inter_dc_delay!r} needs the netem qdisc, which this kernel lacks "
+                f"(sch_netem); build the cluster with inter_dc_delay=None: {err}"
+            ) from err
+
+    def _wait_links_up(self, timeout: float = 10.0) -> None:
+        """Wait until every veth in the switch namespace is up (both ends of each pair are)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = _cmd(["ip", "-n", self.switch, "-o", "link", "show", "type", "veth"])
+            lines = out.splitlines()
+            if lines and all("state UP" in line for line in lines):
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the links of {self.prefix} did not come up within {timeout:.0f} s: {out}")
+            time.sleep(0.05)
+
+    # ---- processes -----------------------------------------------------------------------
+
+    def run(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None, **popen_kw: Any) -> subprocess.Popen:
+        """Start ``argv`` inside ``host``'s namespace, in a process group of its own.
+
+        Args:
+            host: a host of this cluster.
+            argv: the command.
+            env: variables added to (and overriding) this process's environment.
+            popen_kw: more :class:`subprocess.Popen` arguments (``stdout``, ``text``...).
+
+        Returns:
+            the Popen; teardown kills it (and its process group) if it still runs.
+
+        Raises:
+            ClusterError: the cluster is not active, or the host does not exist.
+        """
+        ns = self.namespace(host)
+        with self._lock:
+            if not self._active:
+                raise ClusterError(f"cluster {self.prefix} is not active")
+            full_env = dict(os.environ)
+            full_env.update(env or {})
+            full_env[MARKER] = self.prefix
+            popen_kw.setdefault("start_new_session", True)
+            proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=full_env, **popen_kw)
+            self._procs.append(proc)
+            return proc
+
+    # ---- teardown ------------------------------------------------------------------------
+
+    def close(self) -> list[str]:
+        """Tear everything down (idempotent, never raises for a failed step).
+
+        Returns:
+            :func:`leftovers` after teardown: empty when everything is gone.
+        """
+        with self._lock:
+            if not self._active:
+                return []
+            self._active = False
+            self._restore_signal_handlers()
+            atexit.unregister(self.close)
+            self._kill_processes()
+            for ns in reversed(self._namespaces):
+                _cmd(["ip", "netns", "del", ns], check=False)
+            self._namespaces.clear()
+            for _ in range(50):  # namespaces die when their last process and reference go
+                left = leftovers(self.prefix)
+                if not left:
+                    return []
+                time.sleep(0.1)
+            return left
+
+    def _kill_processes(self) -> None:
+        groups = set()
+        for proc in self._procs:
+            if proc.poll() is None:
+                try:
+                    groups.add(os.getpgid(proc.pid))
+                except ProcessLookupError:
+                    pass
+        own = os.getpgrp()
+        groups.discard(own)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pgid in groups:
+                try:
+                    os.killpg(pgid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + (self.grace if sig == signal.SIGTERM else 5.0)
+            while time.monotonic() < deadline and any(p.poll() is None for p in self._procs):
+                time.sleep(0.02)
+        # whatever escaped its group: anything inside our namespaces or marked with our prefix
+        stray = set(_marked_pids(self.prefix))
+        for ns in self._namespaces:
+            stray.update(_netns_pids(ns))
+        stray.discard(os.getpid())
+        for pid in stray:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            for f in (proc.stdin, proc.stdout, proc.stderr):
+                if f is not None:
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(_netns_pids(ns) for ns in self._namespaces):
+            time.sleep(0.05)
+        self._procs.clear()
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; atexit still holds
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, old in self._old_handlers.items():
+            try:
+                signal.signal(sig, old)
+            except (ValueError, TypeError):  # not the main thread / a handler set from C
+                pass
+        self._old_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        old = self._old_handlers.get(signum, signal.SIG_DFL)
+        self.close()  # restores the old handlers
+        if callable(old):
+            old(signum, frame)  # SIGINT's default raises KeyboardInterrupt
+        elif old == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+# ---- checks shared by the CLI and the tests ------------------------------------------------------
+
+_SERVER = r"""
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(1)
+s.settimeout(float(sys.argv[2]))
+print("ready", flush=True)
+c, _ = s.accept()
+c.settimeout(float(sys.argv[2]))
+t0 = time.monotonic()
+n = 0
+while True:
+    b = c.recv(1 << 20)
+    if not b:
+        break
+    n += len(b)
+dt = time.monotonic() - t0
+c.sendall(b"k")
+c.close()
+print(n, dt, flush=True)
+"""
+
+_CLIENT = r"""
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[4]))
+n = int(sys.argv[3])
+buf = b"x" * min(n, 1 << 20)
+left = n
+while left > 0:
+    k = min(left, len(buf))
+    c.sendall(buf[:k])
+    left -= k
+c.shutdown(socket.SHUT_WR)
+assert c.recv(1) == b"k"
+print("sent", n, flush=True)
+"""
+
+
+def measure_throughput(cluster: Cluster, src: str, dst: str, nbytes: int, timeout: float = 20.0, port: int = 5201) -> float:
+    """Send ``nbytes`` over TCP from ``src`` to ``dst``; return the receiver's rate in bits/s
+    (from accept to end of stream). ``nbytes=1`` makes it a connectivity check.
+
+    Raises:
+        ClusterError: either side failed or ran past ``timeout``.
+    """
+    server = cluster.run(dst, [sys.executable, "-c", _SERVER, str(port), str(timeout)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        import select
+
+        deadline = time.monotonic() + timeout
+        assert server.stdout is not None
+        ready = ""
+        while time.monotonic() < deadline and server.poll() is None:
+            r, _, _ = select.select([server.stdout], [], [], 0.1)
+            if r:
+                ready = server.stdout.readline()
+                break
+        if ready.strip() != "ready":
+            raise ClusterError(f"the test server on {dst} did not start: {ready!r} {_stderr(server)}")
+        client = cluster.run(src, [sys.executable, "-c", _CLIENT, cluster.address(dst), str(port), str(nbytes), str(timeout)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            _, cerr = client.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            client.kill()
+            raise ClusterError(f"sending {nbytes} bytes {src} -> {dst} ran past {timeout} s") from None
+        if client.returncode != 0:
+            raise ClusterError(f"the client on {src} failed: {cerr[-1000:]}")
+        try:
+            out, serr = server.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise ClusterError(f"the test server on {dst} ran past {timeout} s") from None
+        if server.returncode != 0:
+            raise ClusterError(f"the test server on {dst} failed: {serr[-1000:]}")
+        got, seconds = out.split()
+        if int(got) != nbytes:
+            raise ClusterError(f"{dst} received {got} bytes of {nbytes}")
+        return nbytes * 8 / max(float(seconds), 1e-9)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(5)
+
+
+def _stderr(proc: subprocess.Popen) -> str:
+    if proc.poll() is None or proc.stderr is None:
+        return ""
+    return proc.stderr.read()[-1000:]
+
+
+def tcp_check(cluster: Cluster, src: str, dst: str, timeout: float = 10.0) -> None:
+    """A TCP connection from ``src`` to ``dst`` carries a byte and its answer (raises otherwise)."""
+    measure_throughput(cluster, src, dst, 1, timeout)
+
+
+def _check(args: argparse.Namespace) -> int:
+    spec = {"dc-a": ["a1", "a2"], "dc-b": ["b1", "b2"]}
+    nbytes = int(args.mbytes * 1e6)
+    with Cluster(spec, host_rate=args.host_rate, inter_dc_rate=args.inter_rate, inter_dc_delay=args.delay or None) as c:
+        prefix = c.prefix
+        print(f"cluster {prefix}: " + ", ".join(f"{h}={c.address(h)} ({c.datacenter(h)})" for h in c.hosts))
+        for src, dst in (("a1", "a2"), ("a1", "b1"), ("b2", "a2")):
+            tcp_check(c, src, dst)
+            print(f"tcp {src} -> {dst}: ok")
+        intra = measure_throughput(c, "a1", "a2", nbytes)
+        inter = measure_throughput(c, "a1", "b1", nbytes)
+        back = measure_throughput(c, "b1", "a1", nbytes)
+        print(f"intra-DC a1 -> a2: {intra / 1e6:.0f} Mbit/s (host egress {args.host_rate})")
+        print(f"inter-DC a1 -> b1: {inter / 1e6:.0f} Mbit/s, b1 -> a1: {back / 1e6:.0f} Mbit/s "
+              f"(link {args.inter_rate}, {args.delay or 'no'} delay each way)")  # fmt: skip
+    left = leftovers(prefix)
+    print(f"teardown: {'clean' if not left else 'LEFT ' + '; '.join(left)}")
+    ok = not left and inter < 0.6 * intra and back < 0.6 * intra
+    print("check: " + ("ok" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="build a 2-DC cluster, check it, tear it down")
+    parser.add_argument("--leftovers", metavar="PREFIX", help="list what a run with PREFIX left behind")
+    parser.add_argument("--host-rate", default="400mbit")
+    parser.add_argument("--inter-rate", default="50mbit")
+    parser.add_argument("--delay", default=None, help="one-way inter-datacenter delay, e.g. 10ms (needs netem; "
+                        "default: 10ms where the kernel has netem, else none)")
+    parser.add_argument("--mbytes", type=float, default=4.0, help="bytes per throughput measurement (MB)")
+    args = parser.parse_args(argv)
+    if args.leftovers:
+        left = leftovers(args.leftovers)
+        print("\n".join(left) or "nothing")
+        return 1 if left else 0
+    if not args.check:
+        parser.print_help()
+        return 2
+    reason = available()
+    if reason:
+        print(f"cannot build an emulated cluster here: {reason}", file=sys.stderr)
+        return 2
+    if args.delay is None:
+        args.delay = "10ms" if netem_available() else ""
+    return _check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The emulated cluster (benchmarks/cluster.py): hosts reach each other within and across
+datacenters, the inter-datacenter link is the slow one, and teardown leaves nothing behind
+(after a normal exit, an exception inside the ``with``, and with processes still running)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.cluster import (
+    Cluster,
+    ClusterError,
+    available,
+    leftovers,
+    measure_throughput,
+    netem_available,
+    tcp_check,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+_REASON = available()
+if _REASON:
+    pytestmark.append(pytest.mark.skip(reason=f"no emulated cluster here: {_REASON}"))
+
+SPEC = {"dc-a": ["a1", "a2"], "dc-b": ["b1", "b2"]}
+MB = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(SPEC, host_rate="400mbit", inter_dc_rate="50mbit") as c:
+        yield c
+    assert leftovers(c.prefix) == []
+
+
+def test_names_addresses_locations(cluster: Cluster) -> None:
+    assert cluster.prefix.startswith("th") and len(cluster.prefix) == 6
+    addresses = {cluster.address(h) for h in cluster.hosts}
+    assert len(addresses) == 4
+    assert cluster.location("b2").datacenter == "dc-b" and cluster.location("b2").host == "b2"
+    assert cluster.location("a1").nic == ""
+    with pytest.raises(ClusterError, match="no host 'zz'"):
+        cluster.address("zz")
+    out = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True, timeout=10).stdout
+    assert all(cluster.namespace(h) in out for h in cluster.hosts)
+
+
+@pytest.mark.parametrize(("src", "dst"), [("a1", "a2"), ("a2", "b1"), ("b2", "a1"), ("b1", "b2")])
+def test_tcp_within_and_across_datacenters(cluster: Cluster, src: str, dst: str) -> None:
+    tcp_check(cluster, src, dst, timeout=10)
+
+
+def test_inter_datacenter_link_is_slower(cluster: Cluster) -> None:
+    intra = measure_throughput(cluster, "a1", "a2", 4 * MB, timeout=15)
+    inter = measure_throughput(cluster, "a1", "b1", 2 * MB, timeout=15)
+    back = measure_throughput(cluster, "b2", "a2", 2 * MB, timeout=15)
+    print(f"intra {intra / 1e6:.0f} Mbit/s, inter {inter / 1e6:.0f} / {back / 1e6:.0f} Mbit/s")
+    assert inter < 0.6 * intra and back < 0.6 * intra, (intra, inter, back)
+    assert inter < 60e6 and back < 60e6  # the 50mbit link shapes both directions
+
+
+def test_processes_killed_and_everything_removed_at_teardown() -> None:
+    with Cluster({"x": ["x1"], "y": ["y1"]}) as c:
+        # one process ignores SIGTERM and has a child in its group: SIGKILL after the grace period
+        code = (
+            "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"
+        )
+        stubborn = c.run("x1", [sys.executable, "-c", code])
+        polite = c.run("y1", ["sleep", "600"])
+        time.sleep(0.3)
+        assert stubborn.poll() is None and polite.poll() is None
+        assert any(line.startswith("process") for line in leftovers(c.prefix))
+        c.grace = 0.5
+    assert stubborn.poll() is not None and polite.poll() is not None
+    assert leftovers(c.prefix) == []
+
+
+def test_exception_inside_with_tears_down() -> None:
+    with pytest.raises(RuntimeError, match="boom"), Cluster({"x": ["x1", "x2"]}) as c:
+        proc = c.run("x2", ["sleep", "600"])
+        raise RuntimeError("boom")
+    assert proc.poll() is not None
+    assert leftovers(c.prefix) == []
+    with pytest.raises(ClusterError, match="not active"):
+        c.run("x1", ["true"])
+
+
+def test_failed_build_tears_down_and_names_the_command() -> None:
+    c = Cluster({"x": ["x1"], "y": ["y1"]}, host_rate="fast")
+    with pytest.raises(ClusterError, match=r"`ip netns exec th\w+-x1 tc class add .*fast"), c:
+        pass
+    assert leftovers(c.prefix) == []
+
+
+def test_signal_handlers_installed_and_restored() -> None:
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with Cluster({"x": ["x1"]}) as c:
+        assert signal.getsignal(signal.SIGTERM) == c._on_signal
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_sigterm_to_a_script_tears_down() -> None:
+    script = (
+        "import sys, time\nfrom benchmarks.cluster import Cluster\n"
+        "with Cluster({'x': ['x1']}) as c:\n"
+        "    c.run('x1', ['sleep', '600'])\n"
+        "    print(c.prefix, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        prefix = proc.stdout.readline().strip() if proc.stdout else ""
+        assert prefix.startswith("th"), prefix
+        assert leftovers(prefix)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        if proc.stdout:
+            proc.stdout.close()
+    assert leftovers(prefix) == []
+
+
+@pytest.mark.skipif(not _REASON and not netem_available(), reason="this kernel has no netem qdisc (sch_netem)")
+def test_inter_datacenter_delay() -> None:
+    with Cluster({"x": ["x1"], "y": ["y1"]}, inter_dc_delay="20ms") as c:
+        out = subprocess.run(["ip", "netns", "exec", c.namespace("x1"), "ping", "-c", "3", "-i", "0.2", "-W", "2",
+                              c.address("y1")], capture_output=True, text=True, timeout=15, check=True).stdout  # fmt: skip
+        avg = float(out.rsplit("=", 1)[1].split("/")[1])
+        assert 35 < avg < 200, out
