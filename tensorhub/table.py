@@ -97,6 +97,10 @@ _MAX_SOURCE_FAILURES = 3  # a reader retries sources that failed it, this many t
 _GONE_MEMORY = 1024  # how far below the highest published version gone versions are remembered
 
 
+HISTORY_VERSIONS = 64  #: versions whose replication history the table keeps (all models together)
+HISTORY_EDGES = 4096  #: grants kept per version
+
+
 @dataclass(frozen=True, slots=True)
 class TableConfig:
     """Timing parameters of the table (seconds)."""
@@ -119,7 +123,7 @@ class TableConfig:
 
 
 class _Grant:
-    __slots__ = ("id", "reader", "source", "req", "created", "ended")
+    __slots__ = ("id", "reader", "source", "req", "created", "ended", "start")
 
     def __init__(self, gid: int, reader: "_Holder", source: "_Holder", req: int, created: float) -> None:
         self.id = gid
@@ -128,6 +132,7 @@ class _Grant:
         self.req = req
         self.created = created
         self.ended: str | None = None
+        self.start = reader.verified  # what the reader had verified when this grant began
 
 
 class _Holder:
@@ -351,6 +356,8 @@ class ReferenceTable:
         self._by_id: dict[int, _Holder] = {}  # every holder in the table, by id
         self.revoked: OrderedDict[int, None] = OrderedDict()  # recently revoked grant ids
         self.grace_until = clock() + self.config.heartbeat_timeout
+        #: (model, version) -> its ended grants, oldest first (see :meth:`replication_dag`)
+        self.history: OrderedDict[tuple[str, int], list[dict[str, Any]]] = OrderedDict()
         self._ids = itertools.count(1)
         self._timers: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
@@ -751,10 +758,13 @@ class ReferenceTable:
         self._end_grant(g, "revoked")
         self._send(reader.session, m.Revoke(reader.session.id, g.id, self.term, reason))
 
-    def _end_grant(self, g: _Grant, how: str) -> None:
+    def _end_grant(self, g: _Grant, how: str, reached: int | None = None) -> None:
+        """End a grant (``how``: completed, failed, revoked, cancelled); ``reached``: what the
+        reader had verified at its end, if the reader said so (for the replication history)."""
         if g.ended is not None:
             raise AssertionError(f"grant {g.id} ended twice ({g.ended}, {how})")
         g.ended = how
+        self._record(g, how, reached)
         self.stats["grants_ended"] += 1
         del self.grants[g.id]
         src = g.source
@@ -769,6 +779,36 @@ class ReferenceTable:
             self._reindex(src.replica)
         if src.state is U and not src.grants:
             self._drained(src)
+
+    def _record(self, g: _Grant, how: str, reached: int | None) -> None:
+        """Add an ended grant to its version's replication history (bounded: the latest
+        ``HISTORY_VERSIONS`` versions, ``HISTORY_EDGES`` grants each)."""
+        r, src = g.reader, g.source
+        model = r.session.model
+        key = (model.name, r.version)
+        edges = self.history.get(key)
+        if edges is None:
+            edges = self.history[key] = []
+            while len(self.history) > HISTORY_VERSIONS:
+                self.history.popitem(last=False)
+        if len(edges) >= HISTORY_EDGES:
+            return
+        layout = r.session.layout
+        total = layout.total_bytes if layout is not None else 0
+        end = total if how == "completed" else (reached if reached is not None else r.verified)
+        edges.append({
+            "reader": r.replica.name, "reader_shard": r.shard_idx, "reader_dc": r.session.location.datacenter,
+            "reader_host": r.session.location.host, "source": src.replica.name, "source_shard": src.shard_idx,
+            "source_kind": src.kind, "source_complete": src.state is not P, "source_dc": src.session.location.datacenter,
+            "source_host": src.session.location.host, "bytes": max(0, end - g.start), "start": g.created,
+            "end": self.clock(), "outcome": how,
+        })  # fmt: skip
+
+    def replication_dag(self, model: str, version: int) -> dict[str, Any]:
+        """Who served whom for ``version`` of ``model``: every ended grant (reader, source,
+        their locations, bytes moved under it, start, end, outcome), oldest first. See
+        :mod:`scheduling.dag` to summarise, export and draw it."""
+        return {"model": model, "version": version, "edges": [dict(e) for e in self.history.get((model, version), [])]}
 
     def _drained(self, h: _Holder) -> None:
         callbacks, h.on_drained = h.on_drained, []
@@ -1342,7 +1382,7 @@ class ReferenceTable:
         reader = g.reader
         reader.excluded[g.source.id] = False
         reader.failures += 1
-        self._end_grant(g, "failed")
+        self._end_grant(g, "failed", max(reader.verified, msg.verified))
         self._fire(reader, Event.SOURCE_FAILED)
         reader.verified = max(reader.verified, msg.verified)
         self._ack(s, msg.req)
@@ -1356,7 +1396,7 @@ class ReferenceTable:
         g = self._reader_grant(s, msg.grant, msg.term)
         reader, source = g.reader, g.source
         reader.excluded[source.id] = True
-        self._end_grant(g, "failed")
+        self._end_grant(g, "failed", min(reader.verified, msg.verified))
         self._fire(reader, Event.SOURCE_FAILED)
         reader.verified = min(reader.verified, msg.verified)
         source.reporters[reader.replica.name] = None

@@ -1,0 +1,81 @@
+"""The replication DAG: the table's record of who served whom, and what scheduling.dag makes of
+it (summary, link classes, JSON, dot)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scheduling.dag import link_class, render, summary, to_dot, to_json
+from tensorhub.errors import InvalidArgument
+
+from .table_driver import Driver
+from .test_table import published
+
+
+def _edge(reader, source, nbytes, outcome="completed", rdc="dc1", sdc="dc1", rhost="h1", shost="h2"):
+    return {"reader": reader, "source": source, "reader_dc": rdc, "source_dc": sdc, "reader_host": rhost,
+            "source_host": shost, "bytes": nbytes, "outcome": outcome}  # fmt: skip
+
+
+def test_the_table_records_each_grant_with_its_bytes_and_outcome():
+    d = Driver()
+    d.advance(11)
+    (t,) = published(d)
+    a, b = d.shard("a"), d.shard("b")
+    a.replicate(1)
+    ga = a.grant()
+    b.replicate(1)
+    gb = b.grant()  # the partial holder a is the least loaded source: b pipelines from it
+    assert gb.source.replica == "a"
+    a.progress(ga, 1000)
+    b.source_failed(gb, 400)  # a "dies" for b at 400 bytes; b is granted the trainer
+    b.complete(b.grant())
+    a.complete(ga)
+    total = d.table.sessions[a.session].layout.total_bytes
+    dag = d.table.replication_dag("actor", 1)
+    got = [(e["reader"], e["source"], e["bytes"], e["outcome"], e["source_complete"]) for e in dag["edges"]]
+    assert got == [("b", "a", 400, "failed", False), ("b", "trainer", total - 400, "completed", True), ("a", "trainer", total, "completed", True)]
+    s = summary(dag)
+    assert s["readers"]["b"] == {"sources": ["a", "trainer"], "bytes": total}
+    assert s["grants"] == {"failed": 1, "completed": 2}
+    assert d.table.replication_dag("actor", 2) == {"model": "actor", "version": 2, "edges": []}
+
+
+def test_summary_counts_bytes_per_link_class_and_the_pipeline_depth():
+    dag = {"edges": [
+        _edge("a", "trainer", 100, sdc="dc0"),            # across datacenters: the seeder
+        _edge("b", "a", 100, rhost="h3", shost="h3"),     # same host
+        _edge("c", "b", 100),                             # same datacenter
+        _edge("d", "b", 40, outcome="revoked"),
+    ]}  # fmt: skip
+    s = summary(dag)
+    assert s["bytes_by_link"] == {"host": 100, "datacenter": 140, "remote": 100}
+    assert s["pipeline_depth"] == 3  # trainer -> a -> b -> c
+    assert [link_class(e) for e in dag["edges"]] == ["remote", "host", "datacenter", "datacenter"]
+    parsed = json.loads(to_json(dag))
+    assert parsed["summary"]["pipeline_depth"] == 3
+
+
+def test_dot_clusters_datacenters_and_labels_bytes():
+    dag = {"model": "actor", "version": 3, "edges": [_edge("a", "trainer", 2_500_000, sdc="dc0"), _edge("b", "a", 10, "failed")]}
+    dot = to_dot(dag)
+    assert dot.startswith('digraph "actor version 3" {')
+    assert 'label="dc0"' in dot and 'label="dc1"' in dot
+    assert '"trainer" -> "a" [label="2.5 MB"];' in dot
+    assert '"a" -> "b" [label="0.0 MB", style=dashed];' in dot
+
+
+@pytest.mark.parametrize("bad", [None, {}, {"edges": 3}, {"edges": [{"reader": "a"}]}])
+def test_not_a_dag_is_invalid(bad):
+    with pytest.raises(InvalidArgument):
+        summary(bad)
+    with pytest.raises(InvalidArgument):
+        to_dot(bad)
+
+
+def test_render_says_when_graphviz_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(InvalidArgument, match="'dot' program is not installed"):
+        render({"edges": []}, str(tmp_path / "x.png"))
