@@ -79,3 +79,26 @@ def test_render_says_when_graphviz_is_missing(tmp_path, monkeypatch):
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(InvalidArgument, match="'dot' program is not installed"):
         render({"edges": []}, str(tmp_path / "x.png"))
+
+
+@pytest.mark.parametrize("readers", [2, 5])
+def test_a_burst_of_readers_in_another_datacenter_crosses_the_slow_link_once(readers):
+    """Readers in dc1 replicating at once: the first is granted the trainer in dc0 (the seeder);
+    every other is granted a holder in dc1 (same datacenter first), so one copy crosses."""
+    d = Driver()
+    d.advance(11)
+    published(d, dc="dc0")
+    rs = [d.shard(f"r{k}", dc="dc1") for k in range(readers)]
+    for r in rs:
+        r.replicate(1)
+    for _ in range(100):
+        pending = [(r, g) for r in rs for g in r.grants()]
+        if not pending:
+            break
+        for r, g in pending:
+            r.complete(g)
+    dag = d.table.replication_dag("actor", 1)
+    remote = [e for e in dag["edges"] if link_class(e) == "remote"]
+    assert len(remote) == 1 and remote[0]["source"] == "trainer"
+    total = d.table.sessions[rs[0].session].layout.total_bytes
+    assert summary(dag)["bytes_by_link"]["remote"] == total  # one copy of the shard, not one per reader
