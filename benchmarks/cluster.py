@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from typing import Self  # Python 3.11+; annotations are not evaluated at run time
 
-__all__ = ["Cluster", "ClusterError", "available", "leftovers", "measure_throughput", "netem_available", "tcp_check"]
+__all__ = ["Cluster", "ClusterError", "available", "cleanup", "leftovers", "measure_throughput", "netem_available", "tcp_check"]
 
 MARKER = "TENSORHUB_CLUSTER"  # environment variable carrying the prefix into every process
 _COMMAND_TIMEOUT = 15.0
@@ -126,8 +126,9 @@ def _netns_pids(ns: str) -> list[int]:
     return [int(tok) for tok in out.split() if tok.isdigit()]
 
 
-def _marked_pids(prefix: str) -> list[int]:
-    """Processes whose environment carries ``MARKER=prefix`` or whose command line names it."""
+def _marked_pids(prefix: str, by_cmdline: bool = False) -> list[int]:
+    """Processes whose environment carries ``MARKER=prefix`` (or, with ``by_cmdline``, whose
+    command line names the prefix: reported as leftovers, never killed on that ground alone)."""
     found = []
     want_env = f"{MARKER}={prefix}".encode()
     for entry in os.listdir("/proc"):
@@ -140,7 +141,7 @@ def _marked_pids(prefix: str) -> list[int]:
                 cmdline = f.read()
         except OSError:  # gone meanwhile, or a kernel thread
             continue
-        if want_env in env or prefix.encode() in cmdline:
+        if want_env in env or (by_cmdline and prefix.encode() in cmdline):
             found.append(int(entry))
     return found
 
@@ -161,12 +162,14 @@ def leftovers(prefix: str) -> list[str]:
             found.append(f"netns {ns}")
             found.extend(f"process {pid} in netns {ns}" for pid in _netns_pids(ns))
     for line in _cmd(["ip", "-o", "link", "show"], check=False).splitlines():
-        if prefix in line:
+        fields = line.split(":", 2)  # "7: name@peer: <FLAGS> ..."
+        if len(fields) == 3 and fields[1].strip().startswith(prefix):
             found.append("link " + line.split("\\")[0].strip())
     for line in _cmd(["tc", "qdisc", "show"], check=False).splitlines():
-        if prefix in line:
+        words = line.split()
+        if "dev" in words[:-1] and words[words.index("dev") + 1].startswith(prefix):
             found.append("qdisc " + line.strip())
-    for pid in _marked_pids(prefix):
+    for pid in _marked_pids(prefix, by_cmdline=True):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -174,6 +177,35 @@ def leftovers(prefix: str) -> list[str]:
             continue
         found.append(f"process {pid}: {cmdline[:200]}")
     return found
+
+
+def cleanup(prefix: str) -> list[str]:
+    """Remove what a run that could not tear itself down (SIGKILLed, power cut...) left behind:
+    SIGKILL the processes in its namespaces or marked with its prefix, delete its namespaces.
+
+    Args:
+        prefix: a run's full prefix (e.g. ``"th1a2b"``), as :class:`Cluster` validates it;
+            only namespaces named ``<prefix>-...`` are deleted.
+
+    Returns:
+        :func:`leftovers` afterwards (empty when everything is gone).
+    """
+    if not _PREFIX.match(prefix):
+        raise ClusterError(f"prefix {prefix!r} is not a cluster prefix")
+    namespaces = [ns for ns in _netns_names() if ns.startswith(prefix + "-")]
+    pids = set(_marked_pids(prefix))
+    for ns in namespaces:
+        pids.update(_netns_pids(ns))
+    pids.discard(os.getpid())
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    time.sleep(0.2)
+    for ns in namespaces:
+        _cmd(["ip", "netns", "del", ns], check=False)
+    return leftovers(prefix)
 
 
 def _htb(dev: str, rate: str) -> list[list[str]]:
@@ -633,7 +665,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--delay", default=None, help="one-way inter-datacenter delay, e.g. 10ms (needs netem; "
                         "default: 10ms where the kernel has netem, else none)")
     parser.add_argument("--mbytes", type=float, default=4.0, help="bytes per throughput measurement (MB)")
+    parser.add_argument("--cleanup", metavar="PREFIX", help="remove what a run with PREFIX left behind")
     args = parser.parse_args(argv)
+    if args.cleanup:
+        left = cleanup(args.cleanup)
+        print("\n".join(left) or "clean")
+        return 1 if left else 0
     if args.leftovers:
         left = leftovers(args.leftovers)
         print("\n".join(left) or "nothing")

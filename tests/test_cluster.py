@@ -16,6 +16,7 @@ from benchmarks.cluster import (
     Cluster,
     ClusterError,
     available,
+    cleanup,
     leftovers,
     measure_throughput,
     netem_available,
@@ -138,3 +139,32 @@ def test_inter_datacenter_delay() -> None:
                               c.address("y1")], capture_output=True, text=True, timeout=15, check=True).stdout  # fmt: skip
         avg = float(out.rsplit("=", 1)[1].split("/")[1])
         assert 35 < avg < 200, out
+
+
+def test_cleanup_after_a_run_killed_outright() -> None:
+    """A SIGKILLed run cannot tear down (no atexit): leftovers() sees it, cleanup() removes it."""
+    script = (
+        "import time\nfrom benchmarks.cluster import Cluster\n"
+        "c = Cluster({'x': ['x1'], 'y': ['y1']}).__enter__()\n"
+        "c.run('x1', ['sleep', '600'])\n"
+        "print(c.prefix, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
+    prefix = ""
+    try:
+        prefix = proc.stdout.readline().strip() if proc.stdout else ""
+        assert prefix.startswith("th"), prefix
+        proc.kill()
+        proc.wait(10)
+        left = leftovers(prefix)
+        assert any(x.startswith("netns") for x in left) and any(x.startswith("process") for x in left), left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        if proc.stdout:
+            proc.stdout.close()
+        if prefix:
+            assert cleanup(prefix) == []
