@@ -36,6 +36,7 @@ and ``verified`` still covers them.
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import secrets
 import threading
@@ -71,11 +72,17 @@ class WordsArena:
         self.chunk_slots = chunk_slots
         self.chunks: list[torch.Tensor] = []
         self._free: list[int] = []  # addresses of free slots
+        # Slots given back, not yet in ``_free``. ``give`` runs from counters' finalizers, that
+        # is whenever the garbage collector runs, even inside ``take`` on the same thread: it
+        # must not take a lock (a deque's append is atomic).
+        self._returned: collections.deque[int] = collections.deque()
         self._lock = threading.Lock()
 
     def take(self) -> tuple[int, int]:
         """A free slot: ``(address, chunk index)``; its words are zero."""
         with self._lock:
+            while self._returned:
+                self._free.append(self._returned.popleft())
             if not self._free:
                 chunk = torch.zeros(self.chunk_slots * WORD_BYTES, dtype=torch.uint8)
                 self.chunks.append(chunk)
@@ -87,8 +94,7 @@ class WordsArena:
     def give(self, addr: int) -> None:
         """Return a slot (its tag is zeroed first, so stale readers see it is not theirs)."""
         ctypes.memset(addr, 0, WORD_BYTES)
-        with self._lock:
-            self._free.append(addr)
+        self._returned.append(addr)
 
     def chunk_of(self, addr: int) -> int:
         for i, c in enumerate(self.chunks):

@@ -352,3 +352,28 @@ def test_wait_covered_ends_early_when_the_version_goes() -> None:
         assert time.monotonic() - t0 < 10.0  # early, not after the 30 s timeout
     finally:
         timer.join(5.0)
+
+
+def test_a_counter_dying_while_another_takes_its_words_does_not_deadlock() -> None:
+    """A counter's finalizer gives its words back whenever the garbage collector runs, which
+    can be inside the arena's ``take`` on the same thread (a lock there would deadlock)."""
+    import gc
+
+    from tensorhub.buffers import WordsArena
+
+    arena = WordsArena(chunk_slots=4)
+    addr, _ = arena.take()
+    arena._lock.acquire()  # as if take() were running when the finalizer fires
+    try:
+        t = threading.Thread(target=arena.give, args=(addr,), daemon=True)
+        t.start()
+        t.join(5.0)
+        assert not t.is_alive(), "give() waited for the arena's lock"
+    finally:
+        arena._lock.release()
+    assert arena.take()[0] == addr  # given back, and taken again
+    gc.collect()
+    counters = [ProgressCounter() for _ in range(5000)]
+    del counters
+    gc.collect()
+    assert ProgressCounter().tag != 0
