@@ -373,10 +373,6 @@ class NixlIO:
             self.drop_peer(p)
         return old
 
-    @property
-    def peers(self) -> list[str]:
-        return sorted(self._peers)
-
     # ---- transfers -------------------------------------------------------------------------
 
     def read(
