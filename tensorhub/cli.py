@@ -23,6 +23,7 @@ def _server(args: argparse.Namespace) -> int:
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
             drain_timeout=args.drain_timeout,
+            pipeline=not args.no_pipeline,
         ),
         seed=args.seed,
         idle_exit=args.idle_exit,
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between client heartbeats")
     s.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before a client is dead")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds an unpublish waits for readers")
+    s.add_argument("--no-pipeline", action="store_true", help="only complete holders serve (no pipeline replication)")
     s.add_argument("--idle-exit", type=float, default=None, help="exit after this many seconds with no session")
     s.add_argument("--seed", type=int, default=None, help="seed of the scheduling random source")
     s.add_argument("--log-format", choices=("console", "json"), default=None)

@@ -103,11 +103,18 @@ HISTORY_EDGES = 4096  #: grants kept per version
 
 @dataclass(frozen=True, slots=True)
 class TableConfig:
-    """Timing parameters of the table (seconds)."""
+    """Parameters of the table: timings (seconds) and policies.
+
+    Attributes:
+        pipeline: partial holders serve readers (pipeline replication, DESIGN §4). False: only
+            complete and offload holders are sources, so N readers fan out from the holders of
+            the version (the baseline that the burst benchmarks compare against).
+    """
 
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     drain_timeout: float = 30.0
+    pipeline: bool = True
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0 or self.drain_timeout <= 0:
@@ -1260,12 +1267,13 @@ class ReferenceTable:
         own = reader.replica
         excluded = reader.excluded
         by_id = self._by_id
+        pipeline = self.config.pipeline
 
         def eligible(key: int) -> bool:
             if key in below or (key in excluded and (excluded[key] or not retry_failed)):
                 return False
             h = by_id[key]
-            return h.replica is not own and h.state is not U
+            return h.replica is not own and h.state is not U and (pipeline or h.state is not P)
 
         key = index.select(reader.session.location, self.rng, eligible, prefer)
         return by_id[key] if key is not None else None

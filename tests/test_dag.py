@@ -102,3 +102,22 @@ def test_a_burst_of_readers_in_another_datacenter_crosses_the_slow_link_once(rea
     assert len(remote) == 1 and remote[0]["source"] == "trainer"
     total = d.table.sessions[rs[0].session].layout.total_bytes
     assert summary(dag)["bytes_by_link"]["remote"] == total  # one copy of the shard, not one per reader
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_without_pipelining_every_reader_is_served_by_a_complete_holder(pipeline):
+    """Pipeline replication off (``TableConfig(pipeline=False)``, ``tensorhub server
+    --no-pipeline``): partial holders serve nobody, so a burst fans out from the trainer."""
+    from tensorhub.table import TableConfig
+
+    d = Driver(config=TableConfig(pipeline=pipeline))
+    d.advance(11)
+    published(d)
+    rs = [d.shard(f"r{k}") for k in range(4)]
+    for r in rs:
+        r.replicate(1)
+    sources = {r.replica: g.source.replica for r in rs for g in r.grants()}
+    if pipeline:
+        assert sorted(sources.values()).count("trainer") < len(rs)
+    else:
+        assert set(sources.values()) == {"trainer"}
