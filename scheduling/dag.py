@@ -26,9 +26,10 @@ from typing import Any
 
 from tensorhub.errors import InvalidArgument
 
+from .topology import LINK_CLASSES
+
 __all__ = ["LINK_CLASSES", "link_class", "render", "summary", "to_dot", "to_json"]
 
-LINK_CLASSES = ("host", "datacenter", "remote")
 _FIELDS = ("reader", "source", "reader_dc", "source_dc", "reader_host", "source_host", "bytes", "outcome")
 
 
@@ -46,7 +47,7 @@ def link_class(edge: dict[str, Any]) -> str:
     """``"host"``, ``"datacenter"`` or ``"remote"``: the link an edge's bytes crossed."""
     if edge["reader_dc"] != edge["source_dc"]:
         return "remote"
-    return "host" if edge["reader_host"] == edge["source_host"] else "datacenter"
+    return "host" if edge["reader_host"] == edge["source_host"] else "datacenter"  # as topology.link_class
 
 
 def summary(dag: dict[str, Any]) -> dict[str, Any]:

@@ -29,12 +29,12 @@ from types import MappingProxyType
 
 from tensorhub.errors import InvalidArgument, TransportError
 
-from .topology import Location
+from .topology import LINK_CLASSES, Location, link_class
 
 __all__ = ["DEFAULT_PREFERENCE", "EDGE_KINDS", "Choice", "choose_transport", "edge_kind", "parse_preference"]
 
-EDGE_KINDS = ("host", "datacenter", "remote")
-"""Edge kinds, nearest first."""
+EDGE_KINDS = LINK_CLASSES
+"""Edge kinds, nearest first: the link classes of :mod:`scheduling.topology`."""
 
 DEFAULT_PREFERENCE: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -51,9 +51,7 @@ _LABELS = {"host": "same host", "datacenter": "same datacenter", "remote": "acro
 
 def edge_kind(reader: Location, holder: Location) -> str:
     """``"host"``, ``"datacenter"`` or ``"remote"``: how near ``holder`` is to ``reader``."""
-    if reader.datacenter != holder.datacenter:
-        return "remote"
-    return "host" if reader.host == holder.host else "datacenter"
+    return link_class(reader, holder)
 
 
 @dataclass(frozen=True, slots=True)

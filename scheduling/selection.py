@@ -160,6 +160,15 @@ class SourceIndex:
             if not loads:
                 del self._loads[dc]
 
+    def in_datacenter(self, dc: str) -> tuple[bool, bool]:
+        """(a complete or offload holder is in ``dc``, a partial holder is in ``dc``), among the
+        grantable holders. Cost: the distinct loads in ``dc``."""
+        whole = partial = False
+        for load in self._loads.get(dc, ()):
+            whole = whole or (dc, load, False) in self._buckets
+            partial = partial or (dc, load, True) in self._buckets
+        return whole, partial
+
     def select(
         self,
         reader: Location,

@@ -1,8 +1,21 @@
-"""Where a worker is: datacenter, host, and optionally the NIC / device its memory sits near.
+"""The topology model: where a worker is, and what kind of link joins two workers.
 
-Locations are declared by clients at ``open`` and compared by the source-selection policy:
-same datacenter first, same host as a tie-break. ``Location.default()`` is the local host in a
-datacenter named ``"local"``.
+A worker declares at ``open`` its :class:`Location`: the datacenter (a failure and bandwidth
+domain), the host, and optionally the NIC its shard's memory sits nearest (see
+:mod:`transports.nic`). Whether it is a **spot** worker (preemptible: it serves reads but never
+counts for retention) is declared next to it, per replica (``open(..., spot=True)``).
+
+Two locations are joined by one of the :data:`LINK_CLASSES`, nearest first (:func:`link_class`):
+
+- ``"host"``: the same host (shared memory, NVLink/PCIe: the ``local`` transport);
+- ``"datacenter"``: the same datacenter, another host (the RDMA fabric: ``nixl``, ``rdma_copy``);
+- ``"remote"``: another datacenter (the slow, shared inter-datacenter link: ``tcp``).
+
+The source-selection policy (:mod:`scheduling.selection`) prefers the reader's datacenter, then
+its host; the transport of an edge is chosen by its link class (:mod:`scheduling.edges`); the
+server accounts the bytes it moved per link class, and the cross-datacenter policy (seeding,
+smart skipping, offload seeding: ``tensorhub.table``) keeps ``remote`` bytes to about one copy
+per datacenter. ``Location.default()`` is the local host in a datacenter named ``"local"``.
 """
 
 from __future__ import annotations
@@ -11,7 +24,10 @@ import platform
 
 from tensorhub.wire import struct
 
-__all__ = ["Location"]
+__all__ = ["LINK_CLASSES", "Location", "link_class"]
+
+LINK_CLASSES = ("host", "datacenter", "remote")
+"""Link classes, nearest first."""
 
 
 @struct
@@ -39,3 +55,10 @@ class Location:
     @classmethod
     def default(cls) -> "Location":
         return cls(datacenter="local", host=platform.node() or "localhost", nic="")
+
+
+def link_class(a: Location, b: Location) -> str:
+    """``"host"``, ``"datacenter"`` or ``"remote"``: the link between two locations."""
+    if a.datacenter != b.datacenter:
+        return "remote"
+    return "host" if a.host == b.host else "datacenter"

@@ -45,7 +45,7 @@ _LAZY = {
 def open(model: str, replica: str, **kw: Any) -> Any:
     """Open a shard handle (synchronous facade). See :class:`tensorhub.api.AsyncShardHandle`
     for the arguments: ``num_shards``, ``shard_idx``, ``retain``, ``server``, ``location``,
-    ``spot``, ``transports``, ``connect_timeout``."""
+    ``spot``, ``transports``, ``connect_timeout``, ``offload_seeding``."""
     from .api import open_sync
 
     return open_sync(model, replica, **kw)

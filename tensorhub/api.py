@@ -21,6 +21,16 @@ use is lost, the client moves to the next and restores every handle's session th
 - while no server is connected, ``update()`` returns False at once (no newer version is known),
   and every other call raises ``ServerUnavailable``. The registered tensors are never touched;
 - once moved, calls work again; ``update()`` moves when the new server knows a newer version.
+
+Across datacenters (DESIGN.md §5.6). ``update()`` does not move while another replica of this
+datacenter is seeding the newer version across datacenters (smart skipping: it returns False
+and :attr:`AsyncShardHandle.skipped` names the version; ask again later, the pull will then be
+local). A handle opened with ``offload_seeding=True`` that would itself be the seeder does not
+stall on the slow link either: ``update()`` returns False at once and a background task pulls
+the version into a CPU copy of the shard, held by a spot replica named
+:func:`~tensorhub.naming.seed_replica` of this one (at most one per datacenter: the server
+decides). A later ``update()`` moves, pulling from that copy; the copy is then unpublished
+(its readers drain first) and freed. One seed per handle at a time; ``close()`` frees it.
 """
 
 from __future__ import annotations
@@ -73,6 +83,7 @@ from .log import get_logger
 from .naming import (
     parse_retain,
     parse_version_spec,
+    seed_replica,
     validate_model,
     validate_replica,
     validate_shard,
@@ -239,6 +250,7 @@ class AsyncShardHandle:
         spot: bool = False,
         transports: dict[str, dict] | None = None,
         connect_timeout: float = 10.0,
+        offload_seeding: bool = False,
     ) -> None:
         self.model = validate_model(model)
         self.replica = validate_replica(replica, model=self.model)
@@ -252,6 +264,17 @@ class AsyncShardHandle:
         if not isinstance(spot, bool):
             raise InvalidArgument(f"spot must be a bool, got {spot!r}", **self.ctx)
         self.spot = spot
+        if not isinstance(offload_seeding, bool):
+            raise InvalidArgument(f"offload_seeding must be a bool, got {offload_seeding!r}", **self.ctx)
+        if offload_seeding:
+            seed_replica(self.replica)  # the seed's name must be valid too
+        self.offload_seeding = offload_seeding
+        #: the newer version the last ``update()`` skipped because this datacenter is seeding it
+        self.skipped: int | None = None
+        self._seed: AsyncShardHandle | None = None  # the offload seed (a CPU copy), what it pulls, its task
+        self._seed_version: int | None = None
+        self._seed_task: asyncio.Task | None = None
+        self._retiring: set[asyncio.Future] = set()  # seeds being freed
         if server is not None:
             try:
                 parse_servers(server)
@@ -373,6 +396,7 @@ class AsyncShardHandle:
                 client.drop_session(sid)
             self.version = None
             self.buffers = None
+            await self._drop_seed()
             await self._release()
 
     async def __aenter__(self) -> AsyncShardHandle:
@@ -550,12 +574,73 @@ class AsyncShardHandle:
             try:
                 reply = await self._pull(m.Update, version, timeout)
             except ServerUnavailable as err:
+                self.skipped = None
                 if client is None or not client.failing_over(self.session):
                     raise
                 if self._engine.pull_stats(self.session) is not before:  # it had begun to move: the handle is empty
                     raise UpdateAborted(f"update aborted: the server was lost mid-pull ({err.message})", **self.ctx) from err
                 return False  # lost before it moved: the tensors still hold what they held
+            self.skipped = reply.skipped
+            if reply.seed is not None:
+                self._start_seed(reply.seed)
+            elif self._seed is not None and self.version is not None and self.version >= self._seed_version:
+                self._retire_seed()  # consumed: others of the datacenter pull from this replica now
             return reply.moved
+
+    # ---- offload seeding -----------------------------------------------------------------------
+
+    @property
+    def seeding(self) -> int | None:
+        """The version this handle's offload seed holds or is pulling (None: no seed)."""
+        return self._seed_version if self._seed is not None else None
+
+    def _start_seed(self, version: int) -> None:
+        """Pull ``version`` into a CPU copy of the shard in the background (the server chose this
+        replica to offload-seed it into its datacenter)."""
+        old_seed, old_task = self._seed, self._seed_task
+        assert self.buffers is not None
+        layout = self.buffers.layout
+        pin = torch.cuda.is_available()
+        tensors = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), pin_memory=pin) for t in layout.tensors}
+        seed = AsyncShardHandle(
+            self.model, seed_replica(self.replica), self.num_shards, self.shard_idx, retain=None, server=self._server,
+            location=self.location, spot=True, transports=self._transports, connect_timeout=self.connect_timeout,
+        )  # fmt: skip
+        self._seed, self._seed_version = seed, version
+
+        async def run() -> None:
+            if old_seed is not None:
+                await _close_seed(old_seed, old_task)
+            t0 = asyncio.get_running_loop().time()
+            try:
+                await seed._open()
+                await seed.register(tensors)
+                await seed.replicate(version)
+            except TensorHubError as err:
+                self.log.warning("offload seeding failed; a later update() seeds again", version=version, error=str(err))
+                if self._seed is seed:
+                    self._seed = None
+                await seed.close()
+                return
+            self.log.info("offload seed ready", version=version, seconds=round(asyncio.get_running_loop().time() - t0, 3))
+
+        self._seed_task = asyncio.ensure_future(run())
+
+    def _retire_seed(self) -> None:
+        seed, task = self._seed, self._seed_task
+        self._seed = self._seed_task = None
+        if seed is not None:
+            fut = asyncio.ensure_future(_close_seed(seed, task))
+            self._retiring.add(fut)
+            fut.add_done_callback(self._retiring.discard)
+
+    async def _drop_seed(self) -> None:
+        seed, task = self._seed, self._seed_task
+        self._seed = self._seed_task = None
+        if seed is not None:
+            await _close_seed(seed, task)
+        if self._retiring:
+            await asyncio.wait(list(self._retiring))
 
     def _check_timeout(self, timeout: float | None) -> None:
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
@@ -567,9 +652,10 @@ class AsyncShardHandle:
         self._need_registered(cls.__name__.lower())
         assert self._engine is not None and self.session is not None
         before = self._engine.pull_stats(self.session)
+        extra = (self.offload_seeding,) if cls is m.Update else ()
         n = self._next_call()
         try:
-            reply = await self._numbered(n, cls.__name__.lower(), lambda req: cls(req, self.session, n, spec, timeout))
+            reply = await self._numbered(n, cls.__name__.lower(), lambda req: cls(req, self.session, n, spec, timeout, *extra))
         except asyncio.CancelledError:
             await asyncio.shield(self._abandon())
             raise
@@ -636,6 +722,22 @@ class AsyncShardHandle:
         if self._engine is None or self.session is None:
             return None
         return self._engine.pull_stats(self.session)
+
+
+async def _close_seed(seed: AsyncShardHandle, task: asyncio.Task | None) -> None:
+    """Free an offload seed: stop its pull, let its readers drain (unpublish), close it."""
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TensorHubError):
+            await task
+    if seed.closed:
+        return
+    try:
+        if seed.version is not None and seed._busy is None:
+            await seed.unpublish()
+    except TensorHubError as err:
+        seed.log.warning("offload seed: unpublish refused; closing", error=str(err))
+    await seed.close()
 
 
 async def open_async(model: str, replica: str, **kw: Any) -> AsyncShardHandle:

@@ -24,6 +24,7 @@ def _server(args: argparse.Namespace) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             drain_timeout=args.drain_timeout,
             pipeline=not args.no_pipeline,
+            smart_skipping=not args.no_smart_skipping,
         ),
         seed=args.seed,
         idle_exit=args.idle_exit,
@@ -38,6 +39,40 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _status(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from .admin import server_status
+
+    status = server_status(args.server, args.timeout)
+    print(json.dumps({k: v for k, v in dataclasses.asdict(status).items() if k != "req"}, indent=2))
+    return 0
+
+
+def _dag(args: argparse.Namespace) -> int:
+    from scheduling.dag import render, summary, to_dot, to_json
+
+    from .admin import replication_dag
+
+    dag = replication_dag(args.server, args.model, args.version, args.timeout)
+    if args.dot:
+        with open(args.dot, "w") as f:
+            f.write(to_dot(dag))
+    if args.png:
+        render(dag, args.png)
+    if args.json or not (args.dot or args.png):
+        text = to_json(dag)
+        if args.json and args.json != "-":
+            with open(args.json, "w") as f:
+                f.write(text)
+        else:
+            print(text)
+    else:
+        print(summary(dag))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensorhub", description="Reference-oriented weight transfer for RL jobs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -48,11 +83,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before a client is dead")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds an unpublish waits for readers")
     s.add_argument("--no-pipeline", action="store_true", help="only complete holders serve (no pipeline replication)")
+    s.add_argument("--no-smart-skipping", action="store_true",
+                   help="update() moves even while its datacenter is seeding the version across datacenters")
     s.add_argument("--idle-exit", type=float, default=None, help="exit after this many seconds with no session")
     s.add_argument("--seed", type=int, default=None, help="seed of the scheduling random source")
     s.add_argument("--log-format", choices=("console", "json"), default=None)
     s.add_argument("--log-level", default=None)
     s.set_defaults(func=_server)
+
+    st = sub.add_parser("status", help="a running server's status (counts, bytes per link class, seeding)")
+    st.add_argument("--server", required=True, help="the server's address, e.g. tcp://127.0.0.1:5557")
+    st.add_argument("--timeout", type=float, default=5.0)
+    st.set_defaults(func=_status)
+
+    g = sub.add_parser("dag", help="the replication DAG of a version: who served whom (JSON, dot, PNG)")
+    g.add_argument("--server", required=True, help="the server's address")
+    g.add_argument("--model", required=True)
+    g.add_argument("--version", type=int, required=True)
+    g.add_argument("--json", default=None, help="write JSON here ('-': stdout; the default without --dot/--png)")
+    g.add_argument("--dot", default=None, help="write graphviz dot here")
+    g.add_argument("--png", default=None, help="draw a PNG here (needs graphviz's dot program)")
+    g.add_argument("--timeout", type=float, default=5.0)
+    g.set_defaults(func=_dag)
 
     d = sub.add_parser("demo", help="train a small model and replicate it to rollouts, on this machine")
     d.add_argument("--steps", type=int, default=8, help="training steps (versions published)")

@@ -14,7 +14,9 @@ A request gets exactly one final reply: :class:`Ack`, :class:`Failed` or the cal
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import field
+from typing import Any
 
 from scheduling.topology import Location
 
@@ -231,11 +233,16 @@ class Replicate:
 
 @message("update")
 class Update:
+    """``offload_seed``: if this replica would be the first of its datacenter to pull the version
+    across datacenters, do not move; answer ``seed`` instead, and the client pulls into a CPU copy
+    in the background (offload seeding, DESIGN §5.6)."""
+
     req: int
     session: int
     call: int
     spec: int | str
     timeout: float | None
+    offload_seed: bool = False
 
     def __post_init__(self) -> None:
         _version_spec(self.spec)
@@ -475,9 +482,91 @@ class Replicated:
 
 @message("updated")
 class Updated:
+    """``skipped``: a newer version exists, but a replica of this datacenter is still seeding it
+    across datacenters (smart skipping): ask again later. ``seed``: seed that version into a CPU
+    copy in the background (offload seeding; the replica named
+    :func:`tensorhub.naming.seed_replica` of this one)."""
+
     req: int
     moved: bool
     version: int | None
+    skipped: int | None = None
+    seed: int | None = None
+
+
+@message("get_status")
+class GetStatus:
+    """Ask the server for its state (no session needed): :class:`ServerStatus`."""
+
+    req: int
+
+
+@struct
+class Seeding:
+    """A version being seeded into a datacenter: the replicas there that pull it across."""
+
+    model: str
+    version: int
+    datacenter: str
+    replicas: tuple[str, ...]
+
+
+@message("server_status")
+class ServerStatus:
+    """Counts of what the table holds, event counters, bytes moved per link class (``host``,
+    ``datacenter``, ``remote``: bytes of ended grants), and the seeding in progress."""
+
+    req: int
+    term: int
+    counts: dict[str, int]
+    stats: dict[str, int]
+    bytes_by_link: dict[str, int]
+    seeding: tuple[Seeding, ...]
+
+
+@message("get_dag")
+class GetDag:
+    """Ask for the replication DAG of one version (no session needed): :class:`Dag`."""
+
+    req: int
+    model: str
+    version: int
+
+    def __post_init__(self) -> None:
+        validate_model(self.model)
+        validate_version(self.version)
+
+
+@struct
+class DagEdge:
+    """One ended grant: who served whom, the bytes moved under it, when (server clock), how it ended."""
+
+    reader: str
+    reader_shard: int
+    reader_dc: str
+    reader_host: str
+    source: str
+    source_shard: int
+    source_kind: str
+    source_complete: bool
+    source_dc: str
+    source_host: str
+    bytes: int
+    start: float
+    end: float
+    outcome: str
+
+
+@message("dag")
+class Dag:
+    req: int
+    model: str
+    version: int
+    edges: tuple[DagEdge, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The form :mod:`scheduling.dag` takes."""
+        return {"model": self.model, "version": self.version, "edges": [dataclasses.asdict(e) for e in self.edges]}
 
 
 @message("listing")

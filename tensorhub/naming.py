@@ -21,10 +21,13 @@ __all__ = [
     "MAX_NAME_LEN",
     "MAX_SHARDS",
     "MAX_VERSION",
+    "SEED_SUFFIX",
     "VersionSpec",
     "parse_version_spec",
     "parse_retain",
     "retain_to_str",
+    "seed_owner",
+    "seed_replica",
     "validate_model",
     "validate_replica",
     "validate_shard",
@@ -62,6 +65,27 @@ def validate_model(model: object) -> str:
 def validate_replica(replica: object, *, model: str | None = None) -> str:
     """Return ``replica`` if it is a valid replica name, else raise :class:`InvalidName`."""
     return _validate_name("replica", replica, model=model)
+
+
+SEED_SUFFIX = "@seed"
+"""The suffix of the replica that offload-seeds versions for a replica (DESIGN §5.6)."""
+
+
+def seed_replica(replica: str) -> str:
+    """The name of the offload seed replica of ``replica``.
+
+    Raises:
+        InvalidName: the result would be longer than :data:`MAX_NAME_LEN`.
+    """
+    name = replica + SEED_SUFFIX
+    if len(name) > MAX_NAME_LEN:
+        raise InvalidName(f"replica name {replica!r} is too long for offload seeding (at most {MAX_NAME_LEN - len(SEED_SUFFIX)} characters)")
+    return name
+
+
+def seed_owner(replica: str) -> str | None:
+    """The replica an offload seed replica seeds for, or None if ``replica`` is not one."""
+    return replica[: -len(SEED_SUFFIX)] or None if replica.endswith(SEED_SUFFIX) else None
 
 
 def _is_int(x: object) -> bool:

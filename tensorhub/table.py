@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
 from scheduling.selection import SourceIndex
-from scheduling.topology import Location
+from scheduling.topology import LINK_CLASSES, Location, link_class
 
 from . import messages as m
 from .errors import (
@@ -82,7 +82,7 @@ from .errors import (
 )
 from .layout import Layout
 from .lifecycle import Event, HolderState, transition
-from .naming import VersionSpec, parse_version_spec
+from .naming import MAX_NAME_LEN, SEED_SUFFIX, VersionSpec, parse_version_spec, seed_owner, seed_replica
 
 __all__ = ["ReferenceTable", "TableConfig", "Outbox"]
 
@@ -109,12 +109,16 @@ class TableConfig:
         pipeline: partial holders serve readers (pipeline replication, DESIGN §4). False: only
             complete and offload holders are sources, so N readers fan out from the holders of
             the version (the baseline that the burst benchmarks compare against).
+        smart_skipping: while a replica of a datacenter is seeding a version (pulling it across
+            datacenters), ``update()`` elsewhere in that datacenter answers "not yet" instead of
+            queueing behind the slow link (DESIGN §5.6). Only with ``pipeline``.
     """
 
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     drain_timeout: float = 30.0
     pipeline: bool = True
+    smart_skipping: bool = True
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0 or self.drain_timeout <= 0:
@@ -225,7 +229,7 @@ class _Txn:
 
     __slots__ = (
         "n", "kind", "args", "replica", "decided", "version", "moved", "answer", "error", "deadline",
-        "shards", "consumed", "source_replica", "offered", "waiting",
+        "shards", "consumed", "source_replica", "offered", "waiting", "offload_seed", "skipped", "seed",
     )  # fmt: skip
 
     def __init__(self, n: int, kind: str, args: Any, replica: "_Replica") -> None:
@@ -244,6 +248,9 @@ class _Txn:
         self.source_replica: str | None = None
         self.offered: dict[int, tuple[m.VersionEntry, ...]] = {}
         self.waiting = False  # parked until the version it names exists
+        self.offload_seed = False  # update: the replica seeds into a CPU copy rather than stall
+        self.skipped: int | None = None  # update: the newer version it skipped (being seeded here)
+        self.seed: int | None = None  # update: the version the replica is to offload-seed
 
 
 class _Replica:
@@ -296,7 +303,7 @@ class _Model:
     __slots__ = (
         "name", "num_shards", "layouts", "versions", "highest_published", "replicas", "declarations",
         "epoch", "listing", "available", "listing_stale", "changed", "availability_changed", "waits", "parked",
-        "offload_holders", "dirty_shards", "retention_changed", "waiting_readers", "gc_needed",
+        "offload_holders", "dirty_shards", "retention_changed", "waiting_readers", "gc_needed", "seeds",
     )  # fmt: skip
 
     def __init__(self, name: str, num_shards: int) -> None:
@@ -320,6 +327,9 @@ class _Model:
         self.retention_changed = False
         self.gc_needed = False  # a holder or replica went away: forget what is no longer needed
         self.waiting_readers: dict[_Holder, None] = {}  # partial holders parked without a source (grace)
+        #: (version, datacenter) -> (replica told to offload-seed it there, until when the
+        #: datacenter counts as seeding before its seed replica's pull shows up)
+        self.seeds: dict[tuple[int, str], tuple[str, float]] = {}
 
     def retain_back(self) -> int | None:
         backs = [d.back for d in self.declarations.values()]
@@ -370,7 +380,12 @@ class ReferenceTable:
         self._seq = itertools.count()
         self._out: Outbox = []
         self._dirty_models: dict[str, _Model] = {}
-        self.stats = {"grants": 0, "grants_ended": 0, "revoked": 0, "expired": 0, "quarantined": 0, "offloads": 0}
+        self.stats = {
+            "grants": 0, "grants_ended": 0, "revoked": 0, "expired": 0, "quarantined": 0, "offloads": 0,
+            "updates_skipped": 0, "offload_seeds": 0,
+        }  # fmt: skip
+        #: bytes moved under ended grants, per link class (:data:`scheduling.topology.LINK_CLASSES`)
+        self.bytes_by_link = dict.fromkeys(LINK_CLASSES, 0)
         self._handlers: dict[type, Callable[[Hashable, Any], None]] = {
             m.OpenShard: self._on_open,
             m.Register: self._on_register,
@@ -391,6 +406,8 @@ class ReferenceTable:
             m.Heartbeat: self._on_heartbeat,
             m.Announce: self._on_announce,
             m.CloseShard: self._on_close,
+            m.GetStatus: self._on_status,
+            m.GetDag: self._on_dag,
         }
 
     # ---- entry points --------------------------------------------------------------------------
@@ -798,16 +815,18 @@ class ReferenceTable:
             edges = self.history[key] = []
             while len(self.history) > HISTORY_VERSIONS:
                 self.history.popitem(last=False)
-        if len(edges) >= HISTORY_EDGES:
-            return
         layout = r.session.layout
         total = layout.total_bytes if layout is not None else 0
         end = total if how == "completed" else (reached if reached is not None else r.verified)
+        nbytes = max(0, end - g.start)
+        self.bytes_by_link[link_class(r.session.location, src.session.location)] += nbytes
+        if len(edges) >= HISTORY_EDGES:
+            return
         edges.append({
             "reader": r.replica.name, "reader_shard": r.shard_idx, "reader_dc": r.session.location.datacenter,
             "reader_host": r.session.location.host, "source": src.replica.name, "source_shard": src.shard_idx,
             "source_kind": src.kind, "source_complete": src.state is not P, "source_dc": src.session.location.datacenter,
-            "source_host": src.session.location.host, "bytes": max(0, end - g.start), "start": g.created,
+            "source_host": src.session.location.host, "bytes": nbytes, "start": g.created,
             "end": self.clock(), "outcome": how,
         })  # fmt: skip
 
@@ -1147,6 +1166,8 @@ class ReferenceTable:
         spec = parse_version_spec(msg.spec)
         kind = "replicate" if type(msg) is m.Replicate else "update"
         txn, call = self._join(s, msg.req, msg.call, kind, spec.wire())
+        if kind == "update" and not txn.decided:
+            txn.offload_seed = msg.offload_seed
         self._set_deadline(txn, msg.timeout)
         self._advance(txn, call)
 
@@ -1174,9 +1195,62 @@ class ReferenceTable:
                 moves = held is None or v > held
             else:
                 moves = v != held
+            if moves and v is not None:
+                moves = self._seeding_allows(txn, s, v)
             txn.version, txn.moved = (v if moves else held), moves
         txn.waiting = False
         txn.decided = True
+
+    def _seeding_allows(self, txn: _Txn, s: _Session, v: int) -> bool:
+        """Cross-datacenter policy for an ``update`` that would move to ``v`` (DESIGN §5.6).
+
+        Where every shard of ``v`` has a whole holder in the reader's datacenter, or the table
+        does not skip (no pipelining, or skipping off), it moves. Where a replica of the
+        datacenter is seeding ``v`` (some shard has only partial holders there, or a replica
+        was told to offload-seed it and its pull has not shown up yet), it does not (smart
+        skipping: ``txn.skipped``). Where nobody there has any shard of ``v``, this replica is
+        the seeder: it moves (pulls across), or with offload seeding it is told to seed into a
+        CPU copy in the background (``txn.seed``) and does not move. When the replica's own seed
+        holds ``v``, its shards are pulled from it.
+        """
+        model = s.model
+        dc = s.location.datacenter
+        ver = model.versions[v]
+        seed = seed_replica(txn.replica.name) if len(txn.replica.name) + len(SEED_SUFFIX) <= MAX_NAME_LEN else None
+        if seed is not None and seed in ver.full:
+            txn.source_replica = seed  # the replica's own CPU copy, next to it
+        if not (self.config.pipeline and self.config.smart_skipping):
+            return True
+        absent = False
+        for index in ver.index:
+            whole, partial = index.in_datacenter(dc)
+            if whole:
+                continue
+            if partial:
+                return self._skip(txn, v)
+            absent = True
+        if not absent:
+            model.seeds.pop((v, dc), None)
+            return True
+        reserved = model.seeds.get((v, dc))
+        if reserved is not None:
+            owner, until = reserved
+            if until > self.clock() and owner in model.replicas:
+                return self._skip(txn, v)
+            del model.seeds[(v, dc)]
+        if not txn.offload_seed or seed is None or seed_owner(txn.replica.name) is not None:
+            return True  # this replica seeds the datacenter itself, pulling across
+        model.seeds[(v, dc)] = (txn.replica.name, self.clock() + self.config.heartbeat_timeout)
+        for key in [k for k in model.seeds if k[0] < v and k[1] == dc]:
+            del model.seeds[key]  # older versions' seeds are of no more interest
+        txn.seed = v
+        self.stats["offload_seeds"] += 1
+        return False
+
+    def _skip(self, txn: _Txn, v: int) -> bool:
+        txn.skipped = v
+        self.stats["updates_skipped"] += 1
+        return False
 
     def _advance(self, txn: _Txn, call: _ShardCall) -> None:
         """Move one shard's replicate/update call forward as far as it can go now."""
@@ -1199,7 +1273,7 @@ class ReferenceTable:
             if not txn.decided:
                 return  # parked: re-run when versions change
         if txn.kind == "update" and not txn.moved:
-            self._finish_call(txn, call, m.Updated(call.req, False, txn.version))
+            self._finish_call(txn, call, m.Updated(call.req, False, txn.version, txn.skipped, txn.seed))
             return
         v = txn.version
         assert v is not None
@@ -1705,6 +1779,8 @@ class ReferenceTable:
             ver = model.versions[v]
             if not ver.ever_available or top is None or v < top - _GONE_MEMORY:
                 del model.versions[v]
+        for key in [k for k in model.seeds if k[0] not in model.versions]:
+            del model.seeds[key]
 
     def _gc_model(self, model: _Model) -> None:
         if self.models.get(model.name) is not model:
@@ -1714,6 +1790,31 @@ class ReferenceTable:
             self._dirty_models.pop(model.name, None)
 
     # ---- introspection (tests, status) ---------------------------------------------------------
+
+    def _on_status(self, peer: Hashable, msg: m.GetStatus) -> None:
+        self._out.append((peer, m.ServerStatus(
+            msg.req, self.term, self.counts(), dict(self.stats), dict(self.bytes_by_link), tuple(self.seeding()),
+        )))  # fmt: skip
+
+    def _on_dag(self, peer: Hashable, msg: m.GetDag) -> None:
+        edges = tuple(m.DagEdge(**e) for e in self.history.get((msg.model, msg.version), ()))
+        self._out.append((peer, m.Dag(msg.req, msg.model, msg.version, edges)))
+
+    def seeding(self) -> Iterable[m.Seeding]:
+        """Versions being seeded into a datacenter now: the replicas there whose pull of the
+        version has a source in another datacenter (or that were told to offload-seed it)."""
+        for model in self.models.values():
+            found: dict[tuple[int, str], dict[str, None]] = {}
+            for g in self.grants.values():
+                r = g.reader
+                if r.session.model is model and r.session.location.datacenter != g.source.session.location.datacenter:
+                    found.setdefault((r.version, r.session.location.datacenter), {})[r.replica.name] = None
+            now = self.clock()
+            for (v, dc), (owner, until) in model.seeds.items():
+                if until > now and owner in model.replicas and not found.get((v, dc)):
+                    found[(v, dc)] = {seed_replica(owner): None}
+            for (v, dc), replicas in sorted(found.items()):
+                yield m.Seeding(model.name, v, dc, tuple(replicas))
 
     def counts(self) -> dict[str, int]:
         """How many of each thing the table holds (all zero once every client has closed)."""

@@ -181,8 +181,8 @@ class Shard:
     def replicate(self, spec, timeout=None) -> int:
         return self.request(m.Replicate, self.session, self.next_call(), spec, timeout)
 
-    def update(self, spec="latest", timeout=None) -> int:
-        return self.request(m.Update, self.session, self.next_call(), spec, timeout)
+    def update(self, spec="latest", timeout=None, offload_seed: bool = False) -> int:
+        return self.request(m.Update, self.session, self.next_call(), spec, timeout, offload_seed)
 
     def list(self, consistent: bool = False) -> m.Listing:
         req = self.request(m.ListVersions, self.session, self.next_call() if consistent else None)

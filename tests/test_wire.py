@@ -81,7 +81,7 @@ SAMPLES: list[Any] = [
     m.Unpublish(req=6, session=7, call=2),
     m.PublishOffload(req=7, session=7, version=12, ok=True),
     m.Replicate(req=8, session=7, call=3, spec="latest-2", timeout=30.5),
-    m.Update(req=9, session=7, call=4, spec="latest", timeout=None),
+    m.Update(req=9, session=7, call=4, spec="latest", timeout=None, offload_seed=True),
     m.ListVersions(req=10, session=7, call=None),
     m.Wait(req=11, session=7, call=5, known_epoch=3, satisfied_epoch=2, timeout=1.0),
     m.Progress(req=12, session=7, grant=5, term=1, verified=3),
@@ -118,7 +118,18 @@ SAMPLES: list[Any] = [
     m.Quarantined(session=7, version=12),
     m.Removed(session=7, code="fenced", reason="a newer incarnation opened"),
     m.Replicated(req=8, version=12),
-    m.Updated(req=9, moved=False, version=None),
+    m.Updated(req=9, moved=False, version=None, skipped=13, seed=None),
+    m.GetStatus(req=20),
+    m.ServerStatus(
+        req=20, term=2, counts={"sessions": 3}, stats={"grants": 4}, bytes_by_link={"host": 0, "remote": 10},
+        seeding=(m.Seeding(model="actor", version=12, datacenter="dc-b", replicas=("rollout-1",)),),
+    ),
+    m.GetDag(req=21, model="actor", version=12),
+    m.Dag(req=21, model="actor", version=12, edges=(m.DagEdge(
+        reader="rollout-1", reader_shard=0, reader_dc="dc-b", reader_host="b1", source="trainer", source_shard=0,
+        source_kind="normal", source_complete=True, source_dc="dc-a", source_host="a1", bytes=10, start=1.5,
+        end=2.5, outcome="completed",
+    ),)),
     m.Listing(
         req=10,
         epoch=3,
@@ -1019,6 +1030,7 @@ BY_NAME: dict[str, st.SearchStrategy] = {
 BY_FIELD: dict[tuple[type, str], st.SearchStrategy] = {
     (m.Held, "kind"): st.sampled_from([m.KIND_NORMAL, m.KIND_OFFLOAD]),
     (m.CallAnswer, "kind"): st.sampled_from(["publish", "unpublish", "replicate", "update", "list", "wait"]),
+    (m.GetDag, "model"): NAMES,
 }
 @st.composite
 def announces(draw) -> m.Announce:
