@@ -1,0 +1,36 @@
+"""Cross-datacenter replication on the emulated cluster, bounded: the real server and worker
+processes in network namespaces of two datacenters, over tcp (``benchmarks/bench_crossdc.py``
+with tiny sizes). Seeding crosses the slow link once per version; bytes are the trainer's;
+nothing is left behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.bench_crossdc import run_mode, spec
+from benchmarks.cluster import Cluster, available, leftovers
+from benchmarks.cluster_jobs import MIB
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+_REASON = available()
+if _REASON:
+    pytestmark.append(pytest.mark.skip(reason=f"no emulated cluster here: {_REASON}"))
+
+
+@pytest.mark.parametrize("mode", ["seeding", "offload"])
+def test_one_copy_crosses_per_version_and_the_others_pull_inside_the_datacenter(mode):
+    size = 2 * MIB
+    with Cluster(spec(2), host_rate="400mbit", inter_dc_rate="100mbit") as c:
+        records = run_mode(c, mode, rollouts=2, versions=1, size=size, poll_ms=50, chunk=1 * MIB, timeout=120.0,
+                           log=lambda line: None)  # fmt: skip
+    assert leftovers(c.prefix) == []
+    assert len(records) == 2  # hashes were checked by run_mode
+    assert {r["remote_bytes"] for r in records} == {size}  # one copy across, not one per rollout
+    assert {t for r in records for t in r["transports"]} == {"tcp"}
+    seeders = [r for r in records if r["seeder"]]
+    others = [r for r in records if not r["seeder"]]
+    assert len(seeders) == 1 and len(others) == 1
+    assert all(s.split("/")[0].startswith(("rollout-", "probe")) for s in others[0]["sources"])  # inside dc-b
+    if mode == "offload":
+        assert seeders[0]["sources"] == [seeders[0]["replica"] + "@seed/0"]
