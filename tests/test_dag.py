@@ -121,3 +121,11 @@ def test_without_pipelining_every_reader_is_served_by_a_complete_holder(pipeline
         assert sorted(sources.values()).count("trainer") < len(rs)
     else:
         assert set(sources.values()) == {"trainer"}
+
+
+@pytest.mark.skipif(__import__("shutil").which("dot") is None, reason="graphviz's dot program is not installed")
+def test_render_draws_a_png(tmp_path):
+    dag = {"model": "actor", "version": 3, "edges": [_edge("a", "trainer", 2_500_000, sdc="dc0"), _edge("b", "a", 10)]}
+    out = tmp_path / "dag.png"
+    render(dag, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
