@@ -35,7 +35,7 @@ flows). ``--inter-dc-delay`` adds one when the kernel can.
 
 Usage: python benchmarks/bench_crossdc.py [--rollouts 4] [--size-mib 32] [--versions 3]
        [--modes p2p,seeding,offload] [--host-rate 400mbit] [--inter-dc-rate 100mbit]
-       [--inter-dc-delay 10ms] [--poll-ms 100] [--json FILE] [--keep-logs]
+       [--inter-dc-delay 10ms] [--poll-ms 100] [--json FILE] [--dag-dir DIR] [--keep-logs]
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -86,10 +87,30 @@ def link_bytes(cluster: Cluster, server: str, timeout: float = 20.0) -> dict[str
     return json.loads(out)["bytes_by_link"]
 
 
+def save_dag(cluster: Cluster, server: str, version: int, stem: Path, timeout: float = 30.0) -> None:
+    """The replication DAG of ``version`` as ``stem``.json and .dot (and .png where graphviz's
+    ``dot`` is installed), from ``tensorhub dag`` inside the server's host."""
+    argv = [sys.executable, "-m", "tensorhub", "dag", "--server", server, "--model", "actor", "--version", str(version),
+            "--json", f"{stem}.json", "--dot", f"{stem}.dot"]  # fmt: skip
+    if shutil.which("dot"):
+        argv += ["--png", f"{stem}.png"]
+    proc = cluster.run("ctl", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise JobError(f"tensorhub dag did not answer within {timeout:g} s") from None
+    if proc.returncode != 0:
+        raise JobError(f"tensorhub dag failed ({proc.returncode}): {err.strip()[-500:]}")
+
+
 def run_mode(cluster: Cluster, mode: str, rollouts: int, versions: int, size: int, *, poll_ms: int,
-             chunk: int, timeout: float = 300.0, keep_logs: bool = False,
+             chunk: int, timeout: float = 300.0, keep_logs: bool = False, dag_dir: Path | None = None,
              log: Callable[[str], None] = print) -> list[dict[str, Any]]:  # fmt: skip
     """Every version of one mode; one record per (version, rollout), and the probe's pulls.
+    With ``dag_dir``, the replication DAG of the last version goes there (``<mode>.json``,
+    ``.dot``, ``.png``).
 
     Raises:
         JobError: a process failed or a version did not arrive within ``timeout``.
@@ -143,6 +164,9 @@ def run_mode(cluster: Cluster, mode: str, rollouts: int, versions: int, size: in
             stalls = ", ".join(f"{ev['replica'].split('-')[-1]} {ev['stall_s']:.2f}" for ev in mine)
             log(f"  {mode:8s} v{v}: stall s [{stalls}]; intra pull {alone['stall_s']:.2f} s; "
                 f"across {remote / size:.2f} copies")  # fmt: skip
+        if dag_dir is not None:
+            dag_dir.mkdir(parents=True, exist_ok=True)
+            save_dag(cluster, srv.address, versions, dag_dir.resolve() / mode)
     return records
 
 
@@ -198,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chunk-mib", type=float, default=4.0, help="$TENSORHUB_CHUNK_BYTES")
     ap.add_argument("--timeout", type=float, default=300.0, help="per version")
     ap.add_argument("--json", default=None, help="write the records and the summary here")
+    ap.add_argument("--dag-dir", default=None, help="write each mode's replication DAG of its last version here (JSON, dot, PNG)")
     ap.add_argument("--keep-logs", action="store_true")
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -219,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = c.prefix
         for mode in modes:
             records += run_mode(c, mode, a.rollouts, a.versions, size, poll_ms=a.poll_ms, chunk=int(a.chunk_mib * MIB),
-                                timeout=a.timeout, keep_logs=a.keep_logs)  # fmt: skip
+                                timeout=a.timeout, keep_logs=a.keep_logs,
+                                dag_dir=Path(a.dag_dir) if a.dag_dir else None)  # fmt: skip
     left = leftovers(prefix)
     text, verdicts, ok = table(records, a.rollouts)
     print()
