@@ -14,7 +14,11 @@ each, in transfer order). Each read's range is in one state: *todo*, *in flight*
 is writing it), *landed* (written whole, waiting for its checksums to be checked), or *good*
 (verified). ``verified`` is the length of the good prefix: what the local progress counter
 publishes to downstream readers (:class:`Advance`), so a partial holder only serves verified
-bytes. At most ``max_inflight`` reads are in flight, lowest offsets first.
+bytes. At most ``max_inflight`` reads are in flight, lowest offsets first; behind a *partial*
+source (one still pulling: ``source.complete`` false), one at a time. Concurrent reads share
+the link, so none of them lands before all of them: behind a relay each hop of a pipeline
+would lag its source by ``max_inflight`` reads, where one read at a time, at the link's full
+rate, lags it by one (the burst benchmark on the emulated cluster measures the difference).
 
 Resume: ranges stay good across grants. When a source fails, is revoked, or sends bytes that
 fail verification, the next grant reads only the ranges that are not good (or landed and
@@ -120,6 +124,7 @@ _TODO, _INFLIGHT, _LANDED, _GOOD = range(4)
 class _Grant:
     id: int
     source: Any
+    inflight: int  # reads in flight at once under this grant
 
 
 class ReplicationSession:
@@ -194,7 +199,8 @@ class ReplicationSession:
             self.ending is not None and self.ending[0].id == grant
         ):
             return []
-        g = _Grant(grant, source)
+        partial = source is not None and getattr(source, "complete", True) is False
+        g = _Grant(grant, source, 1 if partial else self.max_inflight)
         if self.grant is not None and self.grant.id != grant:
             # The server only grants again after the last grant ended; treat it as revoked.
             self._end(None)
@@ -346,7 +352,7 @@ class ReplicationSession:
         g = self.grant
         assert g is not None
         out: list[Action] = []
-        while len(self.inflight) < self.max_inflight and self.todo:
+        while len(self.inflight) < g.inflight and self.todo:
             i = heapq.heappop(self.todo)
             if self.state[i] != _TODO:
                 continue

@@ -555,3 +555,21 @@ def test_simulator_catches_a_session_that_counts_a_torn_read() -> None:
     sim.step("grant", 0)
     with pytest.raises(AssertionError, match="not whole"):
         sim.step("fail", 0)
+
+
+@dataclass
+class _Source:
+    complete: bool
+
+
+def test_behind_a_partial_source_one_read_at_a_time():
+    """Concurrent reads share the link and land together; behind a relay still pulling, each
+    hop would lag by all of them. So a partial source gets one read at a time, in order."""
+    s = ReplicationSession(1, 10 * 100, chunk_bytes=100, max_inflight=4)
+    first = reads(s.on_grant(1, _Source(complete=False)))
+    assert [(r.offset, r.length) for r in first] == [(0, 100)]
+    nxt = reads(s.on_read_done(1, 0))
+    assert [r.offset for r in nxt] == [100]
+    s.on_read_failed(1, 100, "gone")
+    again = reads(s.on_grant(2, _Source(complete=True)))  # a complete source: full width again
+    assert [r.offset for r in again] == [100, 200, 300, 400]
