@@ -368,7 +368,9 @@ class EngineActor(Actor):
             self._verify(slot, pull, a)
 
     def _streams(self) -> int:
-        return max((getattr(t, "streams", 1) for t in self.transports.values()), default=1)
+        """Reads of a pull in flight at once: what the transports ask for (``reads_in_flight``,
+        else ``streams``: a transport that stripes each read wants fewer)."""
+        return max((getattr(t, "reads_in_flight", getattr(t, "streams", 1)) for t in self.transports.values()), default=1)
 
     def _pick(self, slot: _Slot, source: m.SourceInfo) -> tuple[Transport, dict, int]:
         """The transport for this (reader, holder) edge (:func:`scheduling.edges.choose_transport`),

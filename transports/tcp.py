@@ -21,10 +21,14 @@ Throughput choices
   payload, so the per-read overhead stays under 1 %; reads stay small enough that a partial
   holder can serve each one as soon as it is verified (pipeline replication) and that the
   streams of a pull stay busy to the last byte.
-- **Streams.** ``streams`` reads of one pull run at once, each on its own connection and
-  thread (default 4): one TCP stream rarely fills a fast link alone (window growth, one core's
-  copy rate), and several hide each read's round trip. Reads of one pull never share a
-  connection, so a slow read never blocks another.
+- **Streams.** One read is split into up to ``streams`` stripes of at least 1 MiB (default 4),
+  each on its own connection and thread: one TCP stream rarely fills a fast link alone (window
+  growth, one core's copy rate). Striping one read, rather than running ``streams`` reads at
+  once, makes each read land at the link's full rate, in order: a partial holder downstream
+  can serve it that much sooner (concurrent reads share the link and land together, so a
+  pipeline hop would lag by all of them). The engine keeps ``reads_in_flight`` (2) reads of a
+  pull going, so the next read's round trip hides behind the current one. Stripes never share
+  a connection, so a slow one never blocks another.
 - **No intermediate copies.** The holder ``sendall``s views of its registered memory; the
   reader ``recv_into``s straight into the destination. Tiny tensors arrive in their pack (one
   contiguous buffer per read instead of hundreds of small receives) and are unpacked by the
@@ -72,6 +76,7 @@ _STATUS_TEXT = {
     BAD_REQUEST: "the peer refused a malformed request",
 }
 MAX_READ = 256 << 20  # one request moves at most this many bytes
+_MIN_STRIPE = 1 << 20  # a read is striped over connections in pieces of at least this
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -112,7 +117,7 @@ class _Staging(threading.local):
 class TcpTransport(Transport):
     """Raw-socket transport. Options: ``host`` (address to listen on and advertise, default
     127.0.0.1), ``port`` (0: any), ``advertise`` (address peers should dial, default ``host``),
-    ``streams`` (concurrent reads per pull, default 4), ``io_timeout`` (seconds, default 30),
+    ``streams`` (connections one read is striped over, default 4), ``io_timeout`` (seconds, default 30),
     ``wait_timeout`` (how long a holder waits for its progress to cover a range, default 5),
     ``staging_bytes`` (CUDA staging piece, default 8 MiB), ``max_connections`` (default 512),
     ``idle_timeout`` (a holder closes a connection silent this long, default 300 s),
@@ -131,6 +136,7 @@ class TcpTransport(Transport):
         self.port = int(o.get("port", 0))
         self.advertise = str(o.get("advertise", self.host))
         self.streams = int(o.get("streams", 4))
+        self.reads_in_flight = 2  # reads of one pull the engine keeps going (each striped)
         self.io_timeout = float(o.get("io_timeout", 30.0))
         self.wait_timeout = float(o.get("wait_timeout", 5.0))
         self.staging_bytes = int(o.get("staging_bytes", 8 << 20))
@@ -264,9 +270,26 @@ class TcpTransport(Transport):
         if self._closed:
             raise TransportError(f"tcp transport closed; read from {key[0]}:{key[1]} not started")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, self._read_blocking, key, region, version, offset, length, into, generation
-        )
+        k = max(1, min(self.streams, length // _MIN_STRIPE))
+        if k == 1:
+            return await loop.run_in_executor(
+                self._executor, self._read_blocking, key, region, version, offset, length, into, generation
+            )
+        step = -(-length // k)
+        parts = [(o, min(step, offset + length - o)) for o in range(offset, offset + length, step)]
+        futs = [loop.run_in_executor(self._executor, self._read_blocking, key, region, version, o, n, into, generation)
+                for o, n in parts]  # fmt: skip
+        results = await asyncio.gather(*futs, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:  # every stripe has returned: nothing still writes into ``into``
+            hard = [e for e in errors if not isinstance(e, RangeNotReady)]
+            raise (hard or errors)[0]
+        if len(set(results)) != 1:
+            raise TransportError(
+                f"read of {key[0]}:{key[1]} region {region} version {version} bytes [{offset}, {offset + length}): "
+                f"the holder's generation changed between stripes ({sorted(set(results))})"
+            )
+        return results[0]
 
     def _connect(self, key: tuple[str, int], fresh: bool = False) -> tuple[socket.socket, bool]:
         """A connection to ``key`` (pooled if one is idle, unless ``fresh``), and whether it was
