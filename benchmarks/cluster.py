@@ -208,12 +208,40 @@ def cleanup(prefix: str) -> list[str]:
     return leftovers(prefix)
 
 
-def _htb(dev: str, rate: str) -> list[list[str]]:
-    """A root htb at ``rate`` with one default class (handles GSO packets, unlike a small tbf)."""
-    return [
+def _htb(dev: str, rate: str, priority_ports: Sequence[int] = ()) -> list[list[str]]:
+    """A root htb at ``rate`` with one default class (handles GSO packets, unlike a small tbf).
+    With ``priority_ports``: under one class at ``rate``, packets to or from those TCP ports go
+    to a class served first (``prio 0``; a tenth of the rate guaranteed, all of it borrowable),
+    the rest to the default class: the control plane's small messages do not wait behind a
+    queue of bulk transfer (the kernel here has no fq_codel or sfq to keep that queue short)."""
+    if not priority_ports:
+        return [
+            ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"],
+            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", rate, "ceil", rate],
+        ]
+    bits = _rate_bits(rate)
+    out = [
         ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"],
-        ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", rate, "ceil", rate],
-    ]
+        ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate],
+        ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:5", "htb", "rate", f"{max(bits // 10, 8000)}bit",
+         "ceil", rate, "prio", "0"],
+        ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", "rate", f"{max(bits - bits // 10, 8000)}bit",
+         "ceil", rate, "prio", "1"],
+    ]  # fmt: skip
+    for port in priority_ports:
+        for field in ("dport", "sport"):
+            out.append(["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                        "match", "ip", field, str(port), "0xffff", "flowid", "1:5"])  # fmt: skip
+    return out
+
+
+def _rate_bits(rate: str) -> int:
+    """A ``tc`` rate in bits per second (``400mbit``, ``1gbit``, ``50mbps``)."""
+    m = re.fullmatch(r"([0-9.]+)\s*([kmg]?)(bit|bps)", rate.strip().lower())
+    if not m:
+        raise ClusterError(f"cannot read the rate {rate!r} (e.g. 400mbit, 1gbit)")
+    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+    return int(value * 8 if m.group(3) == "bps" else value)
 
 
 class Cluster:
@@ -230,6 +258,9 @@ class Cluster:
             round trip across costs twice that); None for none. It needs the kernel's netem
             qdisc (:func:`netem_available`).
         grace: seconds between SIGTERM and SIGKILL at teardown.
+        priority_ports: TCP ports whose packets every shaped link sends first (a control-plane
+            class of service, e.g. the server's port), so that they do not queue behind bulk
+            transfers.
 
     Raises:
         ClusterError: a bad spec, or a command that failed while building (whatever was built
@@ -245,6 +276,7 @@ class Cluster:
         inter_dc_rate: str = "100mbit",
         inter_dc_delay: str | None = None,
         grace: float = 2.0,
+        priority_ports: Sequence[int] = (),
     ) -> None:
         self.prefix = prefix if prefix is not None else "th" + secrets.token_hex(2)
         if not _PREFIX.match(self.prefix):
@@ -257,6 +289,9 @@ class Cluster:
         self.host_rate = host_rate
         self.inter_dc_rate = inter_dc_rate
         self.inter_dc_delay = inter_dc_delay
+        self.priority_ports = tuple(int(p) for p in priority_ports)
+        if any(not 0 < p < 65536 for p in self.priority_ports):
+            raise ClusterError(f"priority_ports must be TCP ports, got {priority_ports!r}")
         self.grace = grace
         # the second octet from the prefix: concurrent runs get different subnets (cosmetic:
         # their namespaces are isolated anyway)
@@ -370,7 +405,7 @@ class Cluster:
             for end, br in ((a, f"{p}b1"), (b, f"{p}b{d}")):
                 self._ip(sw, "link", "set", end, "master", br)
                 self._ip(sw, "link", "set", end, "up")
-                for args in _htb(end, self.inter_dc_rate):
+                for args in _htb(end, self.inter_dc_rate, self.priority_ports):
                     self._tc(sw, *args)
                 if self.inter_dc_delay:
                     self._add_delay(end)
@@ -384,14 +419,15 @@ class Cluster:
             self._ip(sw, "link", "set", s, "up")
             self._ip(ns, "addr", "add", f"{self.address(host)}/16", "dev", h)
             self._ip(ns, "link", "set", h, "up")
-            for args in _htb(h, self.host_rate):
+            for args in _htb(h, self.host_rate, self.priority_ports):
                 self._tc(ns, *args)
         self._wait_links_up()
 
     def _add_delay(self, dev: str) -> None:
         try:
-            self._tc(self.switch, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:",
-                     "netem", "delay", str(self.inter_dc_delay), "limit", "10000")  # fmt: skip
+            for cls in ("10", "5") if self.priority_ports else ("10",):  # the control class is delayed too
+                self._tc(self.switch, "qdisc", "add", "dev", dev, "parent", f"1:{cls}", "handle", f"{cls}:",
+                         "netem", "delay", str(self.inter_dc_delay), "limit", "10000")  # fmt: skip
         except ClusterError as err:
             if "unknown" not in str(err).lower():
                 raise

@@ -168,3 +168,19 @@ def test_cleanup_after_a_run_killed_outright() -> None:
             proc.stdout.close()
         if prefix:
             assert cleanup(prefix) == []
+
+
+def test_priority_ports_get_a_class_served_first() -> None:
+    from benchmarks.cluster import _htb, _rate_bits
+
+    assert _rate_bits("400mbit") == 400_000_000 and _rate_bits("50mbps") == 400_000_000
+    with pytest.raises(ClusterError, match="cannot read the rate"):
+        _rate_bits("fast")
+    plain = _htb("v0", "100mbit")
+    assert len(plain) == 2 and plain[1][-4:] == ["rate", "100mbit", "ceil", "100mbit"]
+    cmds = [" ".join(c) for c in _htb("v0", "100mbit", (5557,))]
+    assert "class add dev v0 parent 1:1 classid 1:5 htb rate 10000000bit ceil 100mbit prio 0" in cmds
+    assert any("match ip dport 5557 0xffff flowid 1:5" in c for c in cmds)
+    assert any("match ip sport 5557 0xffff flowid 1:5" in c for c in cmds)
+    with pytest.raises(ClusterError, match="priority_ports"):
+        Cluster(SPEC, priority_ports=(0,))
