@@ -41,7 +41,8 @@ command                   what the worker does, and what it prints
 inside the ``replicate``/``update`` calls that got this version: for ``poll`` every call since
 the previous move, the ones that returned False included), ``latency_s`` (from wanting it until
 holding it: for ``replicate``/``await`` from the command / the end of the wait; for ``poll``
-null: :meth:`Job.pulled` fills it in from the trainer's publish time), ``t_want``, ``t_end``,
+null: :meth:`Job.pulled` fills it in from the trainer's publish time), ``move_s`` (the call that
+moved alone: for ``poll`` the ``update()`` that pulled; else ``stall_s``), ``calls``, ``t_want``, ``t_end``,
 ``bytes``, ``grants``, ``sources``, ``transports`` (``last_pull``) and ``hash`` (of the bytes it
 holds, computed after the timed call; the trainer prints the same hash for each version).
 A failed command prints ``error`` (``op``, ``type``, ``message``) and the worker goes on. With
@@ -250,14 +251,15 @@ class _Worker:
         return True
 
     def _pulled(self, mode: str, version: int, stall: float, t_want: float | None, t_end: float,
-                calls: int) -> None:  # fmt: skip
+                calls: int, move: float | None = None) -> None:  # fmt: skip
         p = self.h.last_pull
         digest = self.content_hash() if not self.a.no_hash else None
         self.emit("pulled", mode=mode, version=version, stall_s=stall,
                   latency_s=(t_end - t_want) if t_want is not None else None, t_want=t_want, t_end=t_end,
                   bytes=p.bytes if p else 0, grants=p.grants if p else 0, sources=list(p.sources) if p else [],
                   transports=list(p.transports) if p else [], reads=p.reads if p else 0,
-                  verify_s=p.verify_s if p else 0.0, calls=calls, hash=digest)  # fmt: skip
+                  verify_s=p.verify_s if p else 0.0, calls=calls, move_s=stall if move is None else move,
+                  hash=digest)  # fmt: skip
 
     def replicate(self, spec: str, wait_first: bool) -> None:
         version: int | str = int(spec) if spec.lstrip("-").isdigit() else spec
@@ -283,7 +285,7 @@ class _Worker:
             stall += t1 - t0
             calls += 1
             if moved:
-                self._pulled("poll", self.h.version, stall, None, t1, calls)
+                self._pulled("poll", self.h.version, stall, None, t1, calls, t1 - t0)
                 stall, calls = 0.0, 0
             if self.h.version is not None and self.h.version >= until:
                 reason = "reached"
