@@ -77,38 +77,40 @@ def spec(rollouts: int) -> dict[str, list[str]]:
     return {"dc-a": ["ctl", "t1"], "dc-b": [*[f"b{i}" for i in range(1, rollouts + 1)], "probe"]}
 
 
-def link_bytes(cluster: Cluster, server: str, timeout: float = 20.0) -> dict[str, int]:
-    """The server's bytes per link class (``tensorhub status``, run inside the server's host:
-    its address exists only in the namespaces)."""
-    proc = cluster.run("ctl", [sys.executable, "-m", "tensorhub", "status", "--server", server],
+def tensorhub_cli(cluster: Cluster, *args: str, timeout: float = 30.0) -> str:
+    """Run ``python -m tensorhub <args>`` inside the server's host (its address exists only in
+    the namespaces); its stdout.
+
+    Raises:
+        JobError: it failed or did not finish within ``timeout`` seconds.
+    """
+    what = f"tensorhub {args[0]}"
+    proc = cluster.run("ctl", [sys.executable, "-m", "tensorhub", *args],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT))  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        raise JobError(f"tensorhub status did not answer within {timeout:g} s") from None
+        raise JobError(f"{what} did not answer within {timeout:g} s") from None
     if proc.returncode != 0:
-        raise JobError(f"tensorhub status failed ({proc.returncode}): {err.strip()[-500:]}")
-    return json.loads(out)["bytes_by_link"]
+        raise JobError(f"{what} failed ({proc.returncode}): {err.strip()[-500:]}")
+    return out
 
 
-def save_dag(cluster: Cluster, server: str, version: int, stem: Path, timeout: float = 30.0) -> None:
+def link_bytes(cluster: Cluster, server: str) -> dict[str, int]:
+    """The server's bytes per link class (``tensorhub status``)."""
+    return json.loads(tensorhub_cli(cluster, "status", "--server", server))["bytes_by_link"]
+
+
+def save_dag(cluster: Cluster, server: str, version: int, stem: Path) -> None:
     """The replication DAG of ``version`` as ``stem``.json and .dot (and .png where graphviz's
-    ``dot`` is installed), from ``tensorhub dag`` inside the server's host."""
-    argv = [sys.executable, "-m", "tensorhub", "dag", "--server", server, "--model", "actor", "--version", str(version),
-            "--json", f"{stem}.json", "--dot", f"{stem}.dot"]  # fmt: skip
+    ``dot`` is installed), from ``tensorhub dag``."""
+    args = ["dag", "--server", server, "--model", "actor", "--version", str(version), "--json", f"{stem}.json",
+            "--dot", f"{stem}.dot"]  # fmt: skip
     if shutil.which("dot"):
-        argv += ["--png", f"{stem}.png"]
-    proc = cluster.run("ctl", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise JobError(f"tensorhub dag did not answer within {timeout:g} s") from None
-    if proc.returncode != 0:
-        raise JobError(f"tensorhub dag failed ({proc.returncode}): {err.strip()[-500:]}")
+        args += ["--png", f"{stem}.png"]
+    tensorhub_cli(cluster, *args)
 
 
 def run_mode(cluster: Cluster, mode: str, rollouts: int, versions: int, size: int, *, poll_ms: int,
