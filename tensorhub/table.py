@@ -560,7 +560,7 @@ class ReferenceTable:
         if state is None or state is U:
             index.remove(h.id)
         else:
-            index.put(h.id, h.replica.name, h.session.location, len(h.replica.serving), state is not P)
+            index.put(h.id, h.replica.name, h.session.location, self._load(h.replica), state is not P)
         if state is C or was != now:
             model.dirty_shards[(h.version, h.shard_idx)] = None
             self._mark_dirty(model)
@@ -1411,14 +1411,34 @@ class ReferenceTable:
         s = reader.session
         self._send(s, m.Grant(g.req, s.id, g.id, self.term, reader.version, reader.shard_idx, info, reader.checksums))
 
+    def _twin(self, replica: _Replica) -> _Replica | None:
+        """The replica that shares ``replica``'s host and link: its offload seed replica, or the
+        replica a seed replica seeds for."""
+        replicas = replica.model.replicas
+        owner = seed_owner(replica.name)
+        if owner is not None:
+            return replicas.get(owner)
+        if len(replica.name) + len(SEED_SUFFIX) > MAX_NAME_LEN:
+            return None
+        return replicas.get(seed_replica(replica.name))
+
+    def _load(self, replica: _Replica) -> int:
+        """A source replica's load for selection: the reader replicas it serves, plus those its
+        twin (:meth:`_twin`) serves: they send over the same link."""
+        twin = self._twin(replica)
+        return len(replica.serving) + (len(twin.serving) if twin is not None else 0)
+
     def _reindex(self, replica: _Replica) -> None:
-        """The replica's load changed: move its grantable holders to their new buckets."""
-        load = len(replica.serving)
-        versions = replica.model.versions
-        for s in replica.shards.values():
-            for h in (s.holder, *s.offloads.values()):
-                if h is not None and h.state is not None and h.state is not U:
-                    versions[h.version].index[h.shard_idx].put(h.id, replica.name, s.location, load, h.state is not P)
+        """The replica's load changed: move its grantable holders (and its twin's) to their new
+        buckets."""
+        twin = self._twin(replica)
+        for r in (replica, twin) if twin is not None else (replica,):
+            load = self._load(r)
+            versions = r.model.versions
+            for s in r.shards.values():
+                for h in (s.holder, *s.offloads.values()):
+                    if h is not None and h.state is not None and h.state is not U:
+                        versions[h.version].index[h.shard_idx].put(h.id, r.name, s.location, load, h.state is not P)
 
     def _regrant_waiting(self, model: _Model) -> None:
         for h in list(model.waiting_readers):

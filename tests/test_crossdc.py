@@ -382,3 +382,28 @@ def test_offload_seeding_end_to_end_with_a_real_server():
         asyncio.run(main())
     finally:
         assert server.stop() == 0
+
+
+def test_a_seed_and_its_owner_share_one_link_for_load():
+    """The seed replica and its owner sit on one host: a reader of the seed loads the owner too,
+    so the next reader goes to a holder on another host."""
+    d = _driver(pipeline=False)
+    published(d, dc="dc0")
+    seed, sreq = _seed(d, "r1", "dc1", 1)
+    seed.complete(seed.grant())
+    seed.expect_ok(sreq)
+    owner = d.shard("r1", dc="dc1", host="r1-host")
+    owner.replicate(1)
+    owner.complete(owner.grant())
+    published(d, "x", dc="dc1")  # another host of dc1 holding v1
+    for seed_of_rng in range(8):  # whichever of the three a takes, b goes to the other host
+        picks = []
+        for k in ("a", "b"):
+            r = d.shard(f"{k}{seed_of_rng}", dc="dc1")
+            r.replicate(1)
+            picks.append(r.grant().source.replica)
+        on_r1 = [p for p in picks if p in ("r1", "r1@seed")]
+        assert len(on_r1) == 1 and "x" in picks, picks
+        for k in ("a", "b"):
+            s = d.shards[f"actor/{k}{seed_of_rng}/0/i1"]
+            s.expect_ok(s.close())
