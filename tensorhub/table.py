@@ -1216,7 +1216,7 @@ class ReferenceTable:
         model = s.model
         dc = s.location.datacenter
         ver = model.versions[v]
-        seed = seed_replica(txn.replica.name) if len(txn.replica.name) + len(SEED_SUFFIX) <= MAX_NAME_LEN else None
+        seed = _seed_name(txn.replica.name)
         if seed is not None and seed in ver.full:
             txn.source_replica = seed  # the replica's own CPU copy, next to it
         if not (self.config.pipeline and self.config.smart_skipping):
@@ -1415,12 +1415,8 @@ class ReferenceTable:
         """The replica that shares ``replica``'s host and link: its offload seed replica, or the
         replica a seed replica seeds for."""
         replicas = replica.model.replicas
-        owner = seed_owner(replica.name)
-        if owner is not None:
-            return replicas.get(owner)
-        if len(replica.name) + len(SEED_SUFFIX) > MAX_NAME_LEN:
-            return None
-        return replicas.get(seed_replica(replica.name))
+        name = seed_owner(replica.name) or _seed_name(replica.name)
+        return replicas.get(name) if name is not None else None
 
     def _load(self, replica: _Replica) -> int:
         """A source replica's load for selection: the reader replicas it serves, plus those its
@@ -1823,13 +1819,15 @@ class ReferenceTable:
     def seeding(self) -> Iterable[m.Seeding]:
         """Versions being seeded into a datacenter now: the replicas there whose pull of the
         version has a source in another datacenter (or that were told to offload-seed it)."""
+        across: dict[str, dict[tuple[int, str], dict[str, None]]] = {}  # model -> (version, dc) -> replicas
+        for g in self.grants.values():
+            r = g.reader
+            dc = r.session.location.datacenter
+            if dc != g.source.session.location.datacenter:
+                across.setdefault(r.session.model.name, {}).setdefault((r.version, dc), {})[r.replica.name] = None
+        now = self.clock()
         for model in self.models.values():
-            found: dict[tuple[int, str], dict[str, None]] = {}
-            for g in self.grants.values():
-                r = g.reader
-                if r.session.model is model and r.session.location.datacenter != g.source.session.location.datacenter:
-                    found.setdefault((r.version, r.session.location.datacenter), {})[r.replica.name] = None
-            now = self.clock()
+            found = across.get(model.name, {})
             for (v, dc), (owner, until) in model.seeds.items():
                 if until > now and owner in model.replicas and not found.get((v, dc)):
                     found[(v, dc)] = {seed_replica(owner): None}
@@ -1868,6 +1866,11 @@ class _AnnouncedArgs:
         return False
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _seed_name(replica: str) -> str | None:
+    """The offload seed replica's name for ``replica``, or None where it would be too long."""
+    return seed_replica(replica) if len(replica) + len(SEED_SUFFIX) <= MAX_NAME_LEN else None
 
 
 def _offload_of(s: _Session, version: int) -> _Holder | None:
