@@ -1,7 +1,13 @@
-"""Discrete-event simulator (DESIGN.md §7): runs the production ``ReferenceTable`` and
-``scheduling`` policies against simulated clients, a virtual clock and a flow-level network.
+"""Discrete-event simulator (DESIGN.md §7): the production ``ReferenceTable``, ``scheduling``
+policies and ``ReplicationSession`` against simulated clients, a virtual clock and a flow-level
+network, at up to thousands of GPUs.
 
-Not built yet (its own issue). What it will drive already exists: the table is sans-IO, takes
-an injected clock and random source, and reports its next deadline (``next_deadline()``), so a
-simulator advances virtual time straight to it.
+- :mod:`sim.core`: virtual clock, event queue, the one seeded random source, the trace digest.
+- :mod:`sim.network`: links and flows, max-min fair sharing, re-solved per connected component.
+- :mod:`sim.cluster`: datacenters, hosts of 8 GPUs, NICs, VPC NICs, paths, stragglers.
+- :mod:`sim.actors`: the simulated server (the real table behind a simulated control plane)
+  and clients (the real protocol and the real replication session).
+- :mod:`sim.baselines`: NCCL, UCX and Ray object store models, parameters set once.
+- :mod:`sim.scenarios`: the paper's experiments and a churn test; :mod:`sim.report` prints,
+  saves and draws them; :mod:`sim.cli` is ``tensorhub sim``.
 """

@@ -1,0 +1,769 @@
+"""Simulated reference server and clients: the production protocol, in virtual time.
+
+Theory of operation
+-------------------
+:class:`SimServer` wraps the production :class:`~tensorhub.table.ReferenceTable` exactly as
+the real server actor does: a message arrives (after the control plane's one-way latency), waits
+for the server's CPU (one message at a time, ``server_service`` seconds each), goes through
+``table.handle``; what the table returns is delivered to the clients after the same latency;
+``table.tick()`` runs at ``table.next_deadline()``. There is no second implementation of any
+server decision: source selection, pipelining, retention, consistency, failure handling,
+smart skipping and offload seeding are the table's and ``scheduling``'s own code.
+
+:class:`SimShard` is one shard handle (one GPU, or a CPU copy): it speaks the client protocol
+(the same :mod:`tensorhub.messages`), heartbeats, and pulls with the production
+:class:`~tensorhub.session.ReplicationSession`. Its reads are flows in the
+:class:`~sim.network.Network`: a read from a source that does not hold the range yet (a partial
+source, pipeline replication) waits for the source's progress counter, as the real holder does.
+A shard pulls in reads of ``1/reads_per_shard`` of the shard, one at a time (the flow runs at the
+link's full rate, so more reads in flight would change nothing but the event count).
+
+:class:`SimReplica` groups the shards of a replica and offers the calls of the public API
+(``open``, ``publish``, ``unpublish``, ``update``, ``replicate``, ``close``) with a callback
+for the replica's answer, and ``crash()``: a process killed, silent at once.
+
+What the simulation checks as it runs (:attr:`SimServer.violations`): the table's invariants
+(:func:`tensorhub.invariants.check_invariants`, every ``check_every`` events, or after every
+event), and the mutability contract from the data plane's side: no shard's buffers change
+version while a reader still reads them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tensorhub import messages as m
+from tensorhub.invariants import check_invariants
+from tensorhub.layout import Layout, TensorSpec
+from tensorhub.naming import seed_replica
+from tensorhub.session import (
+    Advance,
+    ReadRange,
+    ReplicationSession,
+    ReportChecksumFailed,
+    ReportComplete,
+    ReportProgress,
+    ReportSourceFailed,
+)
+from tensorhub.table import ReferenceTable, TableConfig
+
+from .cluster import Cluster, Device
+from .core import Simulator, Timer
+from .network import Flow
+
+__all__ = ["CallRecord", "SimReplica", "SimServer", "SimShard", "shard_layout"]
+
+
+def shard_layout(nbytes: int, reads_per_shard: int = 128) -> Layout:
+    """A shard of ``nbytes`` as one tensor whose checksum units are the simulator's reads."""
+    chunk = max(1, math.ceil(nbytes / reads_per_shard))
+    return Layout(
+        (TensorSpec("weights", "uint8", (nbytes,), nbytes),), "xxh3-64", chunk, 1
+    )
+
+
+@dataclass
+class CallRecord:
+    """One call of one replica: when it was made, when every shard had its answer, the answer."""
+
+    replica: str
+    kind: str
+    start: float
+    end: float | None = None
+    moved: bool | None = None
+    version: int | None = None
+    skipped: int | None = None
+    error: str | None = None
+    shards: int = 1
+
+    @property
+    def stall(self) -> float:
+        return (self.end if self.end is not None else math.nan) - self.start
+
+
+class SimServer:
+    """The production reference table behind a simulated control plane.
+
+    Args:
+        sim: the clock and event queue.
+        cluster: the hardware (for its control-plane timings).
+        config: the table's configuration.
+        check_every: check the table's invariants every this many events (0: never; 1: after
+            every event of the simulation, not only the server's).
+    """
+
+    def __init__(
+        self,
+        sim: Simulator,
+        cluster: Cluster,
+        config: TableConfig | None = None,
+        check_every: int = 1000,
+    ) -> None:
+        self.sim = sim
+        self.cluster = cluster
+        self.params = cluster.params
+        self.table = ReferenceTable(
+            lambda: sim.now, sim.child_rng(), config or TableConfig(), term=1
+        )
+        self.shards: dict[str, SimShard] = {}  # peer -> shard
+        self.by_session: dict[int, SimShard] = {}
+        self.incarnations = itertools.count(1)  # per server, so that a run's names do not depend on earlier runs
+        self.busy_until = 0.0
+        self.messages = 0
+        self._tick: Timer | None = None
+        self.violations: list[str] = []
+        self.checks = 0
+        self.check_every = check_every
+        if check_every == 1:
+            sim.after_event.append(self.check)
+        elif check_every > 1:
+            self._countdown = check_every
+            sim.after_event.append(self._maybe_check)
+
+    # ---- invariants ------------------------------------------------------------------------
+
+    def check(self) -> None:
+        self.checks += 1
+        for v in check_invariants(self.table):
+            self.violation(f"table: {v}")
+
+    def _maybe_check(self) -> None:
+        self._countdown -= 1
+        if self._countdown <= 0:
+            self._countdown = self.check_every
+            self.check()
+
+    def violation(self, what: str) -> None:
+        if len(self.violations) < 100:
+            self.violations.append(f"t={self.sim.now:.6f}: {what}")
+            self.sim.record("violation", what)
+
+    # ---- the control plane -----------------------------------------------------------------
+
+    def send(self, shard: SimShard, msg: Any) -> None:
+        """``shard`` sends ``msg``; it reaches the table after the latency and the queue."""
+        arrive = self.sim.now + self.params.control_latency
+        start = max(arrive, self.busy_until)
+        self.busy_until = start + self.params.server_service
+        self.sim.at(self.busy_until, self._handle, shard.peer, msg)
+
+    def _handle(self, peer: str, msg: Any) -> None:
+        self.messages += 1
+        self._deliver(self.table.handle(peer, msg))
+
+    def _deliver(self, out: list) -> None:
+        for peer, msg in out:
+            shard = self.shards.get(peer)
+            if shard is not None:
+                self.sim.after(self.params.control_latency, shard.receive, msg)
+        self._arm()
+
+    def _arm(self) -> None:
+        when = self.table.next_deadline()
+        if when is None:
+            return
+        if (
+            self._tick is not None
+            and not self._tick.cancelled
+            and self._tick.time <= when
+        ):
+            return
+        if self._tick is not None:
+            self._tick.cancel()
+        self._tick = self.sim.at(when, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self._deliver(self.table.tick())
+
+
+class SimShard:
+    """One shard handle of one replica (see the module docstring)."""
+
+    def __init__(self, replica: SimReplica, shard_idx: int, device: Device) -> None:
+        self.replica = replica
+        self.server = replica.server
+        self.sim = replica.sim
+        self.shard_idx = shard_idx
+        self.device = device
+        self.peer = f"{replica.model}/{replica.name}/{shard_idx}/{replica.incarnation}"
+        self.server.shards[self.peer] = self
+        self.session: int | None = None
+        self.alive = True
+        self.removed: str | None = None
+        self.calls = 0
+        self._reqs = replica.reqs
+        self.waiting: dict[int, Callable[[Any], None]] = {}
+        # the live buffers: a complete version, or the pull filling them
+        self.holding: int | None = None
+        self.pull: ReplicationSession | None = None
+        self.grant: m.Grant | None = None
+        self.offloads: set[int] = set()
+        # reads of this shard's memory: flow -> (reader, how its read fails)
+        self.serving: dict[Flow, tuple[SimShard, Callable[[str], None]]] = {}
+        self.waiters: list[
+            tuple[int, int, Callable[[], None], SimShard]
+        ] = []  # (version, end, start_read, reader)
+        self.reading: dict[Flow, SimShard] = {}  # flow -> its source
+        self.timers: list[Timer] = []
+
+    # ---- sending -----------------------------------------------------------------------------
+
+    def request(
+        self, build: Callable[[int], Any], then: Callable[[Any], None] | None = None
+    ) -> None:
+        req = next(self._reqs)
+        if then is not None:
+            self.waiting[req] = then
+        self.server.send(self, build(req))
+
+    def next_call(self) -> int:
+        self.calls += 1
+        return self.calls
+
+    def receive(self, msg: Any) -> None:
+        if not self.alive:
+            return
+        req = getattr(msg, "req", None)
+        if req is not None and req in self.waiting and not isinstance(msg, m.Grant):
+            self.waiting.pop(req)(msg)
+            return
+        handler = getattr(self, f"on_{type(msg).__name__}", None)
+        if handler is not None:
+            handler(msg)
+
+    # ---- what the server tells a shard -------------------------------------------------------
+
+    def on_Grant(self, g: m.Grant) -> None:
+        pull = self.pull
+        if pull is None or pull.version != g.version or pull.done:
+            if pull is not None and not pull.done:
+                pull.on_abort()
+            if self.holding is not None and self._has_readers(self.holding):
+                self.server.violation(
+                    f"{self.peer} is granted v{g.version} while readers still read its v{self.holding}"
+                )
+            self.holding = None
+            pull = self.pull = ReplicationSession(
+                g.version,
+                self.replica.layout.total_bytes,
+                self.replica.layout.chunk_bytes,
+                max_inflight=1,
+            )
+        self.grant = g
+        self.sim.record(
+            "grant",
+            f"{self.peer} v{g.version} from {g.source.replica}/{g.source.shard_idx} {g.source.kind}",
+        )
+        self._run(pull, pull.on_grant(g.grant, g.source))
+
+    def on_Revoke(self, msg: m.Revoke) -> None:
+        if self.pull is not None:
+            self._run(self.pull, self.pull.on_revoked(msg.grant))
+
+    def on_OffloadRequest(self, msg: m.OffloadRequest) -> None:
+        copy_s = self.replica.layout.total_bytes / (
+            self.cluster.params.pcie_gbps / 8 * 1e9
+        )
+
+        def done() -> None:
+            if self.alive and self.session == msg.session:
+                self.offloads.add(msg.version)
+                self.request(
+                    lambda req: m.PublishOffload(req, self.session, msg.version, True)
+                )
+
+        self.timers.append(self.sim.after(copy_s, done))
+
+    def on_FreeOffload(self, msg: m.FreeOffload) -> None:
+        if self._has_readers(msg.version, offload=True):
+            self.server.violation(
+                f"{self.peer} is told to free its offload copy of v{msg.version} while it is read"
+            )
+        self.offloads.discard(msg.version)
+
+    def on_VerifyRequest(self, msg: m.VerifyRequest) -> None:
+        self.request(lambda req: m.VerifyResult(req, self.session, msg.version, True))
+
+    def on_Removed(self, msg: m.Removed) -> None:
+        self.removed = msg.code
+        self.sim.record("removed", f"{self.peer} {msg.code}")
+
+    # ---- pulling -----------------------------------------------------------------------------
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.replica.cluster
+
+    def _run(self, pull: ReplicationSession, actions: list) -> None:
+        if pull is not self.pull or not self.alive:
+            return
+        g = self.grant
+        for a in actions:
+            if isinstance(a, ReadRange):
+                self._read(pull, a)
+            elif isinstance(a, Advance):
+                self._advanced(pull.version, a.verified)
+            elif isinstance(a, ReportProgress):
+                self.server.send(
+                    self, m.Progress(0, self.session, a.grant, g.term, a.verified)
+                )
+            elif isinstance(a, ReportComplete):
+                self.holding = pull.version
+                self.pull = None
+                self.sim.record("complete", f"{self.peer} v{pull.version}")
+                self.request(
+                    lambda req, a=a: m.Complete(req, self.session, a.grant, g.term),
+                    self._ignore,
+                )
+            elif isinstance(a, ReportSourceFailed):
+                self.sim.record(
+                    "source_failed", f"{self.peer} grant {a.grant}: {a.reason}"
+                )
+                self.request(
+                    lambda req, a=a: m.SourceFailed(
+                        req, self.session, a.grant, g.term, a.verified, a.reason
+                    ),
+                    self._ignore,
+                )
+            elif isinstance(
+                a, ReportChecksumFailed
+            ):  # pragma: no cover - the simulator does not verify
+                self.server.violation(
+                    f"{self.peer}: a checksum failure with verification off: {a}"
+                )
+
+    def _ignore(self, reply: Any) -> None:
+        if isinstance(reply, m.Failed) and reply.code not in (
+            "fenced",
+            "replica_removed",
+            "unknown_grant",
+            "stale_grant",
+        ):
+            self.server.violation(
+                f"{self.peer}: a data-plane report was refused: {reply.code}: {reply.message}"
+            )
+
+    def _read(self, pull: ReplicationSession, a: ReadRange) -> None:
+        g = self.grant
+        assert g is not None
+        src = self.server.by_session.get(g.source.session)
+        offload = g.source.kind == m.KIND_OFFLOAD
+        end = a.offset + a.length
+
+        def fail(reason: str) -> None:
+            if self.pull is pull and self.alive:
+                self._run(pull, pull.on_read_failed(a.grant, a.offset, reason))
+
+        if src is None or not src.alive:
+            # a silent peer: the transport gives up after its timeout
+            self.timers.append(
+                self.sim.after(
+                    self.cluster.params.transfer_timeout,
+                    fail,
+                    "transfer timeout: the source is silent",
+                )
+            )
+            return
+
+        def start() -> None:
+            if self.pull is not pull or not self.alive:
+                return
+            if not src.alive:
+                self.timers.append(
+                    self.sim.after(
+                        self.cluster.params.transfer_timeout, fail, "transfer timeout"
+                    )
+                )
+                return
+            src_dev = self.cluster.cpu(src.device.host) if offload else src.device
+            links, cap, latency = self.cluster.path(src_dev, self.device)
+
+            def landed() -> None:
+                src.serving.pop(flow, None)
+                self.reading.pop(flow, None)
+                if self.pull is pull and self.alive:
+                    self._run(pull, pull.on_read_done(a.grant, a.offset))
+
+            def begin() -> None:
+                nonlocal flow
+                if self.pull is not pull or not self.alive:
+                    return
+                if not src.alive:
+                    self.timers.append(
+                        self.sim.after(
+                            self.cluster.params.transfer_timeout,
+                            fail,
+                            "transfer timeout",
+                        )
+                    )
+                    return
+                flow = self.cluster.net.start(
+                    links,
+                    a.length,
+                    landed,
+                    cap,
+                    tag=(a.grant, pull.version, a.offset, offload),
+                )
+                src.serving[flow] = (self, fail)
+                self.reading[flow] = src
+
+            flow: Flow | None = None
+            self.timers.append(self.sim.after(latency, begin))
+
+        if offload or src.available(pull.version) >= end:
+            start()
+        else:
+            src.waiters.append((pull.version, end, start, self))
+
+    def available(self, version: int) -> int:
+        """Bytes of ``version`` this shard's live buffers hold (its progress counter)."""
+        if self.holding == version:
+            return self.replica.layout.total_bytes
+        if self.pull is not None and self.pull.version == version:
+            return self.pull.verified
+        return 0
+
+    def _advanced(self, version: int, verified: int) -> None:
+        if not self.waiters:
+            return
+        ready = [w for w in self.waiters if w[0] == version and w[1] <= verified]
+        if ready:
+            self.waiters = [
+                w for w in self.waiters if not (w[0] == version and w[1] <= verified)
+            ]
+            for _, _, start, _ in ready:
+                start()
+
+    def _has_readers(self, version: int, offload: bool = False) -> bool:
+        """A read of this version is in flight under a grant the table still counts as active
+        (a read of a revoked grant may still run: its bytes are discarded, DESIGN §5.2)."""
+        grants = self.server.table.grants
+        return any(
+            f.tag[1] == version and f.tag[3] == offload and f.tag[0] in grants
+            for f in self.serving
+        )
+
+    # ---- dying -------------------------------------------------------------------------------
+
+    def crash(self) -> None:
+        """The process is gone: no heartbeat, no answer; its readers' reads time out."""
+        if not self.alive:
+            return
+        self.alive = False
+        self.sim.record("crash", self.peer)
+        for t in self.timers:
+            t.cancel()
+        self.timers.clear()
+        net = self.cluster.net
+        for f, src in list(self.reading.items()):
+            net.cancel(f)
+            src.serving.pop(f, None)
+        self.reading.clear()
+        timeout = self.cluster.params.transfer_timeout
+        for f, (reader, fail) in list(self.serving.items()):
+            net.cancel(f)
+            reader.reading.pop(f, None)
+            reader.timers.append(
+                self.sim.after(
+                    timeout, fail, "transfer timeout: the source went silent"
+                )
+            )
+        self.serving.clear()
+        for _, _, start, reader in self.waiters:
+            reader.timers.append(
+                self.sim.after(timeout, start)
+            )  # start() sees the source dead and fails the read
+        self.waiters.clear()
+        if self.pull is not None:
+            self.pull.on_abort()
+            self.pull = None
+
+
+class SimReplica:
+    """The shards of one replica, and the public API's calls on them (see the module docstring).
+
+    Args:
+        server: the simulated server.
+        cluster: the hardware.
+        model: the model's name.
+        name: the replica's name.
+        devices: one per shard (its GPU, or a host's CPU for an offload seed).
+        layout: every shard's layout (the simulator's shards are equal in size).
+        spot: a spot replica (serves, never counts for retention).
+        retain: the retention declaration (``open(retain=...)``), as the wire carries it.
+        offload_seeding: ``open(offload_seeding=True)``.
+    """
+
+    def __init__(
+        self,
+        server: SimServer,
+        model: str,
+        name: str,
+        devices: list[Device],
+        layout: Layout,
+        spot: bool = False,
+        retain: int | None = None,
+        offload_seeding: bool = False,
+    ) -> None:
+        self.server = server
+        self.sim = server.sim
+        self.cluster = server.cluster
+        self.model = model
+        self.name = name
+        self.layout = layout
+        self.spot = spot
+        self.retain = retain
+        self.offload_seeding = offload_seeding
+        self.incarnation = f"i{next(server.incarnations)}"
+        self.reqs = itertools.count(1)
+        self.shards = [SimShard(self, i, d) for i, d in enumerate(devices)]
+        self.records: list[CallRecord] = []
+        self.opened = False
+        self.version: int | None = (
+            None  # what its buffers hold, as the last answer said
+        )
+        self.seed: SimReplica | None = None
+        self.seed_version: int | None = None
+        self.heartbeat: Timer | None = None
+
+    @property
+    def alive(self) -> bool:
+        return all(s.alive for s in self.shards)
+
+    def _all(
+        self,
+        kind: str,
+        build: Callable[[SimShard, int, int], Any],
+        then: Callable[[CallRecord, list], None] | None,
+    ) -> CallRecord:
+        """A numbered call on every shard; ``then(record, replies)`` once every shard has its answer."""
+        rec = CallRecord(self.name, kind, self.sim.now, shards=len(self.shards))
+        self.records.append(rec)
+        replies: list[Any] = [None] * len(self.shards)
+        left = [len(self.shards)]
+
+        def got(i: int, reply: Any) -> None:
+            replies[i] = reply
+            left[0] -= 1
+            if left[0] == 0:
+                rec.end = self.sim.now
+                errors = [r for r in replies if isinstance(r, m.Failed)]
+                if errors:
+                    rec.error = errors[0].code
+                self.sim.record("answer", f"{self.name} {kind} {rec.error or ''}")
+                if then is not None:
+                    then(rec, replies)
+
+        for s in self.shards:
+            call = s.next_call()
+            s.request(
+                lambda req, s=s, call=call: build(s, req, call),
+                lambda r, i=s.shard_idx: got(i, r),
+            )
+        return rec
+
+    # ---- the API -------------------------------------------------------------------------------
+
+    def open(self, then: Callable[[], None] | None = None) -> None:
+        """``tensorhub.open(...)`` then ``register(tensors)`` on every shard."""
+        left = [len(self.shards)]
+        loc_of = {s.shard_idx: s.device.location for s in self.shards}
+
+        def registered(s: SimShard, reply: Any) -> None:
+            if isinstance(reply, m.Failed):
+                self.server.violation(
+                    f"{s.peer}: register refused: {reply.code}: {reply.message}"
+                )
+                return
+            left[0] -= 1
+            if left[0] == 0:
+                self.opened = True
+                self._heartbeat()
+                if then is not None:
+                    then()
+
+        def opened(s: SimShard, reply: Any) -> None:
+            if isinstance(reply, m.Failed):
+                self.server.violation(
+                    f"{s.peer}: open refused: {reply.code}: {reply.message}"
+                )
+                return
+            s.session = reply.session
+            self.server.by_session[reply.session] = s
+            s.request(
+                lambda req: m.Register(
+                    req, s.session, self.layout, {"sim": s.peer, "region": 0}
+                ),
+                lambda r: registered(s, r),
+            )
+
+        for s in self.shards:
+            s.request(
+                lambda req, s=s: m.OpenShard(
+                    req, self.model, self.name, len(self.shards), s.shard_idx, self.incarnation, loc_of[s.shard_idx],
+                    self.spot, self.retain,
+                ),
+                lambda r, s=s: opened(s, r),
+            )  # fmt: skip
+
+    def _heartbeat(self) -> None:
+        if not self.alive:
+            return
+        for s in self.shards:
+            if s.session is not None:
+                s.request(lambda req, s=s: m.Heartbeat(req, (s.session,)), _noop)
+        self.heartbeat = self.sim.after(
+            self.server.table.config.heartbeat_interval, self._heartbeat
+        )
+
+    def publish(
+        self, version: int, then: Callable[[CallRecord, list], None] | None = None
+    ) -> CallRecord:
+        """Every shard's buffers now hold ``version``; publish references to them."""
+        count = self.layout.checksum_count()
+        for s in self.shards:
+            s.holding = version
+        self.version = version
+        return self._all(
+            "publish",
+            lambda s, req, call: m.Publish(req, s.session, call, version, (0,) * count),
+            then,
+        )
+
+    def unpublish(
+        self, then: Callable[[CallRecord, list], None] | None = None
+    ) -> CallRecord:
+        def done(rec: CallRecord, replies: list) -> None:
+            if rec.error is None:
+                for s in self.shards:
+                    s.holding = None
+            if then is not None:
+                then(rec, replies)
+
+        return self._all(
+            "unpublish", lambda s, req, call: m.Unpublish(req, s.session, call), done
+        )
+
+    def update(
+        self,
+        spec: int | str = "latest",
+        then: Callable[[CallRecord, list], None] | None = None,
+        timeout: float | None = None,
+    ) -> CallRecord:
+        """``update(spec)``: the record's ``moved``, ``version`` and ``skipped`` are the answer."""
+
+        def done(rec: CallRecord, replies: list) -> None:
+            first = replies[0]
+            if isinstance(first, m.Updated):
+                rec.moved, rec.version, rec.skipped = (
+                    first.moved,
+                    first.version,
+                    first.skipped,
+                )
+                if first.moved:
+                    self.version = first.version
+                if first.seed is not None:
+                    self._start_seed(first.seed)
+                elif (
+                    self.seed is not None
+                    and self.version is not None
+                    and self.version >= (self.seed_version or 0)
+                ):
+                    self._retire_seed()
+            if then is not None:
+                then(rec, replies)
+
+        offload = self.offload_seeding
+        return self._all(
+            "update",
+            lambda s, req, call: m.Update(req, s.session, call, spec, timeout, offload),
+            done,
+        )
+
+    def replicate(
+        self,
+        spec: int | str,
+        then: Callable[[CallRecord, list], None] | None = None,
+        timeout: float | None = None,
+    ) -> CallRecord:
+        def done(rec: CallRecord, replies: list) -> None:
+            first = replies[0]
+            if isinstance(first, m.Replicated):
+                rec.moved, rec.version = True, first.version
+                self.version = first.version
+            if then is not None:
+                then(rec, replies)
+
+        return self._all(
+            "replicate",
+            lambda s, req, call: m.Replicate(req, s.session, call, spec, timeout),
+            done,
+        )
+
+    def close(self, then: Callable[[], None] | None = None) -> None:
+        left = [len(self.shards)]
+
+        def closed(_: Any) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self._stop()
+                if then is not None:
+                    then()
+
+        if self.seed is not None:
+            self._retire_seed()
+        for s in self.shards:
+            s.request(lambda req, s=s: m.CloseShard(req, s.session), closed)
+
+    def _stop(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
+            self.heartbeat = None
+        for s in self.shards:
+            s.alive = False
+            self.server.shards.pop(s.peer, None)
+
+    def crash(self) -> None:
+        """SIGKILL: every shard's process is gone at once (and the replica's offload seed)."""
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
+            self.heartbeat = None
+        for s in self.shards:
+            s.crash()
+        if self.seed is not None:
+            self.seed.crash()
+
+    # ---- offload seeding (as tensorhub.api does it) ------------------------------------------
+
+    def _start_seed(self, version: int) -> None:
+        if self.seed is not None:
+            self._retire_seed()
+        devices = [self.cluster.cpu(s.device.host) for s in self.shards]
+        seed = SimReplica(
+            self.server,
+            self.model,
+            seed_replica(self.name),
+            devices,
+            self.layout,
+            spot=True,
+        )
+        self.seed, self.seed_version = seed, version
+        self.sim.record("seed", f"{seed.name} v{version}")
+        seed.open(
+            lambda: seed.replicate(version) if self.seed is seed else seed.close()
+        )
+
+    def _retire_seed(self) -> None:
+        seed, self.seed, self.seed_version = self.seed, None, None
+        if seed is None or not seed.alive or not seed.opened:
+            return  # one still opening closes itself when it is opened
+        seed.unpublish(lambda rec, replies: seed.close())
+
+
+def _noop(_: Any) -> None:
+    pass
