@@ -1,0 +1,310 @@
+"""The benchmark suite's report: markdown tables (with ratios to TensorHub and the goals) and
+PNG plots, drawn from the JSON that ``python -m benchmarks`` writes.
+
+``python -m benchmarks report RESULTS.json [--out DIR] [--name STEM] [--notes NOTES.md]``
+redraws the report of an earlier run (without plots where matplotlib is not installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+WALL_GOAL_READERS = 4
+
+
+def _f(x: Any, fmt: str = ".2f", none: str = "–") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def write_report(
+    results: dict[str, Any],
+    out: Path,
+    stamp: str,
+    plots: bool = True,
+    notes: Path | None = None,
+) -> Path:
+    """Write ``<stamp>.md`` (and ``<stamp>-*.png`` where matplotlib imports) into ``out``."""
+    pngs: list[tuple[str, str]] = []
+    plot_note = ""
+    if plots:
+        try:
+            pngs = draw_plots(results, out, stamp)
+        except ImportError as err:
+            plot_note = f"(no plots: {err}; `pip install -e .[bench]`)"
+    lines = render(results, pngs, plot_note)
+    if notes is not None:
+        lines += ["", "## Reading the figures", "", notes.read_text().strip(), ""]
+    path = out / f"{stamp}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def render(
+    results: dict[str, Any], pngs: list[tuple[str, str]], plot_note: str = ""
+) -> list[str]:
+    p, m = results["params"], results["machine"]
+    th = results["tensorhub_row"]
+    rows = results["summary"]
+    L = [
+        f"# TensorHub side by side with the alternatives ({'quick' if p['quick'] else 'full'} run)",
+        "",
+    ]
+    L.append(f"Run {results['started']} ({results['duration_s']:.0f} s) at commit `{results.get('git')}`: "
+             f"`{results['command']}`.  ")  # fmt: skip
+    L.append(f"Machine: {m.get('cpus')} CPUs, {m.get('mem_gib')} GiB, Python {m.get('python')}, torch {m.get('torch')}, "
+             f"ray {m.get('ray') or 'not installed'}, mooncake {m.get('mooncake') or 'not installed'}, "
+             f"nixl {m.get('nixl') or 'not installed'}; {m.get('platform')}.  ")  # fmt: skip
+    wl = ", ".join(f"`{w}` ({v['tensors']} tensors, {v['small_tensors']} under 64 KiB, {v['bytes'] / 2**20:.0f} MiB)"
+                   for w, v in results["workloads"].items())  # fmt: skip
+    L.append(f"Workloads: {wl}. Readers: {', '.join(map(str, p['readers']))} processes. "
+             f"{p['repeats']} timed rounds per group (+{p['warmup']} warm-up) x {p['rounds']} sweeps; figures are medians.")  # fmt: skip
+    L += [
+        "",
+        "## Goals",
+        "",
+        "| goal | measured | ratio | target | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for g in results["goals"]:
+        L.append(
+            f"| {g['goal']} | {g.get('measured', '–')} | {_f(g.get('ratio'))} | {g['target']:g} | **{g['verdict']}** |"
+        )
+    whys = [g for g in results["goals"] if g.get("why")]
+    if whys:
+        L.append("")
+        for g in whys:
+            L.append(f"- {g['verdict']} — {g['goal']}: {g['why']}.")
+    for w in p["workloads"]:
+        if w not in results["workloads"]:
+            continue
+        L += ["", f"## `{w}`", "",
+              (f"Wall time until every reader holds the shard (stores: put + get + copy; TensorHub: publish + replicate "
+               f"with verification); `x {th}` is this row's wall time over {th}'s with as many readers (> 1: slower than "
+               f"TensorHub). RSS: peak minus RSS after allocating the tensors, over the group."),
+              "",
+              "| system | readers | wall s (min–max) | x " + th + " | GB/s per reader | GB/s aggregate | CPU s/GB | holder RSS MiB | reader RSS MiB | rounds |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in sorted(
+            (r for r in rows if r["workload"] == w),
+            key=lambda r: (r["readers"], _order(results, r["system"])),
+        ):
+            if "wall_s" not in r:
+                L.append(
+                    f"| {r['system']} | {r['readers']} | FAILED: {'; '.join(e.splitlines()[0] for e in r['errors'])[:200]} | | | | | | | |"
+                )
+                continue
+            ref = next(
+                (
+                    x
+                    for x in rows
+                    if x["system"] == th
+                    and x["workload"] == w
+                    and x["readers"] == r["readers"]
+                    and "wall_s" in x
+                ),
+                None,
+            )
+            rel = _f(r["wall_s"] / ref["wall_s"]) if ref else "–"
+            L.append(f"| {r['system']} | {r['readers']} | {r['wall_s']:.3f} ({r['wall_min_s']:.3f}–{r['wall_max_s']:.3f}) | {rel} | "
+                     f"{r['reader_gbps']:.2f} | {r['aggregate_gbps']:.2f} | {r['cpu_s_per_gb']:.2f} | {_f(r['holder_rss_mib'], '.0f')} | "
+                     f"{_f(r['reader_rss_mib'], '.0f')} | {r['rounds']} |")  # fmt: skip
+    ctl = [r for r in rows if r.get("control")]
+    if ctl:
+        L += ["", "## TensorHub: the control plane's share", "",
+              ("A reader's time split by when its transport's reads were in flight: before the first read (publish, the "
+               "replicate request, the grant), after the last one (the verification tail, unpacking, the completion), "
+               "and the share of its time with no read in flight (control plane and bookkeeping; gaps between reads "
+               "count here too). `publish` is the trainer's call."), "",
+              "| system | workload | readers | publish ms | first read ms | after last read ms | no read in flight |",
+              "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in sorted(ctl, key=lambda r: (r["system"], r["workload"], r["readers"])):
+            c = r["control"]
+            share = (
+                None
+                if c["outside_reads_share"] is None
+                else 100 * c["outside_reads_share"]
+            )
+            L.append(f"| {r['system']} | {r['workload']} | {r['readers']} | {_f(c['publish_ms'], '.1f')} | {_f(c['first_read_ms'], '.1f')} | "
+                     f"{_f(c['after_last_read_ms'], '.1f')} | {_f(share, '.0f')} % |")  # fmt: skip
+    ray_rows = [r for r in rows if r.get("put_s") is not None]
+    if ray_rows:
+        L += [
+            "",
+            "## Ray: put and get",
+            "",
+            "| system | workload | readers | put s | get s (per reader) |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for r in sorted(
+            ray_rows, key=lambda r: (r["system"], r["workload"], r["readers"])
+        ):
+            L.append(
+                f"| {r['system']} | {r['workload']} | {r['readers']} | {r['put_s']:.3f} | {r['get_s']:.3f} |"
+            )
+    if pngs or plot_note:
+        L += ["", "## Plots", ""]
+        L += [f"![{title}]({name})" for title, name in pngs] or [plot_note]
+    L += ["", "## Systems", "", "| system | what it does | status |", "|---|---|---|"]
+    for name, s in results["systems"].items():
+        L.append(
+            f"| {name} | {s['describe']} | {'skipped: ' + s['skipped'] if s['skipped'] else 'measured'} |"
+        )
+    L += ["", ("Every system lands the bytes in the reader's preallocated torch tensors (a zero-copy view of another "
+               "process's memory is copied in, and that copy is timed); every round's bytes are checked (xxh3-64 of every "
+               "tensor) before it counts. Readers and holders are separate OS processes on this one machine, released together "
+               "at one instant of the monotonic clock; setup (process groups, agents, registration, connections) is untimed "
+               "for every system alike. See `benchmarks/suite.py`.")]  # fmt: skip
+    return L
+
+
+def _order(results: dict[str, Any], name: str) -> int:
+    names = list(results["systems"])
+    return names.index(name) if name in names else len(names)
+
+
+def draw_plots(results: dict[str, Any], out: Path, stamp: str) -> list[tuple[str, str]]:
+    """Three PNGs: wall time and aggregate GB/s against readers (one panel per workload), and
+    RSS beyond the tensors at the largest reader count. Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["summary"] if "wall_s" in r]
+    workloads = [
+        w
+        for w in results["params"]["workloads"]
+        if any(r["workload"] == w for r in rows)
+    ]
+    names = [n for n in results["systems"] if any(r["system"] == n for r in rows)]
+    made = []
+    for key, title, ylabel, log in (("wall_s", "wall time until every reader has the version", "seconds", True),
+                                    ("aggregate_gbps", "aggregate throughput", "GB/s (all readers)", False)):  # fmt: skip
+        fig, axes = plt.subplots(
+            1,
+            max(1, len(workloads)),
+            figsize=(5.5 * max(1, len(workloads)), 4),
+            squeeze=False,
+        )
+        for ax, w in zip(axes[0], workloads, strict=False):
+            for n in names:
+                pts = sorted(
+                    (r["readers"], r[key])
+                    for r in rows
+                    if r["system"] == n and r["workload"] == w
+                )
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=n,
+                            linewidth=2.5 if n == results["tensorhub_row"] else 1.2)  # fmt: skip
+            ax.set_title(f"{w}")
+            ax.set_xlabel("reader processes")
+            ax.set_ylabel(ylabel)
+            ax.set_xticks(results["params"]["readers"])
+            if log:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7)
+        fig.suptitle(title)
+        fig.tight_layout()
+        name = f"{stamp}-{key.split('_')[0]}.png"
+        fig.savefig(out / name, dpi=80)
+        plt.close(fig)
+        made.append((title, name))
+    nmax = max(results["params"]["readers"])
+    fig, axes = plt.subplots(
+        1,
+        max(1, len(workloads)),
+        figsize=(5.5 * max(1, len(workloads)), 4),
+        squeeze=False,
+    )
+    for ax, w in zip(axes[0], workloads, strict=False):
+        sel = [
+            r
+            for r in rows
+            if r["workload"] == w and (r["readers"] == nmax or r["system"] == "memcpy")
+        ]
+        sel.sort(key=lambda r: names.index(r["system"]))
+        xs = range(len(sel))
+        ax.bar(
+            [x - 0.2 for x in xs],
+            [r["holder_rss_mib"] or 0 for r in sel],
+            width=0.4,
+            label="holder",
+        )
+        ax.bar(
+            [x + 0.2 for x in xs],
+            [r["reader_rss_mib"] or 0 for r in sel],
+            width=0.4,
+            label="reader (max)",
+        )
+        ax.set_xticks(
+            list(xs), [r["system"] for r in sel], rotation=45, ha="right", fontsize=7
+        )
+        ax.set_ylabel("MiB beyond the tensors")
+        ax.set_title(f"{w}, {nmax} readers")
+        ax.axhline(64, color="grey", linestyle=":", linewidth=1)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("peak RSS minus RSS after allocating the tensors")
+    fig.tight_layout()
+    name = f"{stamp}-rss.png"
+    fig.savefig(out / name, dpi=80)
+    plt.close(fig)
+    made.append(("peak RSS beyond the tensors", name))
+    return made
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks report",
+        description="redraw a suite report from its JSON",
+    )
+    ap.add_argument("json", type=Path)
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="folder for the markdown and PNGs (default: the JSON's)",
+    )
+    ap.add_argument("--name", help="file name stem (default: the JSON's)")
+    ap.add_argument("--notes", type=Path, help="a markdown file appended to the report")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        results = json.loads(args.json.read_text())
+    except (OSError, ValueError) as err:
+        print(
+            f"python -m benchmarks report: error: cannot read {str(args.json)!r}: {err}",
+            file=sys.stderr,
+        )
+        return 2
+    if (
+        not isinstance(results, dict)
+        or "summary" not in results
+        or "goals" not in results
+    ):
+        print(
+            f"python -m benchmarks report: error: {str(args.json)!r} is not a suite results file",
+            file=sys.stderr,
+        )
+        return 2
+    if args.notes is not None and not args.notes.is_file():
+        print(
+            f"python -m benchmarks report: error: --notes: no such file {str(args.notes)!r}",
+            file=sys.stderr,
+        )
+        return 2
+    out = args.out or args.json.parent
+    out.mkdir(parents=True, exist_ok=True)
+    path = write_report(
+        results,
+        out,
+        args.name or args.json.stem,
+        plots=not args.no_plots,
+        notes=args.notes,
+    )
+    print(f"wrote {path}")
+    return 0
