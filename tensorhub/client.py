@@ -67,6 +67,7 @@ from .errors import (
     Timeout,
     error_from_wire,
 )
+from .security import ClientKeys, apply_client, client_keys
 from .wire import MAX_FRAME_BYTES, decode, encode
 
 if TYPE_CHECKING:
@@ -188,6 +189,12 @@ class ClientActor(Actor):
     failover_timeout: how long to look for a server (at the start, or after a loss) before
         giving up.
     attempt_timeout: the bound of one probe, and of each request re-opening a session.
+    keys: CURVE keys for every server of the list (default: from ``$TENSORHUB_CURVE_SERVER_KEY``
+        and ``$TENSORHUB_CURVE_SECRET``, see :func:`tensorhub.security.client_keys`; None when
+        those are not set: plain connections).
+
+    Raises:
+        InvalidArgument: the CURVE environment is half set or names unreadable keys.
     """
 
     def __init__(
@@ -197,7 +204,9 @@ class ClientActor(Actor):
         engine: EngineActor,
         failover_timeout: float = 120.0,
         attempt_timeout: float = 2.0,
+        keys: ClientKeys | None | str = "env",
     ) -> None:
+        self.keys: ClientKeys | None = client_keys() if keys == "env" else keys  # type: ignore[assignment]
         self.addresses = (addresses,) if isinstance(addresses, str) else tuple(addresses)
         super().__init__(f"client:{','.join(self.addresses)}")
         self.index = 0
@@ -404,7 +413,7 @@ class ClientActor(Actor):
     async def _probe(self, address: str) -> bool:
         from .embedded import probe
 
-        return await probe(self.ctx, address, self.attempt_timeout)
+        return await probe(self.ctx, address, self.attempt_timeout, self.keys)
 
     async def _find_and_move(self, start: int, first: bool = False) -> None:
         """Find a server from ``start`` on (wrapping around), move there and restore every
@@ -478,6 +487,7 @@ class ClientActor(Actor):
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        apply_client(sock, self.keys)
         sock.connect(self.addresses[msg.index])
         self.sock = sock
         self.index = msg.index

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -48,11 +49,15 @@ def embedded_address() -> str:
     return os.environ.get("TENSORHUB_EMBEDDED_ADDRESS", EMBEDDED_ADDRESS)
 
 
-async def probe(ctx: zmq.asyncio.Context, address: str, timeout: float = 0.5) -> bool:
-    """Whether a TensorHub server answers at ``address`` within ``timeout`` seconds."""
+async def probe(ctx: zmq.asyncio.Context, address: str, timeout: float = 0.5, keys: Any = None) -> bool:
+    """Whether a TensorHub server answers at ``address`` within ``timeout`` seconds (through
+    CURVE with ``keys``, a :class:`~tensorhub.security.ClientKeys`, when given)."""
+    from .security import apply_client
+
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        apply_client(sock, keys)
         sock.connect(address)
         await sock.send(encode(m.Heartbeat(1, ())))
         if not await sock.poll(int(timeout * 1000)):

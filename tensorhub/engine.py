@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,7 @@ class _Slot:
         "reads",
         "region",
         "session",
+        "span",
         "stats",
         "term",
         "unpacking",
@@ -137,6 +139,25 @@ class _Slot:
         self.peer_generation: int | None = None  # the current grant's source generation
         self.publishing: asyncio.Task | None = None  # the publish job (pack, hash, declare)
         self.unpacking: asyncio.Task | None = None  # the last of the slot's unpacks (they run in order)
+        self.span: _Span | None = None  # the transfer under the current grant, reported when it ends
+
+
+@dataclass(slots=True)
+class _Span:
+    """A transfer under one grant, as the reader saw it (reported to the server when it ends)."""
+
+    grant: int
+    version: int
+    source: str
+    source_shard: int
+    transport: str
+    start: float  # wall clock
+    bytes0: int  # the pull's landed bytes and reads when the grant began
+    reads0: int
+
+
+#: ``$TENSORHUB_SPANS=0`` turns transfer reports off (e.g. against a server that predates them).
+_SPANS = os.environ.get("TENSORHUB_SPANS", "1") != "0"
 
 
 # ---- messages the engine takes -----------------------------------------------------------------
@@ -344,6 +365,9 @@ class EngineActor(Actor):
         slot.stats.grants += 1
         slot.stats.sources.append(f"{g.source.replica}/{g.source.shard_idx}")
         slot.stats.transports.append(slot.peer[0].name)
+        self._end_span(slot, "failed")  # a grant that was replaced without a word (normally reported already)
+        slot.span = _Span(g.grant, g.version, g.source.replica, g.source.shard_idx, slot.peer[0].name, time.time(),
+                          slot.stats.bytes, slot.stats.reads)  # fmt: skip
         self._run(slot, pull, pull.on_grant(g.grant, g.source))
 
     def _new_pull(self, slot: _Slot, version: int) -> ReplicationSession:
@@ -397,10 +421,26 @@ class EngineActor(Actor):
                 (self.log.warning if expected else self.log.info)(choice.describe(), **slot.ctx)
         return self.transports[choice.name], endpoint[choice.name], endpoint["region"]
 
+    def _end_span(self, slot: _Slot, outcome: str, grant: int | None = None) -> None:
+        """Report the transfer under the slot's current grant (if it is ``grant``, when given)."""
+        span = slot.span
+        if span is None or (grant is not None and span.grant != grant):
+            return
+        slot.span = None
+        if not _SPANS:
+            return
+        stats = slot.stats
+        moved = max(0, stats.bytes - span.bytes0) if stats is not None else 0
+        reads = max(0, stats.reads - span.reads0) if stats is not None else 0
+        end = max(time.time(), span.start)
+        self._report(slot, lambda req: m.TransferSpan(req, slot.session, span.grant, span.version, span.source, span.source_shard,
+                                                      span.transport, moved, reads, span.start, end, outcome), True)  # fmt: skip
+
     def on_Revoke(self, msg: m.Revoke) -> None:
         slot = self.slots.get(msg.session)
         if slot is not None and slot.pull is not None:
-            self.log.info("grant revoked", grant=msg.grant, reason=msg.reason, **slot.ctx)
+            self._end_span(slot, "revoked", msg.grant)
+            self.log.info("grant revoked", grant=msg.grant, reason=msg.reason, version=slot.pull.version, **slot.ctx)
             self._run(slot, slot.pull, slot.pull.on_revoked(msg.grant))
 
     def on_AbortPull(self, msg: AbortPull) -> asyncio.Future:
@@ -417,6 +457,7 @@ class EngineActor(Actor):
     def _abort(self, slot: _Slot) -> None:
         pull = slot.pull
         assert pull is not None
+        self._end_span(slot, "aborted")
         pull.on_abort()
         slot.pull = None
         slot.parked.clear()
@@ -444,12 +485,16 @@ class EngineActor(Actor):
             elif isinstance(a, ReportChecksumFailed):
                 src = pull.sources[-1] if pull.sources else None
                 where = f"{src.replica}/{src.shard_idx} ({src.kind})" if src is not None else "?"
-                self.log.error("bytes from a source failed verification", grant=a.grant, source=where, unit=a.unit, **slot.ctx)
+                self._end_span(slot, "checksum_failed", a.grant)
+                self.log.error("bytes from a source failed verification", grant=a.grant, source=where, unit=a.unit,
+                               version=pull.version, **slot.ctx)  # fmt: skip
                 self._report(slot, lambda req, a=a: m.ChecksumFailed(req, slot.session, a.grant, slot.term, a.verified, a.unit))
             elif isinstance(a, ReportSourceFailed):
                 src = pull.sources[-1] if pull.sources else None
                 where = f"{src.replica}/{src.shard_idx} ({src.kind})" if src is not None else "?"
-                self.log.warning("source failed", grant=a.grant, source=where, verified=a.verified, reason=a.reason, **slot.ctx)
+                self._end_span(slot, "failed", a.grant)
+                self.log.warning("source failed", grant=a.grant, source=where, verified=a.verified, reason=a.reason,
+                                 version=pull.version, **slot.ctx)  # fmt: skip
                 self._report(slot, lambda req, a=a: m.SourceFailed(req, slot.session, a.grant, slot.term, a.verified, a.reason[:1000]))
 
     def _verify(self, slot: _Slot, pull: ReplicationSession, a: Verify) -> None:
@@ -515,11 +560,13 @@ class EngineActor(Actor):
         if slot is None or msg.pull is not slot.pull:
             return
         if msg.error is not None:
-            self.log.error("unpacking the pulled tiny tensors failed", error=msg.error, **slot.ctx)
+            self._end_span(slot, "failed", msg.grant)
+            self.log.error("unpacking the pulled tiny tensors failed", error=msg.error, version=msg.pull.version, **slot.ctx)
             reason = f"unpacking failed locally: {msg.error}"[:1000]
             self._report(slot, lambda req: m.SourceFailed(req, slot.session, msg.grant, slot.term, 0, reason))
             return
         self._report(slot, lambda req: m.Complete(req, slot.session, msg.grant, slot.term))
+        self._end_span(slot, "completed", msg.grant)
 
     def _report(self, slot: _Slot, build: Any, unanswered: bool = False) -> None:
         from .client import Send

@@ -584,3 +584,171 @@ class Listing:
 class HeartbeatAck:
     req: int
     unknown: tuple[int, ...]
+
+
+# --- operations: transfer spans, cluster state, traces ------------------------------------------
+
+#: How a reader's transfer under one grant ended, as it reports it.
+SPAN_OUTCOMES = ("completed", "failed", "checksum_failed", "revoked", "aborted")
+
+
+@message("transfer_span")
+class TransferSpan:
+    """A reader's report of one transfer (its pull under one grant), sent when the grant ends
+    on its side. Times are the reader's wall clock (seconds since the epoch). The server answers
+    only an error (send with ``req`` 0)."""
+
+    req: int
+    session: int
+    grant: int
+    version: int
+    source_replica: str
+    source_shard: int
+    transport: str = field(metadata={"max_len": 64})
+    bytes: int
+    reads: int
+    start: float
+    end: float
+    outcome: str = field(metadata={"max_len": 32})
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        validate_replica(self.source_replica)
+        for what in ("grant", "source_shard", "bytes", "reads"):
+            _nonneg(what, getattr(self, what))
+        if self.bytes > U64:
+            raise ValueError("bytes must fit in 64 bits")
+        if not 0 <= self.start <= self.end <= 1e11:
+            raise ValueError(f"a span needs 0 <= start <= end (seconds since the epoch), got {self.start}..{self.end}")
+        if self.outcome not in SPAN_OUTCOMES:
+            raise ValueError(f"outcome must be one of {SPAN_OUTCOMES}, got {self.outcome!r}")
+
+
+@struct
+class SpanEntry:
+    """A transfer span as the server keeps it: the reader named by the server (its session),
+    the rest as the reader reported."""
+
+    reader: str
+    reader_shard: int
+    reader_dc: str
+    reader_host: str
+    grant: int
+    source: str
+    source_shard: int
+    transport: str
+    bytes: int
+    reads: int
+    start: float
+    end: float
+    outcome: str
+
+
+@message("get_trace")
+class GetTrace:
+    """Ask for what the server knows of one version's replication: :class:`Trace`."""
+
+    req: int
+    model: str
+    version: int
+
+    def __post_init__(self) -> None:
+        validate_model(self.model)
+        validate_version(self.version)
+
+
+@message("trace")
+class Trace:
+    """The reported transfer spans of a version and the server's record of its grants (edges:
+    server clock; ``clock_offset`` turns that clock into seconds since the epoch)."""
+
+    req: int
+    model: str
+    version: int
+    spans: tuple[SpanEntry, ...]
+    edges: tuple[DagEdge, ...]
+    clock_offset: float
+
+
+@message("get_cluster")
+class GetCluster:
+    """Ask for the cluster's state (no session needed): :class:`ClusterState`."""
+
+    req: int
+
+
+@struct
+class ShardState:
+    """One open shard (session) of a replica: where it is and what its buffers hold."""
+
+    shard_idx: int
+    session: int
+    datacenter: str
+    host: str
+    version: int | None  # the version its registered buffers hold or are pulling (None: none)
+    state: str  # "partial", "complete", "unpublishing", or "" (nothing held)
+    verified: int  # bytes verified of that version
+    total_bytes: int  # the shard's size (0: not registered)
+    offloads: tuple[int, ...]  # versions held as offload (CPU) copies
+    idle_s: float  # seconds since the server last heard from it
+
+
+@struct
+class ReplicaState:
+    replica: str
+    num_shards: int
+    spot: bool
+    shards: tuple[ShardState, ...]
+
+
+@struct
+class VersionState:
+    version: int
+    available: bool
+    retained: bool
+    holders: int  # complete or offload holders, all shards
+    partial: int  # readers pulling it
+    offloaded: int  # offload copies among the holders
+    replicas: tuple[str, ...]  # replicas holding it completely (all shards)
+
+
+@struct
+class ModelState:
+    model: str
+    num_shards: int
+    highest_published: int | None
+    retain_back: int | None
+    versions: tuple[VersionState, ...]
+    replicas: tuple[ReplicaState, ...]
+
+
+@struct
+class GrantState:
+    """An active grant: ``reader`` pulls shard ``shard_idx`` of ``version`` from ``source``."""
+
+    grant: int
+    model: str
+    version: int
+    shard_idx: int
+    reader: str
+    source: str
+    source_kind: str
+    source_complete: bool
+    verified: int
+    total_bytes: int
+    age_s: float
+    bytes_per_s: float  # verified under this grant, per second since it began
+
+
+@message("cluster_state")
+class ClusterState:
+    """What the server knows now: models, their versions and replicas, the active grants, and
+    the transfer rate of recent reported spans (bytes per second over ``window_s``)."""
+
+    req: int
+    term: int
+    time: float  # the server's wall clock
+    models: tuple[ModelState, ...]
+    grants: tuple[GrantState, ...]
+    window_s: float
+    recent_bytes_per_s: float

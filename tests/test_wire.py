@@ -137,6 +137,26 @@ SAMPLES: list[Any] = [
         versions=LISTED,
     ),
     m.HeartbeatAck(req=17, unknown=(8,)),
+    m.TransferSpan(req=0, session=7, grant=5, version=12, source_replica="trainer", source_shard=0, transport="tcp",
+                   bytes=1 << 20, reads=2, start=1.7e9, end=1.7e9 + 0.5, outcome="completed"),
+    m.GetTrace(req=22, model="actor", version=12),
+    m.Trace(req=22, model="actor", version=12, spans=(m.SpanEntry(
+        reader="rollout-1", reader_shard=0, reader_dc="dc-b", reader_host="b1", grant=5, source="trainer",
+        source_shard=0, transport="tcp", bytes=10, reads=1, start=1.7e9, end=1.7e9 + 1, outcome="completed",
+    ),), edges=(), clock_offset=1.7e9),
+    m.GetCluster(req=23),
+    m.ClusterState(req=23, term=2, time=1.7e9, models=(m.ModelState(
+        model="actor", num_shards=1, highest_published=12, retain_back=0,
+        versions=(m.VersionState(version=12, available=True, retained=True, holders=2, partial=1, offloaded=0,
+                                 replicas=("trainer",)),),
+        replicas=(m.ReplicaState(replica="trainer", num_shards=1, spot=False, shards=(m.ShardState(
+            shard_idx=0, session=7, datacenter="dc-a", host="a1", version=12, state="complete", verified=10,
+            total_bytes=10, offloads=(), idle_s=0.1,
+        ),)),),
+    ),), grants=(m.GrantState(
+        grant=5, model="actor", version=12, shard_idx=0, reader="rollout-1", source="trainer", source_kind="normal",
+        source_complete=True, verified=4, total_bytes=10, age_s=0.5, bytes_per_s=8.0,
+    ),), window_s=10.0, recent_bytes_per_s=0.0),
 ]
 BY_KIND = {type(s).KIND: s for s in SAMPLES}
 ANSWER = wire.to_plain(BY_KIND["announce"].answers[0])  # a plain CallAnswer, to spoil
@@ -1031,6 +1051,7 @@ BY_FIELD: dict[tuple[type, str], st.SearchStrategy] = {
     (m.Held, "kind"): st.sampled_from([m.KIND_NORMAL, m.KIND_OFFLOAD]),
     (m.CallAnswer, "kind"): st.sampled_from(["publish", "unpublish", "replicate", "update", "list", "wait"]),
     (m.GetDag, "model"): NAMES,
+    (m.GetTrace, "model"): NAMES,
 }
 @st.composite
 def announces(draw) -> m.Announce:
@@ -1048,8 +1069,20 @@ def announces(draw) -> m.Announce:
     )
 
 
+@st.composite
+def transfer_spans(draw) -> m.TransferSpan:
+    start = draw(st.floats(min_value=0, max_value=1e10))
+    return m.TransferSpan(
+        req=draw(INTS), session=draw(INTS), grant=draw(NONNEG), version=draw(VERSIONS), source_replica=draw(NAMES),
+        source_shard=draw(NONNEG), transport=draw(st.text(max_size=64)), bytes=draw(U64S), reads=draw(NONNEG),
+        start=start, end=start + draw(st.floats(min_value=0, max_value=1e9)),
+        outcome=draw(st.sampled_from(m.SPAN_OUTCOMES)),
+    )
+
+
 BY_CLASS: dict[type, st.SearchStrategy] = {
     Location: LOCATIONS,
+    m.TransferSpan: transfer_spans(),
     Layout: layouts(),
     TensorSpec: tensor_specs(),
     m.OpenShard: open_shards(),

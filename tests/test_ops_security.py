@@ -1,0 +1,165 @@
+"""CURVE authentication, the loopback rule, session binding and keygen, against real server
+processes (real ZeroMQ sockets on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+import zmq
+
+import tensorhub
+from scheduling.topology import Location
+from tensorhub import errors as e
+from tensorhub import messages as m
+from tensorhub.admin import server_status
+from tensorhub.layout import Layout, TensorSpec
+from tensorhub.metrics import parse_text, scrape
+from tensorhub.security import ClientKeys, check_bind, client_keys, is_loopback, keygen, load_public, load_secret
+from tensorhub.wire import decode, encode
+
+from .procs import ServerProcess
+
+pytestmark = pytest.mark.integration
+
+LAYOUT = Layout((TensorSpec("w", "float32", (4,), 16),), "xxh3-64", 1 << 20, 2 << 20)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    keygen(str(d), "server")
+    keygen(str(d / "clients"), "alice")
+    keygen(str(d / "clients"), "bob")
+    keygen(str(d), "mallory")  # not in the allowed directory
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(keys):
+    s = ServerProcess("--curve-secret", str(keys / "server.key_secret"), "--curve-clients", str(keys / "clients"),
+                      "--metrics-port", "0")  # fmt: skip
+    line = s.proc.stdout.readline()
+    s.metrics_port = int(re.search(r":(\d+)/metrics", line).group(1))
+    yield s
+    assert s.alive(), f"the server died: {s.stderr()}"
+    assert s.stop() == 0
+
+
+def client(keys, name: str, where: str = "clients") -> ClientKeys:
+    pub, sec = load_secret(str(keys / where / f"{name}.key_secret"))
+    return ClientKeys(pub, sec, load_public(str(keys / "server.key")))
+
+
+def test_keygen_files(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tensorhub", "keygen", "--dir", str(tmp_path), "--name", "w0"],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    pub, sec = load_secret(str(tmp_path / "w0.key_secret"))
+    assert load_public(str(tmp_path / "w0.key")) == pub and len(pub) == 40 and len(sec) == 40
+    assert stat.S_IMODE(os.stat(tmp_path / "w0.key_secret").st_mode) == 0o600
+    again = subprocess.run([sys.executable, "-m", "tensorhub", "keygen", "--dir", str(tmp_path), "--name", "w0"],
+                           capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert again.returncode == 2 and "exists already" in again.stderr
+    with pytest.raises(e.InvalidArgument):
+        keygen(str(tmp_path), "../escape")
+
+
+@pytest.mark.parametrize("address, loopback", [
+    ("tcp://127.0.0.1:5557", True), ("tcp://127.0.0.2:1", True), ("tcp://localhost:5557", True),
+    ("tcp://[::1]:5557", True), ("ipc:///tmp/x", True), ("inproc://x", True),
+    ("tcp://*:5557", False), ("tcp://0.0.0.0:5557", False), ("tcp://10.0.0.1:5557", False), ("tcp://eth0:5557", False),
+])  # fmt: skip
+def test_is_loopback(address, loopback):
+    assert is_loopback(address) is loopback
+
+
+def test_half_configured_client_keys_are_refused(monkeypatch, keys):
+    monkeypatch.setenv("TENSORHUB_CURVE_SERVER_KEY", str(keys / "server.key"))
+    monkeypatch.delenv("TENSORHUB_CURVE_SECRET", raising=False)
+    with pytest.raises(e.InvalidArgument, match="TENSORHUB_CURVE_SECRET"):
+        client_keys()
+    monkeypatch.setenv("TENSORHUB_CURVE_SECRET", str(keys / "server.key"))  # a public key only
+    with pytest.raises(e.InvalidArgument, match="only a public key"):
+        client_keys()
+
+
+def test_authenticated_clients_work_and_others_are_refused(server, keys, monkeypatch):
+    # An allowed key: full service (publish, replicate, the bytes arrive).
+    monkeypatch.setenv("TENSORHUB_CURVE_SERVER_KEY", str(keys / "server.key"))
+    monkeypatch.setenv("TENSORHUB_CURVE_SECRET", str(keys / "clients" / "alice.key_secret"))
+    with tensorhub.open("auth", "trainer", server=server.address) as t, tensorhub.open("auth", "rollout", server=server.address) as r:
+        src, dst = {"w": torch.arange(64, dtype=torch.float32)}, {"w": torch.zeros(64)}
+        t.register(src)
+        r.register(dst)
+        t.publish(1)
+        assert r.replicate(1, timeout=20) == 1
+        assert torch.equal(src["w"], dst["w"])
+    assert server_status(server.address, 5.0, client(keys, "alice")).counts["sessions"] == 0
+    # No keys at all: the handshake never completes; a typed error, not a hang.
+    monkeypatch.delenv("TENSORHUB_CURVE_SERVER_KEY")
+    monkeypatch.delenv("TENSORHUB_CURVE_SECRET")
+    with pytest.raises(e.ServerUnavailable):
+        tensorhub.open("auth", "intruder", server=server.address, connect_timeout=1.0)
+    with pytest.raises(e.ServerUnavailable):
+        server_status(server.address, 1.0, None)
+    # A well-formed key that is not allowed.
+    with pytest.raises(e.ServerUnavailable):
+        server_status(server.address, 1.0, client(keys, "mallory", where="."))
+    monkeypatch.setenv("TENSORHUB_CURVE_SERVER_KEY", str(keys / "server.key"))
+    monkeypatch.setenv("TENSORHUB_CURVE_SECRET", str(keys / "mallory.key_secret"))
+    with pytest.raises(e.ServerUnavailable):
+        tensorhub.open("auth", "intruder", server=server.address, connect_timeout=1.0)
+    # The server counted what it refused.
+    metrics = parse_text(scrape("127.0.0.1", server.metrics_port))
+    auth = {dict(k)["result"]: v for k, v in metrics["tensorhub_auth_total"].items()}
+    assert auth.get("denied: key not allowed", 0) >= 2, auth
+    events = {dict(k)["event"]: v for k, v in metrics["tensorhub_connections_total"].items()}
+    assert events.get("handshake_failed_protocol", 0) + events.get("handshake_failed_auth", 0) >= 1, events
+    assert server.alive()
+
+
+class Peer:
+    def __init__(self, address: str, keys: ClientKeys) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        keys.apply(self.sock)
+        self.sock.connect(address)
+
+    def ask(self, msg):
+        self.sock.send(encode(msg))
+        assert self.sock.poll(5000), "no answer"
+        return decode(self.sock.recv())
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_sessions_are_bound_to_the_key_that_opened_them(server, keys):
+    alice, bob = Peer(server.address, client(keys, "alice")), Peer(server.address, client(keys, "bob"))
+    try:
+        opened = alice.ask(m.OpenShard(1, "bound", "r0", 1, 0, "inc-a", Location.default(), False, None))
+        assert isinstance(opened, m.Opened)
+        sid = opened.session
+        # Bob cannot announce transport endpoints (or anything else) for Alice's session...
+        for msg in (m.Register(2, sid, LAYOUT, {"region": 1, "tcp": {"host": "127.0.0.1", "port": 9}}),
+                    m.Heartbeat(3, (sid,)), m.CloseShard(4, sid), m.Announce(5, sid, (), None, 0, ())):  # fmt: skip
+            reply = bob.ask(msg)
+            assert isinstance(reply, m.Failed) and reply.code == "unknown_session", reply
+            assert "another authenticated client" in reply.message
+        # ... nor open a new incarnation of her shard (which would fence her).
+        reply = bob.ask(m.OpenShard(6, "bound", "r0", 1, 0, "inc-b", Location.default(), False, None))
+        assert isinstance(reply, m.Failed) and reply.code == "contract_violation", reply
+        # Alice's session is untouched: she registers her endpoint and closes.
+        assert isinstance(alice.ask(m.Register(7, sid, LAYOUT, {"region": 1})), m.Ack)
+        assert isinstance(alice.ask(m.CloseShard(8, sid)), m.Ack)
+    finally:
+        alice.close()
+        bob.close()
