@@ -391,8 +391,9 @@ class ServerActor(Actor):
     def _note_refusal(self, kind: str, reply: m.Failed) -> None:
         """Refusals are logged at debug one by one, with what they concern, and summed up in one
         warning at most every ``_LOG_EVERY_S`` (a flood of bad frames must not flood the log)."""
-        self.log.debug("request refused", kind=kind, code=reply.code, error=reply.message[:200], model=reply.model,
-                       version=reply.version, replica=reply.replica, shard=reply.shard)  # fmt: skip
+        concerns = {k: v for k, v in (("model", reply.model), ("version", reply.version), ("replica", reply.replica),
+                                      ("shard", reply.shard)) if v is not None}  # fmt: skip
+        self.log.debug("request refused", kind=kind, code=reply.code, error=reply.message[:200], **concerns)
         self._refused_since_log[reply.code] = self._refused_since_log.get(reply.code, 0) + 1
         now = time.monotonic()
         if now - self._last_refusal_log >= _LOG_EVERY_S:
