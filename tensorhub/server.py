@@ -241,6 +241,7 @@ class ServerActor(Actor):
 
     async def on_start(self) -> None:
         keys = self.config.keys
+        check_bind(self.config.bind, keys, self.config.insecure)
         if keys is not None:
             self.auth = KeyAuthenticator(self.ctx, keys.allowed)
             try:

@@ -20,7 +20,15 @@ from tensorhub import messages as m
 from tensorhub.admin import server_status
 from tensorhub.layout import Layout, TensorSpec
 from tensorhub.metrics import parse_text, scrape
-from tensorhub.security import ClientKeys, check_bind, client_keys, is_loopback, keygen, load_public, load_secret
+from tensorhub.security import (
+    ClientKeys,
+    check_bind,
+    client_keys,
+    is_loopback,
+    keygen,
+    load_public,
+    load_secret,
+)
 from tensorhub.wire import decode, encode
 
 from .procs import ServerProcess
@@ -77,6 +85,18 @@ def test_keygen_files(tmp_path):
 ])  # fmt: skip
 def test_is_loopback(address, loopback):
     assert is_loopback(address) is loopback
+
+
+def test_non_loopback_bind_needs_keys_or_insecure():
+    with pytest.raises(e.InvalidArgument, match="--insecure"):
+        check_bind("tcp://0.0.0.0:5557", None, insecure=False)
+    check_bind("tcp://0.0.0.0:5557", None, insecure=True)
+    check_bind("tcp://127.0.0.1:5557", None, insecure=False)
+    # The command line refuses before binding anything.
+    out = subprocess.run([sys.executable, "-m", "tensorhub", "server", "--bind", "tcp://0.0.0.0:1"],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert out.returncode == 2
+    assert "refusing to bind tcp://0.0.0.0:1 without authentication" in out.stderr
 
 
 def test_half_configured_client_keys_are_refused(monkeypatch, keys):
