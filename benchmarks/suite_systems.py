@@ -605,8 +605,7 @@ class TensorHubHolder(Side):
                  **_: Any) -> None:  # fmt: skip
         import tensorhub
 
-        if transport == "nixl":
-            self.timeout = timeout
+        self.timeout = timeout
         self.handle = tensorhub.open(group, "trainer", server=options["tensorhub_server"], retain=None,
                                      transports=_tensorhub_transports(transport))  # fmt: skip
         self.handle.register(tensors)
@@ -634,8 +633,7 @@ class TensorHubReader(Side):
                  transport: str, **_: Any) -> None:  # fmt: skip
         import tensorhub
 
-        if transport == "nixl":
-            self.timeout = timeout
+        self.timeout = timeout
         self.spans = _ReadSpans(transport)
         self.handle = tensorhub.open(info["model"], f"reader-{index}", server=options["tensorhub_server"], retain=None,
                                      transports=_tensorhub_transports(transport))  # fmt: skip
