@@ -249,3 +249,14 @@ def test_a_replica_with_too_few_gpus_is_refused() -> None:
     with pytest.raises(InvalidArgument, match="need 16 GPUs"):
         w.replicas("trainer", th, 8, GB, count=2, reads=1) + w.replicas("x", th, 16, GB, count=1)
     assert isinstance(w.replicas("ok", th, 8, GB, count=1)[0], SimReplica)
+
+
+def test_tensorhub_sim_goes_to_the_simulator(capsys) -> None:
+    from tensorhub.cli import main as tensorhub_main
+
+    with pytest.raises(SystemExit) as exc:
+        tensorhub_main(["sim", "--help"])
+    assert exc.value.code == 0
+    assert "tensorhub sim" in capsys.readouterr().out
+    assert tensorhub_main(["sim", "crossdc", "--seed", "2"]) == 0
+    assert "smart skipping" in capsys.readouterr().out
