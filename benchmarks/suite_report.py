@@ -297,6 +297,16 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    from benchmarks.suite import goals, packed_bytes, workload_specs
+
+    p = results.get("params", {})
+    specs = workload_specs(
+        list(results["workloads"]), p.get("size_mib", 1024), p.get("seed", 0)
+    )
+    packed = {w: packed_bytes(spec) for w, spec in specs.items()}
+    results["goals"] = goals(
+        results["summary"], results["tensorhub_row"], packed
+    )  # with this version's explanations
     out = args.out or args.json.parent
     out.mkdir(parents=True, exist_ok=True)
     path = write_report(
