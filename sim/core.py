@@ -94,43 +94,13 @@ class Simulator:
         """A hash of the trace so far: equal for equal seeds and scenarios."""
         return self._hash.hexdigest()
 
-    @property
-    def pending(self) -> int:
-        return sum(1 for _, _, t in self._queue if not t.cancelled)
-
-    def run(self, until: float | None = None, max_events: int = 50_000_000) -> None:
-        """Process events in time order until the queue is empty, virtual time passes ``until``,
-        or ``max_events`` events have run in this call (then :class:`SimStuck`)."""
-        hooks = self.after_event
-        for _ in range(max_events):
-            if not self._queue:
-                return
+    def _step(self, until: float | None) -> bool:
+        """Run the next event if there is one due by ``until``; False when there is none."""
+        while self._queue:
             time, _, timer = self._queue[0]
             if until is not None and time > until:
-                self.now = until
-                return
+                return False
             heapq.heappop(self._queue)
-            if timer.cancelled:
-                continue
-            self.now = time
-            self.events += 1
-            timer.fn(*timer.args)
-            for hook in hooks:
-                hook()
-        raise SimStuck(
-            f"the simulation did not settle within {max_events} events (virtual time {self.now:.3f} s)"
-        )
-
-    def run_until(self, done: Callable[[], bool], limit: float, what: str) -> None:
-        """Run until ``done()`` holds; :class:`SimStuck` if the queue empties or virtual time
-        passes ``now + limit`` first."""
-        deadline = self.now + limit
-        for _ in range(10_000_000):
-            if done():
-                return
-            if not self._queue or self._queue[0][0] > deadline:
-                break
-            time, _, timer = heapq.heappop(self._queue)
             if timer.cancelled:
                 continue
             self.now = time
@@ -138,11 +108,27 @@ class Simulator:
             timer.fn(*timer.args)
             for hook in self.after_event:
                 hook()
+            return True
+        return False
+
+    def run(self, until: float | None = None, max_events: int = 50_000_000) -> None:
+        """Process events in time order until the queue is empty, virtual time passes ``until``,
+        or ``max_events`` events have run in this call (then :class:`SimStuck`)."""
+        for _ in range(max_events):
+            if not self._step(until):
+                if until is not None and self._queue:
+                    self.now = until  # the next event is later: time still passes to ``until``
+                return
+        raise SimStuck(f"the simulation did not settle within {max_events} events (virtual time {self.now:.3f} s)")
+
+    def run_until(self, done: Callable[[], bool], limit: float, what: str) -> None:
+        """Run until ``done()`` holds; :class:`SimStuck` if the queue empties or virtual time
+        passes ``now + limit`` first."""
+        deadline = self.now + limit
+        for _ in range(10_000_000):
+            if done() or not self._step(deadline):
+                break
         if done():
             return
-        state = (
-            "no event left"
-            if not self._queue
-            else f"nothing done by virtual time {deadline:.3f} s"
-        )
+        state = "no event left" if not self._queue else f"nothing done by virtual time {deadline:.3f} s"
         raise SimStuck(f"{what}: {state} (seed {self.seed})")

@@ -405,7 +405,7 @@ def failure(seed: int, quick: bool = False) -> Result:
         b = w.replicas("B", bh, 8, gb * GB)[0]
         w.open(trainer + [a, b])
         w.publish(trainer, 1)
-        ra = a.update()
+        a.update()
         w.sim.run(
             until=w.sim.now + 0.002
         )  # A asks first: it is granted the trainer, B is granted A
@@ -425,7 +425,6 @@ def failure(seed: int, quick: bool = False) -> Result:
             continue
         done_at.append(took)
         res.rows.append([t, took, took > base + 0.5, ",".join(sources)])
-        del ra
     res.data["b_done_at"] = done_at
     late = [d for t, d in zip(times, done_at) if t >= base]
     early = [(t, d) for t, d in zip(times, done_at) if t < base]
