@@ -19,6 +19,7 @@ a wrong number of expected values too.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -29,7 +30,7 @@ from .buffers import ShardBuffers, memory_of
 from .errors import InvalidArgument
 from .layout import Unit
 
-__all__ = ["ALGORITHMS", "compute", "digest", "first_mismatch"]
+__all__ = ["ALGORITHMS", "LandingHasher", "compute", "digest", "first_mismatch"]
 
 ALGORITHMS = ("xxh3-64",)
 _STAGE = 8 << 20  # CUDA units are hashed through pinned staging in pieces of this size
@@ -98,3 +99,94 @@ def first_mismatch(buffers: ShardBuffers, units: Iterable[int], expected: Sequen
         if _unit_checksum(buffers, all_units[i]) != expected[i]:
             return i
     return None
+
+
+class LandingHasher:
+    """The checksums of one read's units, computed as the read's bytes land (fused with the copy).
+
+    A transport that reports landing (``Transport.reports_landing``) calls :meth:`landed` from
+    the thread that has just copied a piece of the range into the reader's CPU memory, so the
+    piece is hashed while it is still in that core's cache instead of being read back from
+    memory by a separate pass. Pieces of one unit may land out of order and from several
+    threads (a read split over threads is cut where the transport likes): each unit is hashed
+    as a stream, in order, by whichever thread lands the piece that continues it; a piece that
+    lands ahead of its unit's hashed prefix waits in a list until the prefix reaches it.
+
+    Invariants: a unit's digest exists only once every byte of it was hashed exactly once, in
+    order; :attr:`complete` is True only when every unit has one. The hasher never judges the
+    bytes: the engine compares :attr:`digests` with the declared checksums (which may arrive
+    later) and reads again whatever does not match. A read that fails or is revoked just drops
+    its hasher.
+    """
+
+    __slots__ = ("_buffers", "_busy", "_count", "_ends", "_lock", "_next", "_pending", "_states", "_starts", "_units", "digests")
+
+    def __init__(self, buffers: ShardBuffers, units: Sequence[Unit]) -> None:
+        if buffers.on_cuda:
+            raise InvalidArgument("landing hashes need CPU buffers; CUDA units are verified after the read")
+        _check_algorithm(buffers)
+        self._buffers = buffers
+        self._lock = threading.Lock()
+        self._count = len({u.index for u in units})
+        self.digests: dict[int, int] = {}
+        real = sorted((u for u in units if u.length), key=lambda u: u.offset)
+        for u in units:
+            if not u.length:
+                self.digests[u.index] = digest(b"")
+        self._units = real
+        self._starts = [u.offset for u in real]
+        self._ends = [u.offset + u.length for u in real]
+        self._next = list(self._starts)  # each unit is hashed up to here (transfer offset)
+        self._pending: list[list[tuple[int, int]]] = [[] for _ in real]  # landed, not yet hashed
+        self._busy = [False] * len(real)  # a thread is hashing this unit now
+        self._states: list[xxhash.xxh3_64 | None] = [None] * len(real)
+
+    @property
+    def complete(self) -> bool:
+        """Every unit of the read has its digest."""
+        with self._lock:
+            return len(self.digests) == self._count
+
+    def landed(self, offset: int, length: int) -> None:
+        """Bytes ``[offset, offset + length)`` of the transfer space just landed: hash what now
+        continues a unit's hashed prefix. Called from transport threads."""
+        end = offset + length
+        k = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        mine: list[int] = []
+        with self._lock:
+            while k < len(self._units) and self._starts[k] < end:
+                s, e = max(offset, self._starts[k]), min(end, self._ends[k])
+                if s < e:
+                    self._pending[k].append((s, e))
+                    if not self._busy[k]:
+                        self._busy[k] = True
+                        mine.append(k)
+                k += 1
+        for k in mine:
+            self._drain(k)
+
+    def _drain(self, k: int) -> None:
+        u = self._units[k]
+        while True:
+            with self._lock:
+                pending, at = self._pending[k], self._next[k]
+                take = next((r for r in pending if r[0] == at), None)
+                if take is None:
+                    self._busy[k] = False
+                    return
+                pending.remove(take)
+            s, e = take
+            (view,) = self._buffers.views(s, e - s)
+            if s == u.offset and e == self._ends[k]:
+                value: int | None = digest(view)  # the whole unit in one piece: no stream state
+            else:
+                state = self._states[k]
+                if state is None:
+                    state = self._states[k] = xxhash.xxh3_64()
+                state.update(view)
+                value = state.intdigest() if e == self._ends[k] else None
+            with self._lock:
+                self._next[k] = e
+                if value is not None:
+                    self.digests[u.index] = value
+                    self._states[k] = None

@@ -25,7 +25,10 @@ Pulling: a ``Grant`` from the server starts (or continues) the slot's session; t
 carries out its actions: reads run as tasks on the transport (whose bulk work is in threads);
 each read that lands is verified against the version's checksums in a worker thread while the
 next reads are on the wire (or parked until the checksums arrive: a reader may be granted
-before the publisher has hashed); verified bytes advance the progress counter; progress,
+before the publisher has hashed). A transport that reports landing (``local``) lets the engine
+hash each piece in the thread that copied it, while it is still in that core's cache
+(:class:`~tensorhub.checksum.LandingHasher`); verifying such a read is then only comparing its
+digests with the declared checksums; verified bytes advance the progress counter; progress,
 complete, source-failed and checksum-failed go to the server through the client actor. Before
 complete is reported, the packs are copied out into the caller's tiny tensors. A pull that is
 aborted (its call failed or was cancelled) is finished only when none of its reads can still
@@ -89,6 +92,7 @@ class PullStats:
     segments: int = 0  #: memory regions those reads touched (descriptors, for a one-sided transport)
     regions: int = 0  #: regions of the shard (what a one-sided transport registers)
     verify_s: float = 0.0  #: seconds spent hashing landed bytes (in worker threads, overlapped)
+    hashed_on_landing: int = 0  #: reads whose bytes were hashed as they landed (no second pass)
 
 
 class _Slot:
@@ -112,6 +116,7 @@ class _Slot:
         "region",
         "session",
         "span",
+        "landed",
         "stats",
         "term",
         "unpacking",
@@ -135,6 +140,7 @@ class _Slot:
         self.ctx = ctx
         self.checksums: dict[int, tuple[int, ...]] = {}  # version -> its checksums, once known
         self.parked: list[tuple[ReplicationSession, Verify]] = []  # landed reads waiting for checksums
+        self.landed: dict[tuple[int, int], dict[int, int]] = {}  # (grant, offset) -> digests hashed on landing
         self.reads: dict[int, Read] = {}  # offset -> the read plan's read (its checksum units)
         self.peer_generation: int | None = None  # the current grant's source generation
         self.publishing: asyncio.Task | None = None  # the publish job (pack, hash, declare)
@@ -215,6 +221,7 @@ class _ReadDone:
     offset: int
     length: int
     generation: int | None
+    digests: dict[int, int] | None = None  # the read's units hashed as they landed (fused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +382,7 @@ class EngineActor(Actor):
         plan = b.plan.reads(max(self.chunk_bytes, b.layout.chunk_bytes))
         slot.reads = {r.offset: r for r in plan if r.length}
         slot.parked.clear()
+        slot.landed.clear()
         slot.stats = PullStats(version, regions=len(b.regions))
         b.progress.reset(version, 0)
         slot.checksums = {v: c for v, c in slot.checksums.items() if v in slot.offloads}
@@ -461,6 +469,7 @@ class EngineActor(Actor):
         pull.on_abort()
         slot.pull = None
         slot.parked.clear()
+        slot.landed.clear()
         slot.buffers.progress.reset(None)
         if not pull.idle:
             slot.aborted.append(pull)
@@ -501,6 +510,14 @@ class EngineActor(Actor):
         expected = slot.checksums.get(pull.version)
         if expected is None:
             slot.parked.append((pull, a))  # the publisher has not declared them yet
+            return
+        digests = slot.landed.pop((a.grant, a.offset), None)
+        if digests is not None:  # hashed as the bytes landed: only the comparison is left
+            if slot.stats is not None and pull is slot.pull:
+                slot.stats.hashed_on_landing += 1
+            units = slot.reads[a.offset].units
+            bad = next((u for u in units if digests.get(u) != expected[u]), None)
+            self.tell(_Verified(slot.session, pull, a.grant, a.offset, bad))
             return
         self.spawn(self._check(slot, pull, a, expected), "verify")
 
@@ -579,8 +596,13 @@ class EngineActor(Actor):
         assert slot.peer is not None
         transport, peer, region = slot.peer
         generation = slot.peer_generation
+        hasher = extra = None
+        if getattr(transport, "reports_landing", False) and not slot.buffers.on_cuda and a.offset in slot.reads:
+            units = slot.buffers.plan.units
+            hasher = checksum.LandingHasher(slot.buffers, [units[u] for u in slot.reads[a.offset].units])
+            extra = {"landed": hasher.landed}
         try:
-            gen = await transport.read(peer, region, pull.version, a.offset, a.length, slot.buffers, generation)
+            gen = await transport.read(peer, region, pull.version, a.offset, a.length, slot.buffers, generation, **(extra or {}))
         except RangeNotReady as err:
             self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), True))
         except (TransportError, InvalidArgument) as err:
@@ -589,12 +611,15 @@ class EngineActor(Actor):
             self.log.exception("transport read raised", transport=transport.name, **slot.ctx)
             self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, f"{type(err).__name__}: {err}", False))
         else:
-            self.tell(_ReadDone(slot.session, pull, a.grant, a.offset, a.length, gen))
+            digests = hasher.digests if hasher is not None and hasher.complete else None
+            self.tell(_ReadDone(slot.session, pull, a.grant, a.offset, a.length, gen, digests))
 
     def on__ReadDone(self, msg: _ReadDone) -> None:
         slot = self.slots.get(msg.session)
         if slot is None:
             return
+        if msg.digests is not None and msg.pull is slot.pull:
+            slot.landed[(msg.grant, msg.offset)] = msg.digests
         actions = msg.pull.on_read_done(msg.grant, msg.offset)
         if msg.pull is slot.pull and slot.stats is not None and msg.grant == (slot.grant.grant if slot.grant else None):
             slot.stats.bytes += msg.length

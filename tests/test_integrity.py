@@ -84,6 +84,30 @@ def test_bytes_corrupted_on_the_wire_are_pulled_again_and_nobody_is_quarantined(
     assert reader.call("list") == {1: ["rollout", "trainer", "trainer-b"]}
 
 
+def test_bytes_corrupted_in_a_local_copy_fail_the_landing_hashes_and_are_pulled_again(inproc_server, handles):
+    """The ``local`` transport reports landing: the reader hashes each piece in the copying
+    thread, not in a second pass. A byte flipped as its piece lands must still fail its unit."""
+    srv = inproc_server
+    local = {"TENSORHUB_TRANSPORTS": "local"}
+    holder = handles("trainer", server=srv.address, scale=2 * SCALE, env={**BIG, **local})
+    other = handles("trainer-b", server=srv.address, scale=2 * SCALE, env={**BIG, **local})
+    faults = [{"op": "corrupt", "at": 777}]
+    reader = handles("rollout", server=srv.address, scale=2 * SCALE, env={**MANY, **local}, transports={"local": {"faults": faults}})
+    for h in (holder, other, reader):
+        h.call("register")
+    publish_and_wait_checksums(srv, holder, 1)
+    publish_and_wait_checksums(srv, other, 1)
+    assert reader.call("replicate", 1, 60.0) == 1
+    assert reader.call("holds", 1)
+    assert reader.call("fired") == ["corrupt"]
+    assert reader.call("last_transports") == ["local", "local"]
+    assert reader.call("hashed_on_landing") > 0, "no read was verified from its landing digests"
+    sources = reader.call("last_sources")
+    assert len(sources) == 2 and sources[0] != sources[1], "the reader did not move to the other holder"
+    assert reader.call("pulled") < 2 * shard_bytes(2 * SCALE), "more than the corrupted read was pulled again"
+    assert srv.stats()["quarantined"] == 0
+
+
 @pytest.mark.parametrize("where", [0.0, 0.45, 0.999])
 def test_a_source_dying_mid_pull_is_resumed_from_what_was_verified(inproc_server, handles, where):
     srv = inproc_server

@@ -67,8 +67,18 @@ holder runs, never pickled objects.
 
 **Capability flags** (class attributes): ``one_sided`` (reads need no holder CPU),
 ``cuda`` (reads and serves CUDA memory without staging), ``cross_host`` (works between hosts;
-``local`` does not). The engine picks a transport per (reader, holder) edge from these and both
-sides' endpoints.
+``local`` does not), ``reports_landing`` (``read`` takes a ``landed`` callback, below). The
+engine picks a transport per (reader, holder) edge from these and both sides' endpoints.
+
+**Landing reports** (optional, ``reports_landing = True``). The engine verifies every byte a
+reader receives against the publisher's checksums. A transport that copies with the CPU can let
+it hash each piece while the piece is still in the cache of the core that copied it, instead of
+in a second pass over memory: ``read`` then accepts ``landed``, a callable, and calls
+``landed(offset, length)`` in the copying thread right after shard bytes ``[offset, offset +
+length)`` of the read were written into ``into``'s CPU memory, covering every byte of the read
+exactly once (pieces in any order, from any threads). Never report bytes that are not final
+(a later write to the same range would go unhashed); for CUDA destinations the engine passes no
+callback. A callback that raises fails the read.
 
 Every transport must pass :func:`tensorhub.testing.check_transport` (the conformance suite);
 its tests call it, skipping (and saying why) only checks the transport cannot take part in.
@@ -86,10 +96,13 @@ from tensorhub.errors import TransportError
 if TYPE_CHECKING:
     from tensorhub.buffers import ShardBuffers
 
-__all__ = ["RangeNotReady", "Resolver", "Transport"]
+__all__ = ["Landed", "RangeNotReady", "Resolver", "Transport"]
 
 #: ``resolver(region, version)``: the buffers holding ``version`` under ``region``, or None.
 Resolver = Callable[[int, int], Optional["ShardBuffers"]]
+
+#: ``landed(offset, length)``: shard bytes that a read just wrote into the reader's CPU memory.
+Landed = Callable[[int, int], None]
 
 
 class RangeNotReady(TransportError):
@@ -106,6 +119,7 @@ class Transport:
     one_sided: ClassVar[bool] = False
     cuda: ClassVar[bool] = False
     cross_host: ClassVar[bool] = True
+    reports_landing: ClassVar[bool] = False
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = dict(options or {})
@@ -144,6 +158,7 @@ class Transport:
         length: int,
         into: ShardBuffers,
         generation: int | None,
+        landed: Landed | None = None,
     ) -> int:
         raise NotImplementedError
 

@@ -42,7 +42,7 @@ from typing import Any
 from tensorhub.buffers import ShardBuffers
 from tensorhub.errors import InvalidArgument, TransportError
 
-from .base import Resolver, Transport
+from .base import Landed, Resolver, Transport
 
 __all__ = ["MAX_SECONDS", "FaultyTransport", "FiredFault", "wrap"]
 
@@ -123,6 +123,7 @@ class FaultyTransport(Transport):
         self.one_sided = inner.one_sided  # type: ignore[misc]
         self.cuda = inner.cuda  # type: ignore[misc]
         self.cross_host = inner.cross_host  # type: ignore[misc]
+        self.reports_landing = inner.reports_landing  # type: ignore[misc]
         self.faults = tuple(_validate(i, f) for i, f in enumerate(faults))
         self.fired: list[FiredFault] = []
         self._matched = [0] * len(self.faults)
@@ -206,8 +207,11 @@ class FaultyTransport(Transport):
         length: int,
         into: ShardBuffers,
         generation: int | None,
+        landed: Landed | None = None,
     ) -> int:
-        """The inner transport's read, with the faults that fire on it.
+        """The inner transport's read, with the faults that fire on it. With ``landed`` (an
+        inner transport that reports landing), a corruption is flipped into the piece that holds
+        its byte before the piece is reported, as a corruption on the wire would land.
 
         Raises:
             TransportError: an injected stall or failure, or the inner read's own errors.
@@ -223,12 +227,26 @@ class FaultyTransport(Transport):
         for i in self._firing("fail", region, version, offset, length, first=True):
             at = self.faults[i]["at"]
             if at > offset:
-                await self.inner.read(peer, region, version, offset, at - offset, into, generation)
+                await self.inner.read(peer, region, version, offset, at - offset, into, generation, **_landing(landed))
             raise TransportError(f"injected fault {i}: the peer died at shard byte {at} during the read of {where}")
-        gen = await self.inner.read(peer, region, version, offset, length, into, generation)
-        for i in self._firing("corrupt", region, version, offset, length, first=False):
-            _flip(into, self.faults[i]["at"])
-        return gen
+        if landed is None:
+            gen = await self.inner.read(peer, region, version, offset, length, into, generation)
+            for i in self._firing("corrupt", region, version, offset, length, first=False):
+                _flip(into, self.faults[i]["at"])
+            return gen
+        flips = [self.faults[i]["at"] for i in self._firing("corrupt", region, version, offset, length, first=False)]
+
+        def land(pos: int, n: int) -> None:
+            for at in flips:
+                if pos <= at < pos + n:
+                    _flip(into, at)
+            landed(pos, n)
+
+        return await self.inner.read(peer, region, version, offset, length, into, generation, landed=land)
+
+
+def _landing(landed: Landed | None) -> dict[str, Any]:
+    return {} if landed is None else {"landed": landed}
 
 
 def _flip(into: ShardBuffers, at: int) -> None:

@@ -40,8 +40,12 @@ transport's threads (never on the event loop):
 3. copies the range from the described addresses into ``into``'s memory. The layouts are
    equal, so ``into.segments(offset, length)`` cuts both sides alike (a segment's region index
    and start locate the source). Pieces of ``piece_bytes`` are copied one after another, with a
-   check for a close (of this transport) between pieces; a range larger than a piece is split
-   over up to ``threads`` threads. CPU -> CPU is one ``process_vm_readv`` per piece (looping over
+   check for a close (of this transport) between pieces; a range larger than 4 MiB is cut into
+   4 MiB parts queued on the transport's ``threads`` copy workers, which every read in flight
+   shares (so they stay busy while one read's completion travels through the event loop, and
+   never run more copies at once than there are workers). After each piece that landed in CPU
+   memory the caller's ``landed`` callback, if any, hashes it while it is in the copying core's
+   cache. CPU -> CPU is one ``process_vm_readv`` per piece (looping over
    partial transfers and ``IOV_MAX``); CUDA sources are copied by torch from the opened IPC
    memory; a CPU source into CUDA memory is staged through a CPU buffer and ``copy_in``;
 4. reads the words again (a seqlock): the tag and generation must be unchanged, the version
@@ -99,7 +103,7 @@ import torch
 from tensorhub.buffers import WORD_BYTES, ShardBuffers, read_words
 from tensorhub.errors import InvalidArgument, TransportError
 
-from .base import RangeNotReady, Transport
+from .base import Landed, RangeNotReady, Transport
 from .sidechannel import SideClient, SideError, SideServer, field
 
 __all__ = ["LocalTransport"]
@@ -109,7 +113,7 @@ _OPTIONS = {
     "wait_timeout": (5.0, 0.0, False),
     "describe_timeout": (5.0, 0.001, False),
     "piece_bytes": (4 << 20, 1, True),
-    "threads": (4, 1, True),
+    "threads": (min(4, os.cpu_count() or 1), 1, True),
     "streams": (4, 1, True),
 }
 _KNOWN = sorted([*_OPTIONS, "host"])
@@ -117,7 +121,7 @@ _KNOWN = sorted([*_OPTIONS, "host"])
 _IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux UIO_MAXIOV)
 _POLL_FIRST = 50e-6  # seconds: first sleep while waiting for a partial holder's progress
 _POLL_MAX = 1e-3  # ... doubling up to this
-_PART_ALIGN = 64 << 10  # a read split over threads is cut at multiples of this
+_PART_BYTES = 4 << 20  # a read is queued on the copy workers in parts of this size
 _DESCRIBED_MAX = 256  # cached descriptions per reader
 _CLOSE_WAIT = 2.0  # seconds close() waits for reads in flight to notice it
 
@@ -335,7 +339,8 @@ class LocalTransport(Transport):
     Options: ``host`` (the side channel's interface, default "127.0.0.1"), ``wait_timeout``
     (seconds a read waits for a partial holder's progress, default 5), ``describe_timeout``
     (seconds a describe may take, default 5), ``piece_bytes`` (bytes copied between two checks
-    for a close, default 4 MiB), ``threads`` (threads one large read is split over, default 4),
+    for a close, and hashed at once when the engine verifies on landing, default 4 MiB),
+    ``threads`` (copy workers shared by the reads in flight, default the CPU count up to 4),
     ``streams`` (reads of one pull the engine runs at once, default 4).
 
     Only exposed buffers are described; withdrawing them (or closing) retags their progress
@@ -349,6 +354,7 @@ class LocalTransport(Transport):
     one_sided = True
     cuda = True
     cross_host = False
+    reports_landing = True
     streams: int = 4
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
@@ -504,9 +510,11 @@ class LocalTransport(Transport):
         length: int,
         into: ShardBuffers,
         generation: int | None,
+        landed: Landed | None = None,
     ) -> int:
         """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into``; see the
-        module docstring for the steps.
+        module docstring for the steps. ``landed(offset, length)`` is called from the copying
+        thread after each piece copied into CPU memory (the engine hashes it while it is hot).
 
         Returns:
             The holder's generation the bytes were read under.
@@ -526,7 +534,7 @@ class LocalTransport(Transport):
             raise TransportError(f"local transport {self.id} closed; read of {where} not started")
         loop = asyncio.get_running_loop()
         try:
-            fut = loop.run_in_executor(self._reads, self._read_blocking, side, pid, where, region, version, offset, length, into, generation)
+            fut = loop.run_in_executor(self._reads, self._read_blocking, side, pid, where, region, version, offset, length, into, generation, landed)
         except RuntimeError as err:  # the pool shut down: closed meanwhile
             raise TransportError(f"local transport {self.id} closed; read of {where} not started") from err
         return await fut
@@ -542,6 +550,7 @@ class LocalTransport(Transport):
         length: int,
         into: ShardBuffers,
         generation: int | None,
+        landed: Landed | None = None,
     ) -> int:
         with self._idle:
             self._inflight += 1
@@ -558,7 +567,7 @@ class LocalTransport(Transport):
             end = offset + length
             gen = self._wait(desc, version, end, generation, where)
             if length:
-                self._copy(desc, into, offset, length, where)
+                self._copy(desc, into, offset, length, where, landed)
             self._seqlock(desc, version, end, gen, where)
             return gen
         except RangeNotReady:
@@ -700,30 +709,26 @@ class LocalTransport(Transport):
         if after != gen or held != version or verified < end:
             raise TransportError(f"read of {where}: the peer's holding changed during the read (generation {gen} -> {after})")
 
-    def _copy(self, desc: _Described, into: ShardBuffers, offset: int, length: int, where: str) -> None:
-        """Copy the range, split over up to ``threads`` threads (this one does the first part)."""
-        parts = max(1, min(self.threads, length // self.piece_bytes))
-        if parts == 1 or self._helpers is None:
-            self._copy_part(desc, into, offset, length, where, None)
+    def _copy(self, desc: _Described, into: ShardBuffers, offset: int, length: int, where: str, landed: Landed | None) -> None:
+        """Copy the range: in this thread if it is one part, else as parts of ``_PART_BYTES``
+        queued on the transport's ``threads`` copy workers. The workers are shared by every read
+        in flight, so they stay busy across the gaps between one read and the next (a read's
+        completion goes through the event loop before the next is issued) without running more
+        copies at once than there are workers."""
+        if self._helpers is None or length <= _PART_BYTES:
+            self._copy_part(desc, into, offset, length, where, None, landed)
             return
-        size = -(-length // parts)
-        size = -(-size // _PART_ALIGN) * _PART_ALIGN
-        cuts = [(p, min(size, offset + length - p)) for p in range(offset, offset + length, size)]
         stop = threading.Event()
         futures: list[Future[None]] = []
         try:
-            for pos, n in cuts[1:]:
-                futures.append(self._helpers.submit(self._copy_part, desc, into, pos, n, where, stop))
+            for pos in range(offset, offset + length, _PART_BYTES):
+                n = min(_PART_BYTES, offset + length - pos)
+                futures.append(self._helpers.submit(self._copy_part, desc, into, pos, n, where, stop, landed))
         except RuntimeError:  # the pool shut down: closed meanwhile
             stop.set()
             self._check_open(where)
             raise
         failure: BaseException | None = None
-        try:
-            self._copy_part(desc, into, *cuts[0], where, stop)
-        except BaseException as err:  # noqa: BLE001 - stop the other parts, then report it
-            failure = err
-            stop.set()
         for f in futures:
             try:
                 f.result()
@@ -733,7 +738,9 @@ class LocalTransport(Transport):
         if failure is not None:
             raise failure
 
-    def _copy_part(self, desc: _Described, into: ShardBuffers, offset: int, length: int, where: str, stop: threading.Event | None) -> None:
+    def _copy_part(
+        self, desc: _Described, into: ShardBuffers, offset: int, length: int, where: str, stop: threading.Event | None, landed: Landed | None
+    ) -> None:
         pos, end = offset, offset + length
         while pos < end:
             self._check_open(where)
@@ -741,6 +748,8 @@ class LocalTransport(Transport):
                 raise TransportError(f"read of {where}: another part of the read failed")
             n = min(self.piece_bytes, end - pos)
             self._copy_piece(desc, into, pos, n, where)
+            if landed is not None and not into.on_cuda:
+                landed(pos, n)
             pos += n
 
     def _copy_piece(self, desc: _Described, into: ShardBuffers, offset: int, n: int, where: str) -> None:

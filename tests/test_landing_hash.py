@@ -1,0 +1,147 @@
+"""Checksums computed as a read's bytes land (``tensorhub.checksum.LandingHasher``).
+
+A transport that reports landing calls the hasher from its copy threads with pieces of a read,
+in any order and from several threads at once. Whatever the cut and the order, the digests must
+be exactly the checksums a second pass over the landed bytes computes (``checksum.compute``),
+each unit must get its digest only once every byte of it landed, and bytes changed before they
+land (a corruption on the way) must show in the digest of their unit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorhub.buffers import ShardBuffers, layout_of
+from tensorhub.checksum import LandingHasher, compute
+from tensorhub.errors import InvalidArgument
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def shard(
+    sizes: list[int], seed: int, chunk_bytes: int = 4096, pack_threshold: int = 2048
+) -> ShardBuffers:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        for i, n in enumerate(sizes)
+    }
+    b = ShardBuffers(
+        tensors,
+        layout_of(tensors, chunk_bytes=chunk_bytes, pack_threshold=pack_threshold),
+    )
+    b.pack()
+    return b
+
+
+def cuts(
+    rng: random.Random, offset: int, length: int, pieces: int
+) -> list[tuple[int, int]]:
+    """``[offset, offset + length)`` cut at ``pieces - 1`` random points, as (offset, length)."""
+    points = sorted(
+        {
+            offset,
+            offset + length,
+            *(rng.randrange(offset, offset + length + 1) for _ in range(pieces - 1)),
+        }
+    )
+    return [(a, b - a) for a, b in itertools.pairwise(points) if b > a]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 20000), min_size=1, max_size=12),
+    read_bytes=st.sampled_from([4096, 16384, 1 << 20]),
+    pieces=st.integers(1, 12),
+    threads=st.integers(1, 4),
+    order_seed=st.integers(0, 2**32 - 1),
+)
+def test_digests_equal_a_second_pass_whatever_the_cut_order_and_threads(
+    sizes, read_bytes, pieces, threads, order_seed
+) -> None:
+    b = shard(sizes, order_seed)
+    expected = compute(b)
+    units = b.plan.units
+    rng = random.Random(order_seed)
+    for read in b.plan.reads(read_bytes):
+        h = LandingHasher(b, [units[u] for u in read.units])
+        parts = cuts(rng, read.offset, read.length, pieces) if read.length else []
+        rng.shuffle(parts)
+        if threads == 1:
+            for p in parts:
+                h.landed(*p)
+        else:
+            barrier = threading.Barrier(threads)
+
+            def land(
+                hasher: LandingHasher,
+                start: threading.Barrier,
+                mine: list[tuple[int, int]],
+            ) -> None:
+                start.wait(5)
+                for p in mine:
+                    hasher.landed(*p)
+
+            workers = [
+                threading.Thread(target=land, args=(h, barrier, parts[k::threads]))
+                for k in range(threads)
+            ]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(10)
+            assert not any(w.is_alive() for w in workers)
+        assert h.complete, (
+            f"read {read}: not every unit got a digest ({len(h.digests)} of {len(read.units)})"
+        )
+        assert h.digests == {u: expected[u] for u in read.units}
+
+
+def test_a_unit_has_no_digest_until_its_last_byte_landed() -> None:
+    b = shard(
+        [10000], 1, chunk_bytes=4096, pack_threshold=0
+    )  # units of 4096, 4096, 1808 bytes
+    units = b.plan.units
+    h = LandingHasher(b, list(units))
+    expected = compute(b)
+    h.landed(
+        4000, 4192
+    )  # the end of the first unit (ahead of its start: it waits) and the whole second
+    assert h.digests == {1: expected[1]} and not h.complete
+    h.landed(0, 1000)
+    assert h.digests == {1: expected[1]}
+    h.landed(
+        1000, 3000
+    )  # reaches the waiting piece: the first unit is hashed to its end
+    assert h.digests == {0: expected[0], 1: expected[1]} and not h.complete
+    h.landed(8192, 1808)
+    assert h.complete and h.digests == dict(enumerate(expected))
+
+
+def test_a_byte_changed_before_it_landed_shows_in_its_units_digest_only() -> None:
+    b = shard([5000, 9000, 300], 2, chunk_bytes=4096)
+    units = b.plan.units
+    expected = compute(b)
+    (read,) = b.plan.reads(1 << 20)
+    at = units[2].offset + 7  # inside the third unit
+    (view,) = b.views(at, 1)
+    view[0] ^= 0xFF
+    h = LandingHasher(b, [units[u] for u in read.units])
+    h.landed(read.offset, read.length)
+    wrong = [u for u in read.units if h.digests[u] != expected[u]]
+    assert wrong == [2]
+
+
+def test_cuda_buffers_are_refused_with_a_typed_error() -> None:
+    class FakeCuda:
+        on_cuda = True
+
+    with pytest.raises(InvalidArgument, match="CPU buffers"):
+        LandingHasher(FakeCuda(), [])  # type: ignore[arg-type]
