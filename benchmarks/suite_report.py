@@ -57,7 +57,9 @@ def render(
              f"`{results['command']}`.  ")  # fmt: skip
     L.append(f"Machine: {m.get('cpus')} CPUs, {m.get('mem_gib')} GiB, Python {m.get('python')}, torch {m.get('torch')}, "
              f"ray {m.get('ray') or 'not installed'}, mooncake {m.get('mooncake') or 'not installed'}, "
-             f"nixl {m.get('nixl') or 'not installed'}; {m.get('platform')}.  ")  # fmt: skip
+             f"nixl {m.get('nixl') or 'not installed'}; {m.get('platform')}; transparent huge pages "
+             f"`{m.get('thp_mode')}`, torch allocations on huge pages (THP_MEM_ALLOC_ENABLE=1, every process): "
+             f"{'yes' if m.get('thp_alloc') else 'no'}.  ")  # fmt: skip
     wl = ", ".join(f"`{w}` ({v['tensors']} tensors, {v['small_tensors']} under 64 KiB, {v['bytes'] / 2**20:.0f} MiB)"
                    for w, v in results["workloads"].items())  # fmt: skip
     L.append(f"Workloads: {wl}. Readers: {', '.join(map(str, p['readers']))} processes. "
