@@ -4,8 +4,8 @@ worker processes, real TCP pulls and real checksums:
 - a holder whose served bytes rot after it declared its checksums: a reader detects the
   mismatch, the server asks the holder to re-verify, quarantines it, and the reader gets correct
   bytes from another holder;
-- bytes corrupted on the way (the fault-injecting wrapper): the reader re-pulls, nobody is
-  quarantined;
+- bytes corrupted on the way (the fault-injecting wrapper; over tcp, and over local where they
+  are hashed as they land): the reader re-pulls, nobody is quarantined;
 - a source that dies mid-pull (fault at byte N, at several points): the reader keeps what it
   verified and resumes from the next source; and a source SIGKILLed mid-pull.
 
@@ -64,12 +64,16 @@ def test_rotten_holder_is_quarantined_and_the_reader_gets_good_bytes_elsewhere(i
     assert listing == {1: ["rollout", "trainer-b"]}, "the quarantined copy is still listed"
 
 
-def test_bytes_corrupted_on_the_wire_are_pulled_again_and_nobody_is_quarantined(inproc_server, handles):
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+def test_bytes_corrupted_on_the_way_are_pulled_again_and_nobody_is_quarantined(inproc_server, handles, transport):
+    """``tcp`` verifies each read after it landed; ``local`` reports landing, so the reader hashes
+    each piece in the copying thread: a byte flipped as its piece lands must still fail its unit."""
     srv = inproc_server
-    holder = handles("trainer", server=srv.address, scale=2 * SCALE, env=BIG)
-    other = handles("trainer-b", server=srv.address, scale=2 * SCALE, env=BIG)
+    env = {"TENSORHUB_TRANSPORTS": transport}
+    holder = handles("trainer", server=srv.address, scale=2 * SCALE, env={**BIG, **env})
+    other = handles("trainer-b", server=srv.address, scale=2 * SCALE, env={**BIG, **env})
     faults = [{"op": "corrupt", "at": 777}]
-    reader = handles("rollout", server=srv.address, scale=2 * SCALE, env=MANY, transports={"tcp": {"faults": faults}})
+    reader = handles("rollout", server=srv.address, scale=2 * SCALE, env={**MANY, **env}, transports={transport: {"faults": faults}})
     for h in (holder, other, reader):
         h.call("register")
     publish_and_wait_checksums(srv, holder, 1)
@@ -77,35 +81,14 @@ def test_bytes_corrupted_on_the_wire_are_pulled_again_and_nobody_is_quarantined(
     assert reader.call("replicate", 1, 60.0) == 1
     assert reader.call("holds", 1)
     assert reader.call("fired") == ["corrupt"]
+    assert reader.call("last_transports") == [transport, transport]
+    if transport == "local":
+        assert reader.call("hashed_on_landing") > 0, "no read was verified from its landing digests"
     sources = reader.call("last_sources")
     assert len(sources) == 2 and sources[0] != sources[1], "the reader did not move to the other holder"
     assert reader.call("pulled") < 2 * shard_bytes(2 * SCALE), "more than the corrupted read was pulled again"
     assert srv.stats()["quarantined"] == 0  # the first holder's self-check passed
     assert reader.call("list") == {1: ["rollout", "trainer", "trainer-b"]}
-
-
-def test_bytes_corrupted_in_a_local_copy_fail_the_landing_hashes_and_are_pulled_again(inproc_server, handles):
-    """The ``local`` transport reports landing: the reader hashes each piece in the copying
-    thread, not in a second pass. A byte flipped as its piece lands must still fail its unit."""
-    srv = inproc_server
-    local = {"TENSORHUB_TRANSPORTS": "local"}
-    holder = handles("trainer", server=srv.address, scale=2 * SCALE, env={**BIG, **local})
-    other = handles("trainer-b", server=srv.address, scale=2 * SCALE, env={**BIG, **local})
-    faults = [{"op": "corrupt", "at": 777}]
-    reader = handles("rollout", server=srv.address, scale=2 * SCALE, env={**MANY, **local}, transports={"local": {"faults": faults}})
-    for h in (holder, other, reader):
-        h.call("register")
-    publish_and_wait_checksums(srv, holder, 1)
-    publish_and_wait_checksums(srv, other, 1)
-    assert reader.call("replicate", 1, 60.0) == 1
-    assert reader.call("holds", 1)
-    assert reader.call("fired") == ["corrupt"]
-    assert reader.call("last_transports") == ["local", "local"]
-    assert reader.call("hashed_on_landing") > 0, "no read was verified from its landing digests"
-    sources = reader.call("last_sources")
-    assert len(sources) == 2 and sources[0] != sources[1], "the reader did not move to the other holder"
-    assert reader.call("pulled") < 2 * shard_bytes(2 * SCALE), "more than the corrupted read was pulled again"
-    assert srv.stats()["quarantined"] == 0
 
 
 @pytest.mark.parametrize("where", [0.0, 0.45, 0.999])
