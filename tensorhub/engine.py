@@ -105,6 +105,7 @@ class _Slot:
         "deferred",
         "grant",
         "idle_waiters",
+        "landed",
         "location",
         "offloads",
         "parked",
@@ -116,7 +117,6 @@ class _Slot:
         "region",
         "session",
         "span",
-        "landed",
         "stats",
         "term",
         "unpacking",
@@ -596,13 +596,13 @@ class EngineActor(Actor):
         assert slot.peer is not None
         transport, peer, region = slot.peer
         generation = slot.peer_generation
-        hasher = extra = None
+        hasher, kw = None, {}
         if getattr(transport, "reports_landing", False) and not slot.buffers.on_cuda and a.offset in slot.reads:
             units = slot.buffers.plan.units
             hasher = checksum.LandingHasher(slot.buffers, [units[u] for u in slot.reads[a.offset].units])
-            extra = {"landed": hasher.landed}
+            kw["landed"] = hasher.landed
         try:
-            gen = await transport.read(peer, region, pull.version, a.offset, a.length, slot.buffers, generation, **(extra or {}))
+            gen = await transport.read(peer, region, pull.version, a.offset, a.length, slot.buffers, generation, **kw)
         except RangeNotReady as err:
             self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), True))
         except (TransportError, InvalidArgument) as err:
