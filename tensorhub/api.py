@@ -473,8 +473,8 @@ class AsyncShardHandle:
             if self.buffers is not None:
                 raise AlreadyRegistered("tensors are already registered: unregister() first", **self.ctx)
             layout = layout_of(tensors, pack_threshold=_pack_threshold(), ctx=self.ctx)
-            buffers = ShardBuffers(tensors, layout)
             assert self._engine is not None and self._client is not None
+            buffers = ShardBuffers(tensors, layout, packs_in_place=self._engine.packs_in_place)
             endpoint = await self._engine.ask(AddSlot(self.session, buffers, self._client, self.ctx, self.location))
             try:
                 await self._request(lambda req: m.Register(req, self.session, layout, endpoint))

@@ -219,6 +219,31 @@ class Segment:
     length: int
 
 
+class _Parts:
+    """An in-place pack's tiny tensors with bytes: where each starts in the pack, a view of its
+    memory and its address."""
+
+    __slots__ = ("addresses", "starts", "views")
+
+    def __init__(self, starts: list[int], views: list[memoryview], addresses: list[int]) -> None:
+        self.starts, self.views, self.addresses = starts, views, addresses
+
+    def cut(self, start: int, length: int) -> list[tuple[int, int, int]]:
+        """``(part, from, to)``: the byte ranges of parts that pack bytes ``[start, start +
+        length)`` cover, in order (parts are laid end to end, so they cover it exactly)."""
+        out = []
+        k = max(0, bisect.bisect_right(self.starts, start) - 1)
+        pos, end = start, start + length
+        while pos < end:
+            lo = pos - self.starts[k]
+            hi = min(len(self.views[k]), end - self.starts[k])
+            if hi > lo:
+                out.append((k, lo, hi))
+                pos = self.starts[k] + hi
+            k += 1
+        return out
+
+
 def memory_of(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy). The caller keeps
     ``t`` alive while the view is used."""
@@ -269,50 +294,102 @@ class ShardBuffers:
     """The registered tensors of one shard handle, addressed as one transfer byte space.
 
     The space is laid out by the layout's packing plan (:func:`~tensorhub.layout.plan_of`): pack
-    buffers (allocated here, on the device of their first tiny tensor) and then the large
-    tensors, used in place. :meth:`pack` copies the tiny tensors into their packs (a publisher,
-    before serving); :meth:`unpack` copies them back out (a reader, after its pull).
+    regions (the tiny tensors end to end) and then the large tensors, used in place. A pack is
+    either *copied* or *in place*:
+
+    - copied (the default): a pack buffer is allocated here, on the device of its first tiny
+      tensor; :meth:`pack` copies the tiny tensors into it (a publisher, before serving) and
+      :meth:`unpack` copies them back out (a reader, after its pull). Transports that register
+      memory (NIXL) need this: one registration and one transfer operation per pack.
+    - in place (``packs_in_place=True``, for packs whose tiny tensors are all in CPU memory): no
+      buffer; the pack region is a list of *parts*, the tiny tensors' own memory, and
+      :meth:`views`, :meth:`spans`, :meth:`copy_in` and :meth:`copy_out` cut a range of it
+      along the tensors. Publishing copies nothing and a pull lands straight in the tensors: no
+      second copy of the tiny tensors in memory, no pack or unpack pass. For transports that
+      gather (``Transport.gathers``): the engine asks for it when all of its transports do.
+
+    Both kinds give the same transfer space, units and checksums: a reader with copied packs
+    reads a holder with in-place ones and the other way round.
 
     Attributes:
         layout: the shard's layout (what the server compares across holders).
         plan: its packing plan.
         tensors: the caller's tensors, in layout order (empty for an offload copy).
         regions: the packs and large tensors, in transfer order (flat byte tensors or the
-            caller's own tensors).
+            caller's own tensors; None for a pack kept in place).
         progress: the holding's :class:`ProgressCounter`.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], layout: Layout, *, regions: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        layout: Layout,
+        *,
+        regions: list[torch.Tensor] | None = None,
+        packs_in_place: bool = False,
+    ) -> None:
         self.layout = layout
         self.plan = plan = plan_of(layout)
         self.tensors = list(tensors.values())
+        built: list[torch.Tensor | None] = []
         if regions is None:
             if len(self.tensors) != len(layout.tensors):
                 raise InvalidArgument(f"{len(self.tensors)} tensors for a layout of {len(layout.tensors)}")
-            regions = []
             for r in plan.regions:
                 if r.tensor is not None:
-                    regions.append(self.tensors[r.tensor])
+                    built.append(self.tensors[r.tensor])
+                elif packs_in_place and all(self.tensors[i].device.type == "cpu" for i, _ in r.members):
+                    built.append(None)
                 else:
                     device = self.tensors[r.members[0][0]].device
-                    regions.append(torch.zeros(r.nbytes, dtype=torch.uint8, device=device))
+                    built.append(torch.zeros(r.nbytes, dtype=torch.uint8, device=device))
         elif len(regions) != len(plan.regions) or any(
             t.numel() * t.element_size() != r.nbytes for t, r in zip(regions, plan.regions)
         ):
             raise InvalidArgument("regions do not match the layout's packing plan")
-        self.regions = regions
+        else:
+            built = list(regions)
+        self.regions = built
         self.starts = [r.offset for r in plan.regions]
         self.total_bytes = plan.total_bytes
-        self.on_cuda = any(t.device.type == "cuda" for t in regions)
+        self.on_cuda = any(t is not None and t.device.type == "cuda" for t in built)
         # CPU memory, viewed once: serving, receiving and hashing slice these.
-        self._views = [memory_of(t) if t.device.type == "cpu" else None for t in regions]
+        self._views = [memory_of(t) if t is not None and t.device.type == "cpu" else None for t in built]
+        # The in-place packs: region index -> its parts (start in the region, view, address).
+        self._parts: dict[int, _Parts] = {k: self._parts_of(k) for k, t in enumerate(built) if t is None}
         self._member_views: dict[int, tuple[object, object]] | None = None
         self.progress = ProgressCounter()
 
+    def _parts_of(self, k: int) -> _Parts:
+        starts: list[int] = []
+        views: list[memoryview] = []
+        addresses: list[int] = []
+        for i, off in self.plan.regions[k].members:
+            t = self.tensors[i]
+            if self.layout.tensors[i].nbytes:
+                starts.append(off)
+                views.append(memory_of(t))
+                addresses.append(t.data_ptr())
+        return _Parts(starts, views, addresses)
+
     @property
     def packed(self) -> bool:
-        """Whether any tensor lives in a pack (tiny tensors exist)."""
-        return any(r.tensor is None for r in self.plan.regions)
+        """Whether tiny tensors go through copied pack buffers (:meth:`pack` before serving,
+        :meth:`unpack` after a pull); False when there are none, or all packs are in place."""
+        return any(t is not None and r.tensor is None for t, r in zip(self.regions, self.plan.regions))
+
+    @property
+    def packs_in_place(self) -> bool:
+        """Whether some pack is kept in place (a list of the tiny tensors' own memory)."""
+        return bool(self._parts)
+
+    def parts(self, region: int) -> list[tuple[int, int]] | None:
+        """An in-place pack's parts, ``(address, nbytes)`` of each tiny tensor with bytes in
+        pack order (what ``local`` describes to its readers); None for any other region."""
+        got = self._parts.get(region)
+        if got is None:
+            return None
+        return [(a, len(v)) for a, v in zip(got.addresses, got.views)]
 
     def segments(self, offset: int, length: int) -> list[Segment]:
         """The pieces of regions that transfer bytes ``[offset, offset + length)`` cover
@@ -343,43 +420,81 @@ class ShardBuffers:
             InvalidArgument: the range is outside the shard, or covers CUDA memory (use
                 :meth:`copy_out` / :meth:`copy_in` and a staging buffer for those).
         """
-        out = []
+        out: list[memoryview] = []
         for seg in self.segments(offset, length):
-            v = self._views[seg.index]
-            if v is None:
+            if not self._cpu_views(seg, out):
                 raise InvalidArgument(f"{self._describe(seg.index)} is on CUDA; stage it")
-            out.append(v[seg.start : seg.start + seg.length])
         return out
+
+    def spans(self, offset: int, length: int) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of the CPU memory covering ``[offset, offset + length)``, in
+        order (an in-place pack gives one span per tiny tensor it crosses).
+
+        Raises:
+            InvalidArgument: the range is outside the shard, or covers CUDA memory.
+        """
+        out: list[tuple[int, int]] = []
+        for seg in self.segments(offset, length):
+            parts = self._parts.get(seg.index)
+            if parts is not None:
+                for k, lo, hi in parts.cut(seg.start, seg.length):
+                    out.append((parts.addresses[k] + lo, hi - lo))
+                continue
+            t = self.regions[seg.index]
+            assert t is not None
+            if t.device.type != "cpu":
+                raise InvalidArgument(f"{self._describe(seg.index)} is on CUDA; stage it")
+            out.append((t.data_ptr() + seg.start, seg.length))
+        return out
+
+    def _cpu_views(self, seg: Segment, out: list[memoryview]) -> bool:
+        """Append views of ``seg``'s bytes to ``out``; False (nothing appended) if they are in
+        CUDA memory."""
+        parts = self._parts.get(seg.index)
+        if parts is not None:
+            out.extend(parts.views[k][lo:hi] for k, lo, hi in parts.cut(seg.start, seg.length))
+            return True
+        v = self._views[seg.index]
+        if v is None:
+            return False
+        out.append(v[seg.start : seg.start + seg.length])
+        return True
 
     def _describe(self, region: int) -> str:
         r = self.plan.regions[region]
         return f"tensor {self.layout.tensors[r.tensor].name!r}" if r.tensor is not None else f"pack {region}"
 
     def _flat(self, region: int) -> torch.Tensor:
-        return self.regions[region].reshape(-1).view(torch.uint8)
+        t = self.regions[region]
+        assert t is not None, "an in-place pack has no buffer"
+        return t.reshape(-1).view(torch.uint8)
 
     def copy_out(self, offset: int, dest: memoryview) -> None:
         """Copy transfer bytes starting at ``offset`` into ``dest`` (used for CUDA staging)."""
         pos = 0
         for seg in self.segments(offset, len(dest)):
-            v = self._views[seg.index]
-            if v is not None:
-                dest[pos : pos + seg.length] = v[seg.start : seg.start + seg.length]
-            else:
-                staged = torch.frombuffer(dest[pos : pos + seg.length], dtype=torch.uint8)
-                staged.copy_(self._flat(seg.index)[seg.start : seg.start + seg.length])
+            views: list[memoryview] = []
+            if self._cpu_views(seg, views):
+                for v in views:
+                    dest[pos : pos + len(v)] = v
+                    pos += len(v)
+                continue
+            staged = torch.frombuffer(dest[pos : pos + seg.length], dtype=torch.uint8)
+            staged.copy_(self._flat(seg.index)[seg.start : seg.start + seg.length])
             pos += seg.length
 
     def copy_in(self, offset: int, src: memoryview) -> None:
         """Copy ``src`` into transfer bytes starting at ``offset`` (used for CUDA staging)."""
         pos = 0
         for seg in self.segments(offset, len(src)):
-            v = self._views[seg.index]
-            if v is not None:
-                v[seg.start : seg.start + seg.length] = src[pos : pos + seg.length]
-            else:
-                flat = self._flat(seg.index)[seg.start : seg.start + seg.length]
-                flat.copy_(torch.frombuffer(src[pos : pos + seg.length], dtype=torch.uint8))
+            views: list[memoryview] = []
+            if self._cpu_views(seg, views):
+                for v in views:
+                    v[:] = src[pos : pos + len(v)]
+                    pos += len(v)
+                continue
+            flat = self._flat(seg.index)[seg.start : seg.start + seg.length]
+            flat.copy_(torch.frombuffer(src[pos : pos + seg.length], dtype=torch.uint8))
             pos += seg.length
         if self.on_cuda:
             torch.cuda.synchronize()
@@ -393,7 +508,7 @@ class ShardBuffers:
             return got
         got = {}
         for k, r in enumerate(self.plan.regions):
-            if r.tensor is not None:
+            if r.tensor is not None or self.regions[k] is None:  # a large tensor, or in place
                 continue
             pack = self._flat(k)
             pv = self._views[k]
@@ -441,7 +556,12 @@ class ShardBuffers:
         of CUDA memory go to pinned memory (faster to fill, and what a NIC or a CUDA copy
         reads best)."""
         copies = []
-        for t in self.regions:
+        for k, t in enumerate(self.regions):
+            if t is None:  # an in-place pack: the copy is a pack buffer
+                pack = torch.empty(self.plan.regions[k].nbytes, dtype=torch.uint8)
+                self.copy_out(self.plan.regions[k].offset, memory_of(pack))
+                copies.append(pack)
+                continue
             flat = t.detach().reshape(-1).view(torch.uint8)
             if flat.device.type == "cuda":
                 pinned = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)

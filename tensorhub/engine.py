@@ -16,7 +16,8 @@ says so, else an offload copy), or None. Whether a range may be served is the pr
 business (:mod:`tensorhub.buffers`), so partial holders serve as they fill.
 
 Publishing: once the server has taken a publish, :class:`StartPublish` runs the holder's
-background job in a worker thread: copy the tiny tensors into their packs (then the whole
+background job in a worker thread: copy the tiny tensors into their packs (copied packs only:
+in-place ones are the tensors; see :class:`~tensorhub.buffers.ShardBuffers`; then the whole
 shard is servable), hash every checksum unit, and declare the checksums to the server, which
 hands them to readers. ``publish`` never waits for it; ``unpublish`` does
 (:class:`WaitPublished`).
@@ -30,7 +31,8 @@ hash each piece in the thread that copied it, while it is still in that core's c
 (:class:`~tensorhub.checksum.LandingHasher`); verifying such a read is then only comparing its
 digests with the declared checksums; verified bytes advance the progress counter; progress,
 complete, source-failed and checksum-failed go to the server through the client actor. Before
-complete is reported, the packs are copied out into the caller's tiny tensors. A pull that is
+complete is reported, copied packs are copied out into the caller's tiny tensors (in-place
+packs received into them directly; :attr:`EngineActor.packs_in_place`). A pull that is
 aborted (its call failed or was cancelled) is finished only when none of its reads can still
 write into the buffers.
 
@@ -274,6 +276,9 @@ class EngineActor(Actor):
         if chunk_bytes < 1:
             raise InvalidArgument(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.transports = transports
+        #: Whether this process keeps packs in place (every transport gathers; see
+        #: ``Transport.gathers``). Fixed at construction: the API reads it when it registers.
+        self.packs_in_place = bool(transports) and all(t.gathers for t in transports.values())
         self.preference = preference
         self._fallbacks_logged: set[tuple[str, str, str]] = set()
         self.chunk_bytes = chunk_bytes

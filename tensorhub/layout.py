@@ -11,8 +11,10 @@ The packing plan
 (so two equal layouts always pack identically, whatever devices their tensors live on):
 
 - Tensors smaller than ``pack_threshold`` are *tiny*. They are laid end to end, in layout order,
-  into pack buffers of at most :data:`PACK_MAX` bytes. Every other tensor is *large* and is a
-  region of its own, used in place.
+  into packs of at most :data:`PACK_MAX` bytes. Every other tensor is *large* and is a region of
+  its own, used in place. (Whether a pack is a buffer the tiny tensors are copied into, or stays
+  a list of the tensors themselves, is each process's choice: :class:`tensorhub.buffers.ShardBuffers`.
+  The transfer space is the same either way.)
 - The **transfer byte space** is the packs, then the large tensors in layout order. Transports
   move ranges of this space; only its regions are registered with one-sided transports, so
   registrations and transfer operations stay near the number of large tensors (a 36B model's

@@ -233,7 +233,8 @@ class _ShardSpec:
     """What both sides need to make the same shard: ``key`` names its buffers on the holder's
     side; ``kind`` is ``"mixed"`` (:data:`_MIXED`) or ``"large"`` (``nbytes`` in one tensor
     between two small ones); ``seed`` makes its bytes; ``filled``: the holder's buffers start
-    with them (else zeros, for a partial holder to fill)."""
+    with them (else zeros, for a partial holder to fill); ``in_place``: which side keeps its
+    packs in place (``"holder"``, ``"reader"``; "": neither), for transports that gather."""
 
     key: int
     kind: str
@@ -241,6 +242,7 @@ class _ShardSpec:
     nbytes: int = 0
     device: str = "cpu"
     filled: bool = True
+    in_place: str = ""
 
     def __post_init__(self) -> None:
         # It also comes off the pipe from the checking process: refuse anything odd.
@@ -253,6 +255,7 @@ class _ShardSpec:
             and isinstance(self.device, str)
             and (self.device == "cpu" or self.device.startswith("cuda"))
             and type(self.filled) is bool
+            and self.in_place in ("", "holder", "reader")
         )
         if not ok:
             raise InvalidArgument(f"bad shard description {self!r}")
@@ -292,14 +295,14 @@ class _Shard:
     def fresh(self, device: str | None = None, fill: int = SENTINEL) -> ShardBuffers:
         """Reader buffers of the same layout, every byte ``fill``."""
         tensors = _zeros(self.specs, device or self.device)
-        buf = ShardBuffers(tensors, layout_of(tensors))
+        buf = ShardBuffers(tensors, layout_of(tensors), packs_in_place=self.spec.in_place == "reader")
         _write(buf, 0, bytes([fill]) * buf.total_bytes)
         return buf
 
     def sibling(self, key: int) -> _Shard:
         """Other holder buffers of the same layout, not filled."""
         s = self.spec
-        return _Shard(_ShardSpec(key, s.kind, s.seed, s.nbytes, s.device, False))
+        return _Shard(_ShardSpec(key, s.kind, s.seed, s.nbytes, s.device, False, s.in_place))
 
 
 def _partition(rng: random.Random, total: int, cuts: int) -> list[tuple[int, int]]:
@@ -364,7 +367,7 @@ class _HolderSide:
         got = self._buffers.get(shard.key)
         if got is None:
             tensors = _zeros(_tensor_specs(shard.kind, shard.nbytes), shard.device)
-            buf = _HookedBuffers(tensors, layout_of(tensors))
+            buf = _HookedBuffers(tensors, layout_of(tensors), packs_in_place=shard.in_place == "holder")
             if shard.filled:
                 _write(buf, 0, shard.data())
             got = self._buffers[shard.key] = (shard, buf)
@@ -820,6 +823,7 @@ class _Ctx:
     loop: asyncio.AbstractEventLoop
     hosting: Any = field(default_factory=_InProcess)
     keys: Iterator[int] = field(default_factory=itertools.count)
+    gathers: bool = False  # the transport gathers: shards alternate which side keeps packs in place
 
     @property
     def processes(self) -> bool:
@@ -830,8 +834,12 @@ class _Ctx:
         return self.make({**self.options, "wait_timeout": wait_timeout})
 
     def shard(self, kind: str = "mixed", nbytes: int = 0, device: str = "cpu", filled: bool = True) -> _Shard:
-        """A new shard: seeded from this check's generator; holder buffers made when held."""
-        return _Shard(_ShardSpec(next(self.keys), kind, self.rng.getrandbits(63), nbytes, device, filled))
+        """A new shard: seeded from this check's generator; holder buffers made when held. For a
+        transport that gathers, every other shard keeps its packs in place on the holder's side,
+        the others on the readers' side (each side must cope with the other's kind)."""
+        key = next(self.keys)
+        in_place = ("holder", "reader")[key % 2] if self.gathers else ""
+        return _Shard(_ShardSpec(key, kind, self.rng.getrandbits(63), nbytes, device, filled, in_place))
 
     @contextlib.asynccontextmanager
     async def pair(self, wait_timeout: float = 5.0, readers: int = 1) -> AsyncIterator[_Pair]:
@@ -1672,7 +1680,8 @@ async def check_transport_async(
             if why is not None:
                 outcome[name] = f"skipped: {why}"
                 continue
-            ctx = _Ctx(name, random.Random(f"{seed}:{name}"), make, dict(options), large_bytes, loop, hosting)
+            ctx = _Ctx(name, random.Random(f"{seed}:{name}"), make, dict(options), large_bytes, loop, hosting,
+                       gathers=bool(getattr(probe, "gathers", False)))  # fmt: skip
             prefix = f"check_transport({label}): check {name!r} failed (seed={seed})"
             try:
                 await _bounded(fn(ctx), "the check", timeout)

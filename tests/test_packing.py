@@ -17,6 +17,7 @@ What must hold, whatever the layout:
 
 from __future__ import annotations
 
+import ctypes
 import math
 import random
 
@@ -35,6 +36,7 @@ from tensorhub.buffers import (
 from tensorhub.checksum import compute, digest, first_mismatch
 from tensorhub.errors import InvalidArgument
 from tensorhub.layout import PACK_MAX, Layout, Plan, TensorSpec, plan_of
+from transports.memory import _copy_views
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -334,26 +336,33 @@ def odd_tensors(seed: int) -> dict[str, torch.Tensor]:
 def receive(dst: ShardBuffers, src: ShardBuffers, read_bytes: int = 8192) -> None:
     """What a transport does: move the transfer space, read by read, into ``dst``'s memory."""
     for r in src.plan.reads(read_bytes):
-        for d, s in zip(dst.views(r.offset, r.length), src.views(r.offset, r.length), strict=True):
-            d[:] = s
+        _copy_views(src.views(r.offset, r.length), dst.views(r.offset, r.length))  # the two may cut differently
 
 
-def check_round_trip(tensors: dict[str, torch.Tensor], pack_threshold: int, chunk_bytes: int = 4096) -> None:
+def check_round_trip(
+    tensors: dict[str, torch.Tensor], pack_threshold: int, chunk_bytes: int = 4096, src_in_place: bool = False, dst_in_place: bool = False
+) -> None:
+    """A holder's buffers to a reader's, read by read, each side with copied or in-place packs."""
     lay = layout_of(tensors, chunk_bytes=chunk_bytes, pack_threshold=pack_threshold)
-    src = ShardBuffers(tensors, lay)
-    assert src.packed == any(0 < t.nbytes < pack_threshold for t in lay.tensors)  # empty ones need no pack
+    src = ShardBuffers(tensors, lay, packs_in_place=src_in_place)
+    has_tiny = any(0 < t.nbytes < pack_threshold for t in lay.tensors)  # empty ones need no pack
+    assert (src.packed, src.packs_in_place) == (has_tiny and not src_in_place, has_tiny and src_in_place)
     src.pack()
     names = list(tensors)
     for i, name in enumerate(names):  # each tensor's transfer bytes are its bytes
         off, n = src.plan.tensor_offset[i], lay.tensors[i].nbytes
         assert transfer_bytes(src, off, n) == as_bytes(tensors[name]), name
+    whole = transfer_bytes(src, 0, src.total_bytes)
+    check_spans(src, whole)
+    clone = src.clone_cpu()  # an offload copy: always copied packs, the same space
+    assert not clone.packs_in_place and transfer_bytes(clone, 0, clone.total_bytes) == whole
     zeros = {name: torch.zeros_like(t) for name, t in tensors.items()}
-    dst = ShardBuffers(zeros, layout_of(zeros, chunk_bytes=chunk_bytes, pack_threshold=pack_threshold))
+    dst = ShardBuffers(zeros, layout_of(zeros, chunk_bytes=chunk_bytes, pack_threshold=pack_threshold), packs_in_place=dst_in_place)
     assert dst.layout == lay and dst.plan is src.plan
     receive(dst, src)
-    assert transfer_bytes(dst, 0, dst.total_bytes) == transfer_bytes(src, 0, src.total_bytes)
-    for i, name in enumerate(names):  # large tensors are received in place; tiny ones wait for unpack
-        if lay.tensors[i].nbytes >= pack_threshold:
+    assert transfer_bytes(dst, 0, dst.total_bytes) == whole
+    for i, name in enumerate(names):  # large tensors (and in place, tiny ones) are received in place
+        if lay.tensors[i].nbytes >= pack_threshold or dst_in_place:
             assert as_bytes(zeros[name]) == as_bytes(tensors[name]), name
         else:
             assert not any(as_bytes(zeros[name])), f"{name} changed before unpack"
@@ -362,11 +371,55 @@ def check_round_trip(tensors: dict[str, torch.Tensor], pack_threshold: int, chun
         got, want = zeros[name], tensors[name]
         assert (got.dtype, got.shape) == (want.dtype, want.shape)
         assert as_bytes(got) == as_bytes(want), name
+    # copy_in / copy_out cut ranges the same way (what staging transports use).
+    for z in zeros.values():
+        z.view(-1).view(torch.uint8).zero_() if z.numel() else None
+    rng = random.Random(len(whole))
+    cuts = sorted({0, dst.total_bytes, *(rng.randrange(dst.total_bytes + 1) for _ in range(5))})
+    for a, b in zip(cuts, cuts[1:]):
+        dst.copy_in(a, memoryview(whole)[a:b])
+        out = bytearray(b - a)
+        dst.copy_out(a, memoryview(out))
+        assert bytes(out) == whole[a:b]
+    assert transfer_bytes(dst, 0, dst.total_bytes) == whole
 
 
+def check_spans(b: ShardBuffers, whole: bytes) -> None:
+    """``spans`` give the addresses of exactly the bytes ``views`` give, for any range."""
+    rng = random.Random(len(whole))
+    for _ in range(8):
+        a = rng.randrange(len(whole) + 1)
+        n = rng.randrange(len(whole) - a + 1)
+        spans = b.spans(a, n)
+        assert sum(k for _, k in spans) == n and all(k > 0 for _, k in spans)
+        assert b"".join(ctypes.string_at(addr, k) for addr, k in spans) == whole[a : a + n]
+
+
+@pytest.mark.parametrize("in_place", ["neither", "holder", "reader", "both"])
 @pytest.mark.parametrize("pack_threshold", [0, 1, 64, 4096, 10000, DEFAULT_PACK_THRESHOLD])
-def test_pack_unpack_round_trip_of_odd_dtypes_and_sizes(seed: int, pack_threshold: int) -> None:
-    check_round_trip(odd_tensors(seed), pack_threshold)
+def test_pack_unpack_round_trip_of_odd_dtypes_and_sizes(seed: int, pack_threshold: int, in_place: str) -> None:
+    check_round_trip(odd_tensors(seed), pack_threshold, src_in_place=in_place in ("holder", "both"),
+                     dst_in_place=in_place in ("reader", "both"))  # fmt: skip
+
+
+def test_in_place_packs_alias_the_tensors_and_name_what_is_wrong(seed: int) -> None:
+    """An in-place pack is the tiny tensors' own memory: a change shows at once, publish copies
+    nothing; regions holds None for it; CUDA-only calls and out-of-range spans say why not."""
+    tensors = odd_tensors(seed)
+    b = ShardBuffers(tensors, layout_of(tensors, chunk_bytes=4096, pack_threshold=4096), packs_in_place=True)
+    assert b.packs_in_place and not b.packed
+    k = next(i for i, r in enumerate(b.plan.regions) if r.tensor is None)
+    assert b.regions[k] is None
+    parts = b.parts(k)
+    assert parts is not None and sum(n for _, n in parts) == b.plan.regions[k].nbytes
+    assert b.parts(k + 1) is None
+    i = list(tensors).index("ln.weight")
+    off, n = b.plan.tensor_offset[i], b.layout.tensors[i].nbytes
+    tensors["ln.weight"].view(torch.uint8)[:] ^= 0xFF  # no pack() needed: it aliases
+    assert transfer_bytes(b, off, n) == as_bytes(tensors["ln.weight"])
+    with pytest.raises(InvalidArgument, match=r"byte range \[0, \d+\) is outside the shard"):
+        b.spans(0, b.total_bytes + 1)
+    assert b.spans(3, 0) == []
 
 
 def test_pack_copies_and_is_repeatable(seed: int) -> None:
@@ -398,11 +451,13 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, tor
     ),
     pack_threshold=st.sampled_from([0, 1, 16, 100, 4096, 1 << 20]),
     gen_seed=st.integers(0, 1 << 30),
+    src_in_place=st.booleans(),
+    dst_in_place=st.booleans(),
 )
-def test_pack_unpack_round_trip_property(specs, pack_threshold: int, gen_seed: int) -> None:
+def test_pack_unpack_round_trip_property(specs, pack_threshold: int, gen_seed: int, src_in_place: bool, dst_in_place: bool) -> None:
     gen = torch.Generator().manual_seed(gen_seed)
     tensors = {f"t{i}": filled(tuple(shape), dtype, gen) for i, (dtype, shape) in enumerate(specs)}
-    check_round_trip(tensors, pack_threshold)
+    check_round_trip(tensors, pack_threshold, src_in_place=src_in_place, dst_in_place=dst_in_place)
 
 
 # --- checksums -------------------------------------------------------------------------------------------

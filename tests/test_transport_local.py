@@ -66,6 +66,14 @@ def test_local_conforms(seed: int) -> None:
     assert {k for k, v in outcome.items() if v != "passed"} <= {"cuda_buffers"}
 
 
+def test_local_conforms_across_processes(seed: int) -> None:
+    """The whole suite with the holder in another process: real ``process_vm_readv`` between
+    address spaces, with packs kept in place on one side or the other."""
+    outcome = check_transport("local", {"describe_timeout": 5.0}, seed=seed, holder_process=True, mp_context=mp())
+    assert list(outcome) == list(CHECKS)
+    assert {k for k, v in outcome.items() if v != "passed"} <= {"cuda_buffers"}
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
@@ -471,6 +479,12 @@ def test_bad_endpoints_fail_with_transport_errors(holder: Holder, seed: int) -> 
         {"pid": None, "tag": 1, "words": 4096, "regions": [[1, 2, "tpu", -1, None]]},
         {"pid": None, "tag": 1, "words": 4096, "regions": [[1, 2, "cuda", 0, None]]},
         {"pid": None, "tag": 1, "words": 4096, "regions": [[1, 2, "cuda", 0, {"fields": [1, 2]}]]},
+        {"pid": None, "tag": 1, "words": 4096, "regions": [[0, 2, "parts", -1, None]]},  # parts without a list
+        {"pid": None, "tag": 1, "words": 4096, "regions": [[0, 2, "parts", -1, [[4096, 1]]]]},  # 1 byte of 2
+        {"pid": None, "tag": 1, "words": 4096, "regions": [[0, 2, "parts", -1, [[0, 2]]]]},  # address 0
+        {"pid": None, "tag": 1, "words": 4096, "regions": [[0, 2, "parts", -1, [[4096, 2, 3]]]]},
+        {"pid": None, "tag": 1, "words": 4096, "regions": [[0, 2, "parts", -1, [[4096, 0], [4096, 2]]]]},  # an empty part
+        {"pid": None, "tag": 1, "words": 4096, "regions": [[1, 2, "cpu", -1, [[4096, 2]]]]},  # parts on a plain region
     ],
 )
 def test_malformed_descriptions_fail_with_transport_errors(reply: dict) -> None:
@@ -605,13 +619,20 @@ def test_vm_read_loops_over_iov_max_and_reports_faults() -> None:
     src = bytearray(random.Random(1).randbytes(3000 * 7))
     dst = bytearray(len(src))
     sa, da = local._address(src), local._address(dst)
-    spans = [(da + 7 * i, sa + 7 * i, 7) for i in range(3000)]  # three calls' worth of iovecs
-    local._vm_read(os.getpid(), spans)
+    spans = [(7 * i, 7) for i in range(3000)]  # three calls' worth of iovecs
+    local._vm_read(os.getpid(), [(da + a, n) for a, n in spans], [(sa + a, n) for a, n in spans])
     assert dst == src
+    # The two sides cut differently: 7-byte pieces into one span, and 13-byte pieces from 11-byte ones.
+    for cut_local, cut_remote in ((21000, 7), (13, 11)):
+        dst[:] = bytes(len(dst))
+        lspans = [(da + a, min(cut_local, len(src) - a)) for a in range(0, len(src), cut_local)]
+        rspans = [(sa + a, min(cut_remote, len(src) - a)) for a in range(0, len(src), cut_remote)]
+        local._vm_read(os.getpid(), lspans, rspans)
+        assert dst == src, (cut_local, cut_remote)
     good = ctypes.create_string_buffer(b"x" * 4096)
     out = ctypes.create_string_buffer(8192)
     with pytest.raises(local._VmError) as info:  # a partial transfer, then the fault
-        local._vm_read(os.getpid(), [(ctypes.addressof(out), ctypes.addressof(good), 4096), (ctypes.addressof(out) + 4096, 8, 4096)])
+        local._vm_read(os.getpid(), [(ctypes.addressof(out), 8192)], [(ctypes.addressof(good), 4096), (8, 4096)])
     assert info.value.errno == errno.EFAULT
     assert out.raw[:4096] == good.raw[:4096]
 

@@ -67,8 +67,19 @@ holder runs, never pickled objects.
 
 **Capability flags** (class attributes): ``one_sided`` (reads need no holder CPU),
 ``cuda`` (reads and serves CUDA memory without staging), ``cross_host`` (works between hosts;
-``local`` does not), ``reports_landing`` (``read`` takes a ``landed`` callback, below). The
-engine picks a transport per (reader, holder) edge from these and both sides' endpoints.
+``local`` does not), ``reports_landing`` (``read`` takes a ``landed`` callback, below),
+``gathers`` (below). The engine picks a transport per (reader, holder) edge from these and both
+sides' endpoints.
+
+**Gathering** (optional, ``gathers = True``). A transport that reaches a range's memory only
+through :meth:`ShardBuffers.views`, :meth:`~ShardBuffers.spans`, :meth:`~ShardBuffers.copy_in`
+and :meth:`~ShardBuffers.copy_out` (and ``ShardBuffers.parts`` for what it describes to peers)
+copes with a range scattered over many tensors. When every transport of a process gathers, the
+engine keeps that process's packs *in place* (:class:`~tensorhub.buffers.ShardBuffers`): the
+tiny tensors are not copied into pack buffers at publish nor out of them after a pull, and the
+process does not hold a second copy of them. A transport that registers ``ShardBuffers.regions``
+(NIXL) leaves it False: it needs a pack to be one buffer; ``regions`` holds None for a pack kept
+in place.
 
 **Landing reports** (optional, ``reports_landing = True``). The engine verifies every byte a
 reader receives against the publisher's checksums. A transport that copies with the CPU can let
@@ -120,6 +131,7 @@ class Transport:
     cuda: ClassVar[bool] = False
     cross_host: ClassVar[bool] = True
     reports_landing: ClassVar[bool] = False
+    gathers: ClassVar[bool] = False
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = dict(options or {})

@@ -124,6 +124,7 @@ class FaultyTransport(Transport):
         self.cuda = inner.cuda  # type: ignore[misc]
         self.cross_host = inner.cross_host  # type: ignore[misc]
         self.reports_landing = inner.reports_landing  # type: ignore[misc]
+        self.gathers = inner.gathers  # type: ignore[misc]
         self.faults = tuple(_validate(i, f) for i, f in enumerate(faults))
         self.fired: list[FiredFault] = []
         self._matched = [0] * len(self.faults)

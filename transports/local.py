@@ -12,9 +12,11 @@ Holder side. :meth:`LocalTransport.start` starts a :class:`~transports.sidechann
 (on ``host``, default 127.0.0.1) with one inline op, ``describe {region, version}``: it resolves
 the pair through the engine's resolver and answers ``{"pid", "tag", "words", "regions"}``: the
 tag and address of the holding's progress words (:mod:`tensorhub.buffers`), and for each region
-of the packing plan, in plan order, ``[address, nbytes, "cpu" | "cuda", device index, ipc]``
-(``ipc``: for a CUDA region, the fields of torch's ``_share_cuda_()`` as bytes and integers, the
-tensor's byte offset in its storage and the GPU's UUID; None for CPU memory). It refuses with
+of the packing plan, in plan order, ``[address, nbytes, "cpu" | "cuda" | "parts", device index,
+extra]``. ``extra`` is None for CPU memory; for a CUDA region, ``ipc``: the fields of torch's
+``_share_cuda_()`` as bytes and integers, the tensor's byte offset in its storage and the GPU's
+UUID; for a pack the holder keeps in place (``ShardBuffers.parts``), the ``[address, nbytes]``
+of each tiny tensor in pack order (address 0: the region is scattered). It refuses with
 ``unknown`` (no such holding), ``not_exposed`` (buffers not exposed here) or ``closed``.
 :meth:`~LocalTransport.withdraw` forgets the buffers and retags their progress words;
 :meth:`~LocalTransport.close` retags every exposed buffer and closes the side server. The
@@ -39,7 +41,9 @@ transport's threads (never on the event loop):
    :class:`TransportError`;
 3. copies the range from the described addresses into ``into``'s memory. The layouts are
    equal, so ``into.segments(offset, length)`` cuts both sides alike (a segment's region index
-   and start locate the source). Pieces of ``piece_bytes`` are copied one after another, with a
+   and start locate the source); a pack kept in place on either side is cut further along its
+   tiny tensors, on each side independently (``process_vm_readv`` takes separate local and
+   remote iovec lists, so the holder's parts and the reader's need not line up). Pieces of ``piece_bytes`` are copied one after another, with a
    check for a close (of this transport) between pieces; a range larger than 4 MiB is cut into
    4 MiB parts queued on the transport's ``threads`` copy workers, which every read in flight
    shares (so they stay busy while one read's completion travels through the event loop, and
@@ -83,6 +87,7 @@ been run on a GPU yet** (it was written on a host without one); the tests exerci
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import ctypes
 import errno
@@ -102,6 +107,7 @@ import torch
 
 from tensorhub.buffers import WORD_BYTES, ShardBuffers, read_words
 from tensorhub.errors import InvalidArgument, TransportError
+from tensorhub.layout import MAX_TENSORS
 
 from .base import Landed, RangeNotReady, Transport
 from .sidechannel import SideClient, SideError, SideServer, field
@@ -188,28 +194,41 @@ class _VmError(Exception):
         self.errno = err
 
 
-def _vm_read(pid: int, spans: list[tuple[int, int, int]]) -> None:
-    """Copy each ``(local address, remote address, n)`` of ``spans`` from process ``pid``,
-    looping over partial transfers and ``IOV_MAX``. Raises :class:`_VmError`."""
+def _vm_read(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> None:
+    """Copy the bytes of process ``pid`` at ``remote`` (``(address, n)`` spans, in order) into
+    ``local`` (spans of this process with the same total, cut independently), looping over
+    partial transfers and ``IOV_MAX``. Raises :class:`_VmError`."""
     readv = _lib().process_vm_readv
-    k, done = 0, 0  # the span being copied, and the bytes of it already copied
-    while k < len(spans):
-        batch = spans[k : k + _IOV_MAX]
-        local = (_Iovec * len(batch))()
-        remote = (_Iovec * len(batch))()
-        for i, (la, ra, n) in enumerate(batch):
-            skip = done if i == 0 else 0
-            local[i].iov_base, local[i].iov_len = la + skip, n - skip
-            remote[i].iov_base, remote[i].iov_len = ra + skip, n - skip
-        got = readv(pid, local, len(batch), remote, len(batch), 0)
+    li = lo = ri = ro = 0  # each side: the span being copied, and the bytes of it already copied
+    while li < len(local):
+        liov, ln = _iovecs(local, li, lo)
+        riov, rn = _iovecs(remote, ri, ro)
+        got = readv(pid, liov, ln, riov, rn, 0)
         if got < 0:
             raise _VmError(ctypes.get_errno())
         if got == 0:
             raise _VmError(errno.EFAULT)  # no progress: the remote memory is not there
-        done += got
-        while k < len(spans) and done >= spans[k][2]:
-            done -= spans[k][2]
-            k += 1
+        li, lo = _advance(local, li, lo, got)
+        ri, ro = _advance(remote, ri, ro, got)
+
+
+def _iovecs(spans: list[tuple[int, int]], k: int, done: int) -> tuple[ctypes.Array, int]:
+    """Up to ``IOV_MAX`` iovecs of ``spans`` from span ``k``, its first ``done`` bytes skipped."""
+    batch = spans[k : k + _IOV_MAX]
+    iov = (_Iovec * len(batch))()
+    for i, (address, n) in enumerate(batch):
+        skip = done if i == 0 else 0
+        iov[i].iov_base, iov[i].iov_len = address + skip, n - skip
+    return iov, len(batch)
+
+
+def _advance(spans: list[tuple[int, int]], k: int, done: int, got: int) -> tuple[int, int]:
+    """``(span, bytes of it done)`` after ``got`` more bytes."""
+    done += got
+    while k < len(spans) and done >= spans[k][1]:
+        done -= spans[k][1]
+        k += 1
+    return k, done
 
 
 def _vm_why(err: _VmError, pid: int) -> str:
@@ -251,6 +270,25 @@ class _Region:
     address: int
     nbytes: int
     cuda: torch.Tensor | None  # for CUDA memory: a flat uint8 tensor of it, usable here
+    parts: tuple[tuple[int, int], ...] | None = None  # a pack kept in place: (address, nbytes) each
+    starts: tuple[int, ...] = ()  # where each part starts in the region
+
+    def spans(self, start: int, length: int) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of the holder's memory holding region bytes ``[start, start +
+        length)`` (the range is inside the region)."""
+        if self.parts is None:
+            return [(self.address + start, length)]
+        out = []
+        k = max(0, bisect.bisect_right(self.starts, start) - 1)
+        pos, end = start, start + length
+        while pos < end:
+            address, n = self.parts[k]
+            lo, hi = pos - self.starts[k], min(n, end - self.starts[k])
+            if hi > lo:
+                out.append((address + lo, hi - lo))
+                pos = self.starts[k] + hi
+            k += 1
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,12 +317,28 @@ def _checked_description(reply: dict[str, Any], pid: int) -> tuple[int, int, lis
             or type(r[1]) is not int
             or r[0] < 0
             or r[1] < 0
-            or r[2] not in ("cpu", "cuda")
+            or r[2] not in ("cpu", "cuda", "parts")
             or type(r[3]) is not int
-            or not (r[4] is None or type(r[4]) is dict)
+            or not (type(r[4]) is list if r[2] == "parts" else r[4] is None or type(r[4]) is dict)
         ):
-            raise ValueError(f"a region is described as {r!r}")
+            raise ValueError(f"a region is described as {str(r)[:200]}")
+        if r[2] == "parts":
+            _check_parts(r[4], r[1])
     return tag, words, regions
+
+
+def _check_parts(parts: list[Any], nbytes: int) -> None:
+    """An in-place pack's parts: ``[address, nbytes]`` pairs, each non-empty, adding up to the
+    region's size. ValueError otherwise."""
+    if len(parts) > MAX_TENSORS:
+        raise ValueError(f"a pack is described as {len(parts)} parts (at most {MAX_TENSORS})")
+    total = 0
+    for p in parts:
+        if type(p) is not list or len(p) != 2 or type(p[0]) is not int or type(p[1]) is not int or p[0] <= 0 or p[1] <= 0:
+            raise ValueError(f"a pack's part is described as {str(p)[:100]}")
+        total += p[1]
+    if total != nbytes:
+        raise ValueError(f"a pack's parts add up to {total} bytes, not its {nbytes}")
 
 
 #: Types of the ``_share_cuda_()`` fields (what ``_new_shared_cuda`` takes back): device,
@@ -355,6 +409,7 @@ class LocalTransport(Transport):
     cuda = True
     cross_host = False
     reports_landing = True
+    gathers = True
     streams: int = 4
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
@@ -496,7 +551,7 @@ class LocalTransport(Transport):
             "pid": os.getpid(),
             "tag": tag,
             "words": buf.progress.words_address,
-            "regions": [_describe_region(t, share) for t in buf.regions],
+            "regions": [_describe_region(buf, k, share) for k in range(len(buf.regions))],
         }
 
     # ---- reader side ---------------------------------------------------------------------------
@@ -636,6 +691,11 @@ class LocalTransport(Transport):
             tag, words, raw = _checked_description(reply, pid)
             regions = []
             for k, (address, nbytes, kind, _index, ipc) in enumerate(raw):
+                if kind == "parts":
+                    parts = tuple((a, n) for a, n in ipc)
+                    starts = tuple(itertools.accumulate((n for _, n in parts[:-1]), initial=0))
+                    regions.append(_Region(0, nbytes, None, parts, starts))
+                    continue
                 cuda = None
                 if kind == "cuda" and nbytes:
                     if in_process:
@@ -667,7 +727,7 @@ class LocalTransport(Transport):
         if buf is None:
             buf = self._tls.words = ctypes.create_string_buffer(WORD_BYTES)
         try:
-            _vm_read(desc.pid, [(ctypes.addressof(buf), desc.words, WORD_BYTES)])
+            _vm_read(desc.pid, [(ctypes.addressof(buf), WORD_BYTES)], [(desc.words, WORD_BYTES)])
         except _VmError as err:
             raise TransportError(f"read of {where}: {_vm_why(err, desc.pid)}") from None
         tag, gen, ver, verified = read_words(buf.raw)
@@ -753,36 +813,45 @@ class LocalTransport(Transport):
             pos += n
 
     def _copy_piece(self, desc: _Described, into: ShardBuffers, offset: int, n: int, where: str) -> None:
-        spans: list[tuple[int, int, int]] = []
+        local: list[tuple[int, int]] = []
+        remote: list[tuple[int, int]] = []
         synced: set[torch.device] = set()
         for seg in into.segments(offset, n):
             src = desc.regions[seg.index]
-            dst = into.regions[seg.index]
+            dst = into.regions[seg.index]  # None: a pack kept in place (CPU memory)
             if src.cuda is not None:  # GPU memory of the holder: torch copies it
-                flat = dst.reshape(-1).view(torch.uint8)[seg.start : seg.start + seg.length]
-                flat.copy_(src.cuda[seg.start : seg.start + seg.length])
+                piece = src.cuda[seg.start : seg.start + seg.length]
+                if dst is None:
+                    into.copy_in(seg.offset, memoryview(piece.cpu().numpy()))
+                    continue
+                dst.reshape(-1).view(torch.uint8)[seg.start : seg.start + seg.length].copy_(piece)
                 synced.update(t.device for t in (dst, src.cuda) if t.device.type == "cuda")
-            elif dst.device.type == "cpu":
-                spans.append((dst.data_ptr() + seg.start, src.address + seg.start, seg.length))
+            elif dst is None or dst.device.type == "cpu":
+                local += into.spans(seg.offset, seg.length)
+                remote += src.spans(seg.start, seg.length)
             else:  # CPU memory into GPU memory: stage it
                 staged = bytearray(seg.length)
-                self._vm_copy(desc, [(_address(staged), src.address + seg.start, seg.length)], where)
+                self._vm_copy(desc, [(_address(staged), seg.length)], src.spans(seg.start, seg.length), where)
                 into.copy_in(seg.offset, memoryview(staged))
-        if spans:
-            self._vm_copy(desc, spans, where)
+        if local:
+            self._vm_copy(desc, local, remote, where)
         for device in synced:
             torch.cuda.synchronize(device)
 
-    def _vm_copy(self, desc: _Described, spans: list[tuple[int, int, int]], where: str) -> None:
+    def _vm_copy(self, desc: _Described, local: list[tuple[int, int]], remote: list[tuple[int, int]], where: str) -> None:
         try:
-            _vm_read(desc.pid, spans)
+            _vm_read(desc.pid, local, remote)
         except _VmError as err:
             raise TransportError(f"read of {where}: {_vm_why(err, desc.pid)}") from None
 
 
-def _describe_region(t: torch.Tensor, share: bool) -> list[Any]:
-    """``[address, nbytes, kind, device index, ipc]`` of one region tensor (see the module
+def _describe_region(buf: ShardBuffers, k: int, share: bool) -> list[Any]:
+    """``[address, nbytes, kind, device index, extra]`` of region ``k`` (see the module
     docstring); CUDA IPC fields only when the reader asked for them (another process)."""
+    t = buf.regions[k]
+    if t is None:  # a pack kept in place
+        parts = buf.parts(k) or []
+        return [0, buf.plan.regions[k].nbytes, "parts", -1, [[a, n] for a, n in parts]]
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cuda":
         return [t.data_ptr(), nbytes, "cpu", -1, None]

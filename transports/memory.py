@@ -92,6 +92,7 @@ class MemoryTransport(Transport):
     one_sided = True
     cuda = False
     cross_host = False
+    gathers = True
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)

@@ -593,6 +593,8 @@ class NixlTransport(Transport):
         with self._lock:
             if id(buffers) in self._exposed:
                 return
+        if buffers.packs_in_place:
+            raise InvalidArgument("nixl registers pack buffers: these buffers keep their packs in place (nixl does not gather)")
         dlists, rows = io.register(buffers.regions)
         io.words_dlist(buffers.progress.words_chunk)
         with self._lock:

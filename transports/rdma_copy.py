@@ -153,6 +153,7 @@ class RdmaCopyTransport(Transport):
     one_sided = False
     cuda = True
     cross_host = True
+    gathers = True
 
     def __init__(self, options: dict[str, Any] | None = None, agent_factory: Callable[[str, str | None], Any] | None = None) -> None:
         super().__init__(options)

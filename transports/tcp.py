@@ -32,8 +32,10 @@ Throughput choices
 - **No intermediate copies.** The holder ``sendall``s views of its registered memory; the
   reader ``recv_into``s straight into the destination. Tiny tensors arrive in their pack (one
   contiguous buffer per read instead of hundreds of small receives) and are unpacked by the
-  engine after the pull. Only CUDA memory is staged, once on each side, through a pinned
-  buffer.
+  engine after the pull, unless the reader keeps its packs in place (its transports all gather,
+  as this one does: ``Transport.gathers``); then each tiny tensor is received into directly, one
+  ``recv_into`` per tensor, and the holder sends from its tiny tensors just as directly. Only
+  CUDA memory is staged, once on each side, through a pinned buffer.
 - **Verification** is not the transport's: the engine hashes each read in a worker thread as
   it lands, overlapped with the next reads.
 
@@ -128,6 +130,7 @@ class TcpTransport(Transport):
     one_sided = False
     cuda = False
     cross_host = True
+    gathers = True
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
