@@ -18,6 +18,7 @@ What must hold, whatever the layout:
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import random
 
@@ -373,10 +374,10 @@ def check_round_trip(
         assert as_bytes(got) == as_bytes(want), name
     # copy_in / copy_out cut ranges the same way (what staging transports use).
     for z in zeros.values():
-        z.view(-1).view(torch.uint8).zero_() if z.numel() else None
+        z.zero_()
     rng = random.Random(len(whole))
     cuts = sorted({0, dst.total_bytes, *(rng.randrange(dst.total_bytes + 1) for _ in range(5))})
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         dst.copy_in(a, memoryview(whole)[a:b])
         out = bytearray(b - a)
         dst.copy_out(a, memoryview(out))
