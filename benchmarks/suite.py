@@ -514,8 +514,9 @@ def _row(rows: list[dict], system: str, workload: str, n: int) -> dict | None:
 
 
 def packed_bytes(spec: list) -> int:
-    """Bytes of the tensors that registration packs (under the default threshold, 2 MiB): the
-    engine keeps a second copy of them in its pack buffers (DESIGN.md section 4)."""
+    """Bytes of the tensors under the default pack threshold (2 MiB). A process whose transports
+    do not all gather (``nixl``) keeps a second copy of them in pack buffers; one whose
+    transports all do (``local``, ``tcp``) keeps its packs in place (``ShardBuffers``)."""
     sizes = {"uint8": 1, "bfloat16": 2, "float32": 4}
     return sum(
         n * sizes[d] for _, d, n in spec if n * sizes[d] < DEFAULT_PACK_THRESHOLD
@@ -584,9 +585,9 @@ def goals(
                  ratio=worst["holder_rss_mib"] / GOAL_RSS_MIB, verdict="PASS" if worst["holder_rss_mib"] <= GOAL_RSS_MIB else "MISS")  # fmt: skip
         if worst["holder_rss_mib"] > GOAL_RSS_MIB:
             pack_mib = (packed or {}).get(worst["workload"], 0) / (1 << 20)
-            g["why"] = (f"off by {worst['holder_rss_mib'] - GOAL_RSS_MIB:.1f} MiB; of the {worst['holder_rss_mib']:.0f} MiB, "
-                        f"~{pack_mib:.0f} MiB are the pack buffers (registration's second copy of the tensors under 2 MiB, "
-                        f"DESIGN.md section 4), the rest {worst['holder_rss_mib'] - pack_mib:.0f} MiB")  # fmt: skip
+            g["why"] = (f"off by {worst['holder_rss_mib'] - GOAL_RSS_MIB:.1f} MiB; the shard has ~{pack_mib:.0f} MiB of tensors "
+                        "under 2 MiB, which a transport that registers memory (nixl) needs copied into pack buffers "
+                        "(with transports that gather, packs stay in place)")  # fmt: skip
     out.append(g)
     return out
 
