@@ -138,6 +138,8 @@ def _worker(cmds: Any, results: Any, open_kw: dict) -> None:
                 value = list(h.last_pull.sources) if h.last_pull else []
             elif cmd == "hashed_on_landing":  # reads of the latest pull verified from landing digests
                 value = h.last_pull.hashed_on_landing if h.last_pull else 0
+            elif cmd == "packs":  # how the registered buffers keep their tiny tensors
+                value = "in place" if h.buffers.packs_in_place else "copied" if h.buffers.packed else "none"
             elif cmd == "last_transports":  # the transport of each grant of the latest pull
                 value = list(h.last_pull.transports) if h.last_pull else []
             elif cmd == "server_address":  # the server the handle is on now (None: failing over)

@@ -1,7 +1,8 @@
 """The NIXL and same-host transports end to end: a real server actor, shard handles in worker
 processes, real NIXL agents (UCX on CPU memory) and real process_vm_readv, real checksums.
 
-- a version replicated over each transport lands byte-exact;
+- a version replicated over each transport lands byte-exact (from a holder with copied packs,
+  into readers with copied or in-place ones, and the other way round);
 - the engine picks each edge's transport by topology (same host, same datacenter, across
   datacenters), and falls back when the preferred one is not there;
 - a holder SIGKILLed mid-pull: the reader reports it, is re-granted another holder and resumes
@@ -28,14 +29,31 @@ def test_each_transport_replicates_byte_exact(inproc_server, handles):
     srv = inproc_server
     trainer = handles("trainer", server=srv.address, scale=SCALE, transports={n: {} for n in TRANSPORTS})
     trainer.call("register")
+    assert trainer.call("packs") == "copied"  # it runs nixl, which registers its packs
     publish_and_wait_checksums(srv, trainer, 1)
     for name in TRANSPORTS:
         reader = handles(f"rollout-{name}", server=srv.address, scale=SCALE, transports={name: {}})
         reader.call("register")
+        # A reader whose one transport gathers lands the tiny tensors in place, from copied packs.
+        assert reader.call("packs") == ("copied" if name == "nixl" else "in place"), name
         assert reader.call("replicate", 1, 60.0) == 1
         assert reader.call("holds", 1), name
         assert reader.call("last_transports") == [name]
         reader.exit()
+
+
+def test_a_holder_with_packs_in_place_serves_a_reader_with_copied_ones(inproc_server, handles):
+    srv = inproc_server
+    trainer = handles("trainer", server=srv.address, scale=SCALE, transports={"local": {}})
+    trainer.call("register")
+    assert trainer.call("packs") == "in place"  # its one transport gathers: no pack buffers
+    publish_and_wait_checksums(srv, trainer, 1)
+    reader = handles("rollout-0", server=srv.address, scale=SCALE, transports={"local": {}, "nixl": {}})
+    reader.call("register")
+    assert reader.call("packs") == "copied"
+    assert reader.call("replicate", 1, 60.0) == 1
+    assert reader.call("last_transports") == ["local"]
+    assert reader.call("holds", 1)
 
 
 @pytest.mark.parametrize(
