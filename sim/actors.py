@@ -359,26 +359,19 @@ class SimShard:
             if self.pull is pull and self.alive:
                 self._run(pull, pull.on_read_failed(a.grant, a.offset, reason))
 
-        if src is None or not src.alive:
+        def time_out(reason: str) -> None:
             # a silent peer: the transport gives up after its timeout
-            self.timers.append(
-                self.sim.after(
-                    self.cluster.params.transfer_timeout,
-                    fail,
-                    "transfer timeout: the source is silent",
-                )
-            )
+            self.timers.append(self.sim.after(self.cluster.params.transfer_timeout, fail, reason))
+
+        if src is None or not src.alive:
+            time_out("transfer timeout: the source is silent")
             return
 
         def start() -> None:
             if self.pull is not pull or not self.alive:
                 return
             if not src.alive:
-                self.timers.append(
-                    self.sim.after(
-                        self.cluster.params.transfer_timeout, fail, "transfer timeout"
-                    )
-                )
+                time_out("transfer timeout")
                 return
             src_dev = self.cluster.cpu(src.device.host) if offload else src.device
             links, cap, latency = self.cluster.path(src_dev, self.device)
@@ -394,13 +387,7 @@ class SimShard:
                 if self.pull is not pull or not self.alive:
                     return
                 if not src.alive:
-                    self.timers.append(
-                        self.sim.after(
-                            self.cluster.params.transfer_timeout,
-                            fail,
-                            "transfer timeout",
-                        )
-                    )
+                    time_out("transfer timeout")
                     return
                 flow = self.cluster.net.start(
                     links,
