@@ -42,7 +42,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -223,25 +223,31 @@ class _Parts:
     """An in-place pack's tiny tensors with bytes: where each starts in the pack, a view of its
     memory and its address."""
 
-    __slots__ = ("addresses", "starts", "views")
+    __slots__ = ("addresses", "sizes", "starts", "views")
 
     def __init__(self, starts: list[int], views: list[memoryview], addresses: list[int]) -> None:
         self.starts, self.views, self.addresses = starts, views, addresses
+        self.sizes = [len(v) for v in views]
 
     def cut(self, start: int, length: int) -> list[tuple[int, int, int]]:
-        """``(part, from, to)``: the byte ranges of parts that pack bytes ``[start, start +
-        length)`` cover, in order (parts are laid end to end, so they cover it exactly)."""
-        out = []
-        k = max(0, bisect.bisect_right(self.starts, start) - 1)
-        pos, end = start, start + length
-        while pos < end:
-            lo = pos - self.starts[k]
-            hi = min(len(self.views[k]), end - self.starts[k])
-            if hi > lo:
-                out.append((k, lo, hi))
-                pos = self.starts[k] + hi
-            k += 1
-        return out
+        return cut_parts(self.starts, self.sizes, start, length)
+
+
+def cut_parts(starts: Sequence[int], sizes: Sequence[int], start: int, length: int) -> list[tuple[int, int, int]]:
+    """``(part, from, to)``: the byte ranges of parts laid end to end (part ``k`` from
+    ``starts[k]``, ``sizes[k]`` bytes) that bytes ``[start, start + length)`` cover, in order.
+    The range must lie inside the parts."""
+    out = []
+    k = max(0, bisect.bisect_right(starts, start) - 1)
+    pos, end = start, start + length
+    while pos < end:
+        lo = pos - starts[k]
+        hi = min(sizes[k], end - starts[k])
+        if hi > lo:
+            out.append((k, lo, hi))
+            pos = starts[k] + hi
+        k += 1
+    return out
 
 
 def memory_of(t: torch.Tensor) -> memoryview:
@@ -389,7 +395,7 @@ class ShardBuffers:
         got = self._parts.get(region)
         if got is None:
             return None
-        return [(a, len(v)) for a, v in zip(got.addresses, got.views)]
+        return list(zip(got.addresses, got.sizes))
 
     def segments(self, offset: int, length: int) -> list[Segment]:
         """The pieces of regions that transfer bytes ``[offset, offset + length)`` cover

@@ -87,7 +87,6 @@ been run on a GPU yet** (it was written on a host without one); the tests exerci
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import ctypes
 import errno
@@ -105,7 +104,7 @@ from typing import Any
 
 import torch
 
-from tensorhub.buffers import WORD_BYTES, ShardBuffers, read_words
+from tensorhub.buffers import WORD_BYTES, ShardBuffers, cut_parts, read_words
 from tensorhub.errors import InvalidArgument, TransportError
 from tensorhub.layout import MAX_TENSORS
 
@@ -270,25 +269,17 @@ class _Region:
     address: int
     nbytes: int
     cuda: torch.Tensor | None  # for CUDA memory: a flat uint8 tensor of it, usable here
-    parts: tuple[tuple[int, int], ...] | None = None  # a pack kept in place: (address, nbytes) each
-    starts: tuple[int, ...] = ()  # where each part starts in the region
+    # A pack kept in place: each part's address, start in the region and size (None otherwise).
+    addresses: tuple[int, ...] | None = None
+    starts: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
 
     def spans(self, start: int, length: int) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of the holder's memory holding region bytes ``[start, start +
         length)`` (the range is inside the region)."""
-        if self.parts is None:
+        if self.addresses is None:
             return [(self.address + start, length)]
-        out = []
-        k = max(0, bisect.bisect_right(self.starts, start) - 1)
-        pos, end = start, start + length
-        while pos < end:
-            address, n = self.parts[k]
-            lo, hi = pos - self.starts[k], min(n, end - self.starts[k])
-            if hi > lo:
-                out.append((address + lo, hi - lo))
-                pos = self.starts[k] + hi
-            k += 1
-        return out
+        return [(self.addresses[k] + lo, hi - lo) for k, lo, hi in cut_parts(self.starts, self.sizes, start, length)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -692,9 +683,8 @@ class LocalTransport(Transport):
             regions = []
             for k, (address, nbytes, kind, _index, ipc) in enumerate(raw):
                 if kind == "parts":
-                    parts = tuple((a, n) for a, n in ipc)
-                    starts = tuple(itertools.accumulate((n for _, n in parts[:-1]), initial=0))
-                    regions.append(_Region(0, nbytes, None, parts, starts))
+                    starts = tuple(itertools.accumulate((n for _, n in ipc[:-1]), initial=0))
+                    regions.append(_Region(0, nbytes, None, tuple(a for a, _ in ipc), starts, tuple(n for _, n in ipc)))
                     continue
                 cuda = None
                 if kind == "cuda" and nbytes:
