@@ -389,10 +389,12 @@ def test_a_holder_killed_mid_read_fails_the_reads(seed: int) -> None:
             try:
                 waiting = asyncio.ensure_future(waiter.read(h.endpoint, region, VERSION, 0, total, waiting_into, gen))
                 copying = asyncio.ensure_future(copier.read(h.endpoint, region, VERSION, 0, nbig // 2, copying_into, gen))
-                for _ in range(2000):  # until the copy has begun
-                    if first.view(torch.uint8)[:512].any() or copying.done():
+                for _ in range(2000):  # until the copy has begun and the waiter has its description
+                    began = first.view(torch.uint8)[:512].any()
+                    if (began and waiter._described) or copying.done():  # (else the kill can hit its describe)
                         break
                     await asyncio.sleep(0.001)
+                assert waiter._described, "the waiting read never got its description"
                 assert not copying.done(), "the copy finished before the kill; make it slower"
                 assert not waiting.done()
                 t0 = time.monotonic()
