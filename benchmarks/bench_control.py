@@ -108,8 +108,8 @@ def worker_main(conn: Any, server: str, index: int, count: int, limit: float) ->
     ZeroMQ DEALER socket and heartbeats on its own (as ``count`` separate clients would). They
     stay open until told to quit. They register nothing, so they start no transport."""
     import tensorhub
-    from tensorhub.actor import LoopThread
-    from tensorhub.api import open_async
+    from tensorhub.handles.api import open_async
+    from tensorhub.runtime.actor import LoopThread
 
     loops: list[LoopThread] = []
     handles: list[Any] = []
@@ -157,7 +157,7 @@ def measure_main(conn: Any, server: str, echo: str, api: str, iterations: int, b
         if api == "sync":
             samples = measure_sync(server, echo, iterations, block)
         else:
-            from tensorhub.actor import run
+            from tensorhub.runtime.actor import run
 
             samples = run(measure_async(server, echo, iterations, block))
         conn.send(("samples", samples))
@@ -172,8 +172,8 @@ def _tensors() -> dict:
 
 
 def _echo_payload(i: int) -> bytes:
-    from tensorhub import messages as m
-    from tensorhub import wire
+    from tensorhub.core import messages as m
+    from tensorhub.core import wire
 
     return wire.encode(m.ListVersions(i, 1, None))
 

@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from sim import scenarios
+from tensorhub.sim import scenarios
 
 
 def main(argv: list[str] | None = None) -> int:

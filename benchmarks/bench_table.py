@@ -28,12 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduling.topology import Location  # noqa: E402
-from tensorhub import messages as m  # noqa: E402
-from tensorhub import wire  # noqa: E402
-from tensorhub.invariants import check_invariants  # noqa: E402
-from tensorhub.layout import Layout, TensorSpec  # noqa: E402
-from tensorhub.table import ReferenceTable, TableConfig  # noqa: E402
+from tensorhub.core import messages as m  # noqa: E402
+from tensorhub.core import wire  # noqa: E402
+from tensorhub.core.invariants import check_invariants  # noqa: E402
+from tensorhub.core.layout import Layout, TensorSpec  # noqa: E402
+from tensorhub.core.table import ReferenceTable, TableConfig  # noqa: E402
+from tensorhub.core.topology import Location  # noqa: E402
+from tensorhub.scheduling.selection import SourceIndex
 
 GOAL = 50_000
 
@@ -49,7 +50,7 @@ class Clock:
 class Bench:
     def __init__(self, clients: int, seed: int) -> None:
         self.clock = Clock()
-        self.table = ReferenceTable(self.clock, random.Random(seed), TableConfig(), term=1)
+        self.table = ReferenceTable(self.clock, random.Random(seed), TableConfig(), term=1, sources=SourceIndex)
         self.req = itertools.count(1)
         self.clock.t = 100.0
         self.table.tick()  # past the start-up grace period

@@ -74,7 +74,7 @@ def _mp() -> Any:
     global _ctx
     if _ctx is None:
         _ctx = multiprocessing.get_context("forkserver")
-        _ctx.set_forkserver_preload(["torch", "tensorhub.api", "tests.procs", "benchmarks.chaos"])
+        _ctx.set_forkserver_preload(["torch", "tensorhub.handles.api", "tests.procs", "benchmarks.chaos"])
     return _ctx
 
 
@@ -85,7 +85,7 @@ def _worker(conn: Any, open_kw: dict, scale: int) -> None:
     """A shard handle driven by commands over ``conn``; each answer ends with the time it was
     done (monotonic, comparable across the processes of this machine)."""
     import tensorhub
-    from tensorhub.errors import TensorHubError
+    from tensorhub.core.errors import TensorHubError
     from tests.procs import holds, weights, zeros_like_weights
 
     try:

@@ -343,7 +343,7 @@ class Cluster:
 
     def location(self, host: str) -> Any:
         """``Location(datacenter, host, "")`` for a worker on ``host``."""
-        from scheduling.topology import Location
+        from tensorhub.core.topology import Location
 
         return Location(datacenter=self.datacenter(host), host=host, nic="")
 

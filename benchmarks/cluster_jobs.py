@@ -163,7 +163,7 @@ class _Worker:
         import torch
 
         import tensorhub
-        from scheduling.topology import Location
+        from tensorhub.core.topology import Location
 
         a = self.a
         kw: dict[str, Any] = json.loads(a.open_kw) if a.open_kw else {}

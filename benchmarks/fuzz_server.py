@@ -1,5 +1,5 @@
 """Hostile input against a real server: at least 100,000 random and mutated frames while honest
-clients keep publishing and replicating (see :mod:`tensorhub.fuzzing`).
+clients keep publishing and replicating (see :mod:`tensorhub.testing.fuzzing`).
 
     python benchmarks/fuzz_server.py                     # 100,000 frames, CURVE on, seed 20261121
     python benchmarks/fuzz_server.py --frames 200000 --seed 7 --json out.json
@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tensorhub.fuzzing import run_fuzz
+from tensorhub.testing.fuzzing import run_fuzz
 
 
 def main(argv: list[str] | None = None) -> int:

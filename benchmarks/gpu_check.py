@@ -7,7 +7,7 @@ For each shard (``--shards``: ``64x16MiB`` and ``model-500``, the shards of
 
 - the holder: the shard's tensors on ``cuda:0`` with seeded content (made on the CPU, then
   copied over), packed as a publish job leaves them (the packs on the GPU too), its checksums
-  (``tensorhub.checksum.compute``: xxh3-64 per checksum unit, staged through pinned memory)
+  (``tensorhub.runtime.checksum.compute``: xxh3-64 per checksum unit, staged through pinned memory)
   computed on the GPU bytes, complete and verified; served by every transport of
   ``--transports`` at once (started with default options, ``expose``d);
 - the reader: zeroed tensors of the same layout on ``cuda:1`` when there are two GPUs, else on
@@ -74,9 +74,9 @@ from bench_transfer import (
 )
 from server_process import BenchmarkError, Child
 
-from tensorhub import checksum
-from tensorhub.actor import new_event_loop
-from tensorhub.buffers import DEFAULT_PACK_THRESHOLD, ShardBuffers, layout_of
+from tensorhub.runtime import checksum
+from tensorhub.runtime.actor import new_event_loop
+from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD, ShardBuffers, layout_of
 
 TRANSPORTS = ("nixl", "rdma_copy", "local", "tcp")
 REGION = 1

@@ -67,7 +67,7 @@ from bench_transfer import (
 )
 from server_process import BenchmarkError
 
-from tensorhub.buffers import memory_of
+from tensorhub.transports.buffers import memory_of
 
 #: Ray on 127.0.0.1 (not the host's address), with its token authentication (the head's default)
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
@@ -560,7 +560,7 @@ class _ReadSpans:
     and ended (monotonic), to split a pull into data plane and the rest."""
 
     def __init__(self, name: str) -> None:
-        from transports.registry import get_transport
+        from tensorhub.transports.registry import get_transport
 
         cls = get_transport(name)
         original = cls.read
@@ -679,7 +679,7 @@ class System:
         if self.needs is None:
             return None
         if self.needs == "nixl":
-            from transports.nixl import load_nixl
+            from tensorhub.transports.nixl import load_nixl
 
             return (
                 None

@@ -5,7 +5,8 @@ the holder serving a reader, and ``selection.SourceIndex`` applies the same poli
 to one (version, shard)'s holders so the table never scans them all. No IO.
 """
 
+from tensorhub.core.topology import Location
+
 from .selection import Candidate, SourceIndex, select_source
-from .topology import Location
 
 __all__ = ["Candidate", "Location", "SourceIndex", "select_source"]

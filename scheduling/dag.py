@@ -1,7 +1,7 @@
 """The replication DAG of a version: who served whom, how many bytes, when (DESIGN.md §5.1).
 
 The reference table records every grant of a version when it ends
-(:meth:`tensorhub.table.Table.replication_dag`): the reader and source replicas and shards,
+(:meth:`tensorhub.core.table.Table.replication_dag`): the reader and source replicas and shards,
 their datacenters and hosts, the source's kind (live or offload) and whether it was complete or
 still pulling (a pipeline relay), the bytes the reader verified under that grant, start and end
 (the table's clock) and how it ended. This module turns that record into what people look at:
@@ -10,25 +10,22 @@ still pulling (a pipeline relay), the bytes the reader verified under that grant
   relays), and the bytes per *link class* (same host, same datacenter, across datacenters);
 - :func:`to_json`: the record and its summary as JSON;
 - :func:`to_dot`: a graphviz ``dot`` graph (replicas as nodes clustered by datacenter, an edge
-  per (source, reader) pair labelled with the bytes moved), which :func:`render` draws as a PNG
-  when graphviz's ``dot`` program is installed.
+  per (source, reader) pair labelled with the bytes moved), which
+  :func:`tensorhub.tools.graphviz.render` draws as a PNG when graphviz's ``dot`` is installed.
 
-It holds no state and does no IO beyond :func:`render`.
+It holds no state and does no IO.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from collections import defaultdict
 from typing import Any
 
-from tensorhub.errors import InvalidArgument
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.core.topology import LINK_CLASSES
 
-from .topology import LINK_CLASSES
-
-__all__ = ["LINK_CLASSES", "link_class", "render", "summary", "to_dot", "to_json"]
+__all__ = ["LINK_CLASSES", "link_class", "summary", "to_dot", "to_json"]
 
 _FIELDS = ("reader", "source", "reader_dc", "source_dc", "reader_host", "source_host", "bytes", "outcome")
 
@@ -122,15 +119,3 @@ def to_dot(dag: dict[str, Any]) -> str:
         lines.append(f"  {_quote(src)} -> {_quote(dst)} [label={_quote(f'{nbytes / 1e6:.1f} MB')}{style}];")
     lines.append("}")
     return "\n".join(lines) + "\n"
-
-
-def render(dag: dict[str, Any], path: str, timeout: float = 30.0) -> None:
-    """Draw the DAG as a PNG at ``path`` with graphviz's ``dot`` program.
-
-    Raises:
-        InvalidArgument: ``dot`` is not installed (write :func:`to_dot` to a file instead).
-    """
-    exe = shutil.which("dot")
-    if exe is None:
-        raise InvalidArgument("graphviz's 'dot' program is not installed; write to_dot(dag) to a .dot file instead")
-    subprocess.run([exe, "-Tpng", "-o", path], input=to_dot(dag), text=True, check=True, timeout=timeout)

@@ -27,14 +27,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from tensorhub.errors import InvalidArgument, TransportError
-
-from .topology import LINK_CLASSES, Location, link_class
+from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.core.topology import LINK_CLASSES, Location, link_class
 
 __all__ = ["DEFAULT_PREFERENCE", "EDGE_KINDS", "Choice", "choose_transport", "edge_kind", "parse_preference"]
 
 EDGE_KINDS = LINK_CLASSES
-"""Edge kinds, nearest first: the link classes of :mod:`scheduling.topology`."""
+"""Edge kinds, nearest first: the link classes of :mod:`tensorhub.core.topology`."""
 
 DEFAULT_PREFERENCE: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {

@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from .topology import Location
+from tensorhub.core.topology import Location
 
 __all__ = ["Candidate", "select_source"]
 

@@ -2,12 +2,12 @@
 policies and ``ReplicationSession`` against simulated clients, a virtual clock and a flow-level
 network, at up to thousands of GPUs.
 
-- :mod:`sim.core`: virtual clock, event queue, the one seeded random source, the trace digest.
-- :mod:`sim.network`: links and flows, max-min fair sharing, re-solved per connected component.
-- :mod:`sim.cluster`: datacenters, hosts of 8 GPUs, NICs, VPC NICs, paths, stragglers.
-- :mod:`sim.actors`: the simulated server (the real table behind a simulated control plane)
+- :mod:`tensorhub.sim.core`: virtual clock, event queue, the one seeded random source, the trace digest.
+- :mod:`tensorhub.sim.network`: links and flows, max-min fair sharing, re-solved per connected component.
+- :mod:`tensorhub.sim.cluster`: datacenters, hosts of 8 GPUs, NICs, VPC NICs, paths, stragglers.
+- :mod:`tensorhub.sim.actors`: the simulated server (the real table behind a simulated control plane)
   and clients (the real protocol and the real replication session).
-- :mod:`sim.baselines`: NCCL, UCX and Ray object store models, parameters set once.
-- :mod:`sim.scenarios`: the paper's experiments and a churn test; :mod:`sim.report` prints,
-  saves and draws them; :mod:`sim.cli` is ``tensorhub sim``.
+- :mod:`tensorhub.sim.baselines`: NCCL, UCX and Ray object store models, parameters set once.
+- :mod:`tensorhub.sim.scenarios`: the paper's experiments and a churn test; :mod:`tensorhub.sim.report` prints,
+  saves and draws them; :mod:`tensorhub.sim.cli` is ``tensorhub sim``.
 """

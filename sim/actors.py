@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-:class:`SimServer` wraps the production :class:`~tensorhub.table.ReferenceTable` exactly as
+:class:`SimServer` wraps the production :class:`~tensorhub.core.table.ReferenceTable` exactly as
 the real server actor does: a message arrives (after the control plane's one-way latency), waits
 for the server's CPU (one message at a time, ``server_service`` seconds each), goes through
 ``table.handle``; what the table returns is delivered to the clients after the same latency;
@@ -11,9 +11,9 @@ server decision: source selection, pipelining, retention, consistency, failure h
 smart skipping and offload seeding are the table's and ``scheduling``'s own code.
 
 :class:`SimShard` is one shard handle (one GPU, or a CPU copy): it speaks the client protocol
-(the same :mod:`tensorhub.messages`), heartbeats, and pulls with the production
-:class:`~tensorhub.session.ReplicationSession`. Its reads are flows in the
-:class:`~sim.network.Network`: a read from a source that does not hold the range yet (a partial
+(the same :mod:`tensorhub.core.messages`), heartbeats, and pulls with the production
+:class:`~tensorhub.core.session.ReplicationSession`. Its reads are flows in the
+:class:`~tensorhub.sim.network.Network`: a read from a source that does not hold the range yet (a partial
 source, pipeline replication) waits for the source's progress counter, as the real holder does.
 A shard pulls in reads of ``1/reads_per_shard`` of the shard, one at a time (the flow runs at the
 link's full rate, so more reads in flight would change nothing but the event count).
@@ -23,7 +23,7 @@ link's full rate, so more reads in flight would change nothing but the event cou
 for the replica's answer, and ``crash()``: a process killed, silent at once.
 
 What the simulation checks as it runs (:attr:`SimServer.violations`): the table's invariants
-(:func:`tensorhub.invariants.check_invariants`, every ``check_every`` events, or after every
+(:func:`tensorhub.core.invariants.check_invariants`, every ``check_every`` events, or after every
 event), and the mutability contract from the data plane's side: no shard's buffers change
 version while a reader still reads them.
 """
@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tensorhub import messages as m
-from tensorhub.invariants import check_invariants
-from tensorhub.layout import Layout, TensorSpec
-from tensorhub.naming import seed_replica
-from tensorhub.session import (
+from tensorhub.core import messages as m
+from tensorhub.core.invariants import check_invariants
+from tensorhub.core.layout import Layout, TensorSpec
+from tensorhub.core.naming import seed_replica
+from tensorhub.core.session import (
     Advance,
     ReadRange,
     ReplicationSession,
@@ -49,7 +49,8 @@ from tensorhub.session import (
     ReportProgress,
     ReportSourceFailed,
 )
-from tensorhub.table import ReferenceTable, TableConfig
+from tensorhub.core.table import ReferenceTable, TableConfig
+from tensorhub.scheduling.selection import SourceIndex
 
 from .cluster import Cluster, Device
 from .core import Simulator, Timer
@@ -107,7 +108,7 @@ class SimServer:
         self.cluster = cluster
         self.params = cluster.params
         self.table = ReferenceTable(
-            lambda: sim.now, sim.child_rng(), config or TableConfig(), term=1
+            lambda: sim.now, sim.child_rng(), config or TableConfig(), term=1, sources=SourceIndex
         )
         self.shards: dict[str, SimShard] = {}  # peer -> shard
         self.by_session: dict[int, SimShard] = {}
@@ -725,7 +726,7 @@ class SimReplica:
         if self.seed is not None:
             self.seed.crash()
 
-    # ---- offload seeding (as tensorhub.api does it) ------------------------------------------
+    # ---- offload seeding (as tensorhub.handles.api does it) ------------------------------------------
 
     def _start_seed(self, version: int) -> None:
         if self.seed is not None:

@@ -1,4 +1,4 @@
-"""``tensorhub sim SCENARIO [--seed N] [--out DIR] [--quick]`` (and ``python -m sim``).
+"""``tensorhub sim SCENARIO [--seed N] [--out DIR] [--quick]`` (and ``python -m tensorhub.sim``).
 
 ``tensorhub sim paper`` runs every paper scenario and prints, per headline result, the paper's
 value, the simulated one and their ratio, flagging those more than 20 % off.
@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from tensorhub.errors import TensorHubError
+from tensorhub.core.errors import TensorHubError
 
 from .report import format_headlines, format_result, save
 from .scenarios import SCENARIOS, run

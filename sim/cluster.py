@@ -6,7 +6,7 @@ system (TensorHub and the baselines alike); where it comes from is said next to 
 - Each GPU has its own RDMA NIC share, full duplex: the paper's hosts have 8 GPUs and 4 RDMA NICs
   of 400 Gbps, so 200 Gbps (25 GB/s) per GPU each way, the paper's "RDMA ideal" per shard.
 - A transfer reaches ``efficiency`` of the line rate. The efficiency is the data plane's, so it
-  belongs to the system being simulated (:class:`sim.baselines.SystemParams`): TensorHub's is
+  belongs to the system being simulated (:class:`tensorhub.sim.baselines.SystemParams`): TensorHub's is
   the paper's measured 22 of 25 GB/s.
 - Within a datacenter, a read between two GPUs crosses the sender's NIC (send side) and the
   receiver's NIC (receive side), also between GPUs of one host (the paper's deployment moves
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduling.topology import Location
-from tensorhub.errors import InvalidArgument
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.core.topology import Location
 
 from .network import Link, Network
 
@@ -105,7 +105,7 @@ class Device:
 
 
 class Cluster:
-    """Hosts in datacenters, and the links of a :class:`~sim.network.Network` between them.
+    """Hosts in datacenters, and the links of a :class:`~tensorhub.sim.network.Network` between them.
 
     Args:
         network: where the links live.

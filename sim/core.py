@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from tensorhub.errors import InvalidArgument, TensorHubError
+from tensorhub.core.errors import InvalidArgument, TensorHubError
 
 __all__ = ["SimStuck", "Simulator", "Timer"]
 

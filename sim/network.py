@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tensorhub.errors import InvalidArgument
+from tensorhub.core.errors import InvalidArgument
 
 from .core import Simulator, Timer
 
@@ -107,7 +107,7 @@ class Flow:
 
 
 class Network:
-    """The links and the flows on them, in one :class:`~sim.core.Simulator`'s time."""
+    """The links and the flows on them, in one :class:`~tensorhub.sim.core.Simulator`'s time."""
 
     def __init__(self, sim: Simulator) -> None:
         self.sim = sim

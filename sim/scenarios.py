@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensorhub.errors import InvalidArgument
-from tensorhub.table import TableConfig
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.core.table import TableConfig
 
 from .actors import CallRecord, SimReplica, SimServer, shard_layout
 from .baselines import (
@@ -101,7 +101,7 @@ class World:
         seed: the run's seed.
         system: whose data plane the links carry (its efficiency).
         config: the reference table's configuration (TensorHub).
-        check_every: invariant checks (see :class:`~sim.actors.SimServer`).
+        check_every: invariant checks (see :class:`~tensorhub.sim.actors.SimServer`).
         params: the hardware.
     """
 

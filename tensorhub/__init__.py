@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import errors
-from .errors import TensorHubError
+from tensorhub.core.errors import TensorHubError
+
+from .core import errors
 
 __version__ = "0.1.0"
 
@@ -34,19 +35,19 @@ __all__ = [
 ]  # fmt: skip
 
 _LAZY = {
-    "ShardHandle": ("tensorhub.api", "ShardHandle"),
-    "AsyncShardHandle": ("tensorhub.api", "AsyncShardHandle"),
-    "ReplicaInfo": ("tensorhub.api", "ReplicaInfo"),
-    "Transport": ("transports.base", "Transport"),
-    "register_transport": ("transports.registry", "register_transport"),
+    "ShardHandle": ("tensorhub.handles.api", "ShardHandle"),
+    "AsyncShardHandle": ("tensorhub.handles.api", "AsyncShardHandle"),
+    "ReplicaInfo": ("tensorhub.handles.api", "ReplicaInfo"),
+    "Transport": ("tensorhub.transports.base", "Transport"),
+    "register_transport": ("tensorhub.transports.registry", "register_transport"),
 }
 
 
 def open(model: str, replica: str, **kw: Any) -> Any:
-    """Open a shard handle (synchronous facade). See :class:`tensorhub.api.AsyncShardHandle`
+    """Open a shard handle (synchronous facade). See :class:`tensorhub.handles.api.AsyncShardHandle`
     for the arguments: ``num_shards``, ``shard_idx``, ``retain``, ``server``, ``location``,
     ``spot``, ``transports``, ``connect_timeout``, ``offload_seeding``."""
-    from .api import open_sync
+    from tensorhub.handles.api import open_sync
 
     return open_sync(model, replica, **kw)
 

@@ -1,3 +1,3 @@
-from .cli import main
+from tensorhub.tools.cli import main
 
 raise SystemExit(main())

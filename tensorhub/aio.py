@@ -5,7 +5,7 @@
         await h.replicate("latest")
         moved = await h.update("latest")
 
-``open(...)`` is both awaitable (returns an :class:`~tensorhub.api.AsyncShardHandle`; close it
+``open(...)`` is both awaitable (returns an :class:`~tensorhub.handles.api.AsyncShardHandle`; close it
 yourself) and an async context manager (closes on exit). Handles run on the calling event
 loop; uvloop is used if the application installed it as the loop.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api import AsyncShardHandle, ReplicaInfo, _AsyncOpen
+from tensorhub.handles.api import AsyncShardHandle, ReplicaInfo, _AsyncOpen
 
 __all__ = ["AsyncShardHandle", "ReplicaInfo", "open"]
 

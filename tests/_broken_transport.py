@@ -12,9 +12,9 @@ import socket
 import time
 from typing import Any
 
-from tensorhub.errors import TransportError
-from transports.base import Resolver
-from transports.tcp import (
+from tensorhub.core.errors import TransportError
+from tensorhub.transports.base import Resolver
+from tensorhub.transports.tcp import (
     _RESP,
     _TRAILER,
     BAD_RANGE,

@@ -30,7 +30,7 @@ def mp() -> Any:
     global _ctx
     if _ctx is None:
         _ctx = multiprocessing.get_context("forkserver")
-        _ctx.set_forkserver_preload(["torch", "tensorhub.api", "tests.procs"])
+        _ctx.set_forkserver_preload(["torch", "tensorhub.handles.api", "tests.procs"])
     return _ctx
 
 
@@ -97,9 +97,13 @@ class ServerProcess:
 
 def _worker(cmds: Any, results: Any, open_kw: dict) -> None:
     import tensorhub
-    from tensorhub.errors import TensorHubError
+    from tensorhub.core.errors import TensorHubError
 
-    os.environ.update(open_kw.pop("env", {}))
+    for key, value in open_kw.pop("env", {}).items():  # None: unset it
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     scale = open_kw.pop("scale", 1)
     shard = open_kw.get("shard_idx", 0)
     try:
@@ -222,9 +226,9 @@ class InprocServer:
 
     def __init__(self, **table: float) -> None:
         """``table``: TableConfig fields (heartbeat_interval, heartbeat_timeout, drain_timeout)."""
-        from tensorhub.actor import LoopThread
-        from tensorhub.server import ServerActor, ServerConfig
-        from tensorhub.table import TableConfig
+        from tensorhub.core.table import TableConfig
+        from tensorhub.runtime.actor import LoopThread
+        from tensorhub.runtime.server import ServerActor, ServerConfig
 
         self.loop = LoopThread("test-server")
         self.actor = ServerActor(ServerConfig(bind="tcp://127.0.0.1:*", seed=7, table=TableConfig(**table)))

@@ -8,10 +8,11 @@ import itertools
 import random
 from typing import Any
 
-from scheduling.topology import Location
-from tensorhub import messages as m
-from tensorhub.layout import Layout, TensorSpec
-from tensorhub.table import ReferenceTable, TableConfig
+from tensorhub.core import messages as m
+from tensorhub.core.layout import Layout, TensorSpec
+from tensorhub.core.table import ReferenceTable, TableConfig
+from tensorhub.core.topology import Location
+from tensorhub.scheduling.selection import SourceIndex
 
 
 class VirtualClock:
@@ -37,7 +38,7 @@ LAYOUT = make_layout(4096, 8192)
 class Driver:
     def __init__(self, seed: int = 0, config: TableConfig | None = None, term: int = 1) -> None:
         self.clock = VirtualClock()
-        self.table = ReferenceTable(self.clock, random.Random(seed), config or TableConfig(), term=term)
+        self.table = ReferenceTable(self.clock, random.Random(seed), config or TableConfig(), term=term, sources=SourceIndex)
         self.shards: dict[str, Shard] = {}
         self._req = itertools.count(1)
         self.log: list[tuple[Any, Any]] = []

@@ -1,4 +1,4 @@
-"""Unit tests of the actor runtime (``tensorhub.actor``): tell/ask, deferred replies, handler
+"""Unit tests of the actor runtime (``tensorhub.runtime.actor``): tell/ask, deferred replies, handler
 errors, timers, supervision, stop, and the loop thread of the synchronous facade.
 
 Every test is bounded: asks carry small timeouts, waits poll a bounded number of times.
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tensorhub.actor import Actor, LoopThread, TaskCrashed, new_event_loop, run
-from tensorhub.errors import Cancelled, Timeout
+from tensorhub.core.errors import Cancelled, Timeout
+from tensorhub.runtime.actor import Actor, LoopThread, TaskCrashed, new_event_loop, run
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -9,11 +9,11 @@ import torch
 import zmq
 
 import tensorhub
-from scheduling.topology import Location
-from tensorhub import errors as e
-from tensorhub import messages as m
-from tensorhub.layout import Layout, TensorSpec
-from tensorhub.wire import encode
+from tensorhub.core import errors as e
+from tensorhub.core import messages as m
+from tensorhub.core.layout import Layout, TensorSpec
+from tensorhub.core.topology import Location
+from tensorhub.core.wire import encode
 
 from .procs import ServerProcess
 
@@ -45,7 +45,7 @@ class Raw:
 
     def reply(self, timeout: float = 5.0):
         assert self.sock.poll(int(timeout * 1000)), "the server did not answer"
-        from tensorhub.wire import decode
+        from tensorhub.core.wire import decode
 
         return decode(self.sock.recv())
 

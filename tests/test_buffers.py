@@ -1,4 +1,4 @@
-"""Unit and property tests of a shard's buffers (``tensorhub.buffers``): ``layout_of``, the
+"""Unit and property tests of a shard's buffers (``tensorhub.transports.buffers``): ``layout_of``, the
 byte space of :class:`ShardBuffers` (segments and views on tensor boundaries), and the
 :class:`ProgressCounter` words a reader checks (waits, generation bumps, timeouts)."""
 
@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub.buffers import ProgressCounter, Segment, ShardBuffers, layout_of, memory_of
-from tensorhub.errors import InvalidArgument, InvalidName
+from tensorhub.core.errors import InvalidArgument, InvalidName
+from tensorhub.transports.buffers import ProgressCounter, Segment, ShardBuffers, layout_of, memory_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -359,7 +359,7 @@ def test_a_counter_dying_while_another_takes_its_words_does_not_deadlock() -> No
     can be inside the arena's ``take`` on the same thread (a lock there would deadlock)."""
     import gc
 
-    from tensorhub.buffers import WordsArena
+    from tensorhub.transports.buffers import WordsArena
 
     arena = WordsArena(chunk_slots=4)
     addr, _ = arena.take()

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from tensorhub import testing
-from tensorhub.actor import run
-from tensorhub.buffers import ShardBuffers, layout_of
-from tensorhub.errors import InvalidArgument, TransportError
+from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.runtime.actor import run
 from tensorhub.testing import CHECKS, check_transport
-from transports.base import RangeNotReady
-from transports.faults import FaultyTransport, wrap
-from transports.memory import MemoryTransport
-from transports.registry import get_transport
-from transports.tcp import TcpTransport
+from tensorhub.transports.base import RangeNotReady
+from tensorhub.transports.buffers import ShardBuffers, layout_of
+from tensorhub.transports.faults import FaultyTransport, wrap
+from tensorhub.transports.memory import MemoryTransport
+from tensorhub.transports.registry import get_transport
+from tensorhub.transports.tcp import TcpTransport
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -64,7 +64,7 @@ def test_selection_and_its_errors(seed: int) -> None:
 
 def test_a_transport_named_by_path_conforms_in_process(seed: int) -> None:
     # The same names check_transport(..., holder_process=True) takes (see test_conformance_processes).
-    path = "transports.memory:MemoryTransport"
+    path = "tensorhub.transports.memory:MemoryTransport"
     assert check_transport(path, seed=seed, only=["odd_ranges"]) == {"odd_ranges": "passed"}
     with pytest.raises(InvalidArgument, match="does not load: ModuleNotFoundError"):
         check_transport("transports.nope:Nope", only=["odd_ranges"])
@@ -95,7 +95,7 @@ class ReturnsAfterPeerDeath(MemoryTransport):
             raise TransportError("closed")
 
     def _copy(self, holder, src, into, offset, length, where) -> None:  # type: ignore[override]
-        from transports.memory import _copy_piece
+        from tensorhub.transports.memory import _copy_piece
 
         _copy_piece(src, into, offset, length)
 
@@ -187,7 +187,7 @@ def test_corrupted_bytes_fail_the_suite(seed: int) -> None:
 
 
 def test_a_hanging_close_fails_the_suite_instead_of_hanging_it(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(testing, "_CLOSE_TIMEOUT", 0.5)
+    monkeypatch.setattr(testing.limits, "_CLOSE_TIMEOUT", 0.5)
     with pytest.raises(AssertionError, match=r"check 'start_endpoint' failed .*close\(\) of HangsOnClose did not finish within 0.5 s"):
         check_transport(HangsOnClose, seed=seed, only=["start_endpoint"])
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from tensorhub import testing
-from tensorhub.errors import InvalidArgument
+from tensorhub.core.errors import InvalidArgument
 from tensorhub.testing import CHECKS, check_transport
-from transports.tcp import TcpTransport
+from tensorhub.transports.tcp import TcpTransport
 
 from .procs import mp, wait_until
 
@@ -41,7 +41,7 @@ def holder_processes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[testing._
             super().__init__(context)
             started.append(self)
 
-    monkeypatch.setattr(testing, "_HolderProcess", Recorded)
+    monkeypatch.setattr(testing.holder_process, "_HolderProcess", Recorded)
     yield started
     for proc in started:
         assert not proc.process.is_alive(), f"holder process {proc.pid} outlived the suite"
@@ -106,7 +106,7 @@ def test_the_suite_fails_a_broken_transport_across_processes(
 
 
 def test_a_holder_process_that_does_not_answer_is_killed(seed: int, holder_processes: list, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(testing, "_COMMAND_TIMEOUT", 1.0)
+    monkeypatch.setattr(testing.limits, "_COMMAND_TIMEOUT", 1.0)
     path = f"{BROKEN}:HangsWhenHolding"
     with pytest.raises(AssertionError, match=r"check 'odd_ranges' failed .*the holder process did not answer 'hold' within 1 s"):
         check_transport(path, seed=seed, only=["odd_ranges"], holder_process=True, mp_context=mp())
@@ -150,8 +150,8 @@ def test_process_mode_refuses_what_the_child_cannot_make(
 def test_pair_commands_answer_alike_in_both_places(seed: int, holder_processes: list) -> None:
     """The commands a check gives a holder do the same here and in the holder process (the
     suite's machinery, driven directly)."""
-    from tensorhub.actor import run
-    from transports.registry import get_transport
+    from tensorhub.runtime.actor import run
+    from tensorhub.transports.registry import get_transport
 
     async def _failure(aw: object) -> BaseException:
         try:

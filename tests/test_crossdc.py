@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from scheduling.dag import summary
-from tensorhub import messages as m
-from tensorhub.naming import seed_replica
-from tensorhub.table import TableConfig
+from tensorhub.core import messages as m
+from tensorhub.core.naming import seed_replica
+from tensorhub.core.table import TableConfig
+from tensorhub.scheduling.dag import summary
 
 from .table_driver import Driver, complete_all
 from .test_table import published
@@ -326,9 +326,9 @@ def test_offload_seeding_end_to_end_with_a_real_server():
 
     import torch
 
-    from scheduling.topology import Location
-    from tensorhub.admin import replication_dag, server_status
-    from tensorhub.api import open_async
+    from tensorhub.core.topology import Location
+    from tensorhub.handles.api import open_async
+    from tensorhub.tools.admin import replication_dag, server_status
 
     from .procs import ServerProcess
 

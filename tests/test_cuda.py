@@ -11,9 +11,9 @@ import asyncio
 import pytest
 import torch
 
-from tensorhub import checksum
-from tensorhub.buffers import ShardBuffers, layout_of
-from transports.tcp import TcpTransport
+from tensorhub.runtime import checksum
+from tensorhub.transports.buffers import ShardBuffers, layout_of
+from tensorhub.transports.tcp import TcpTransport
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

@@ -1,4 +1,4 @@
-"""The replication DAG: the table's record of who served whom, and what scheduling.dag makes of
+"""The replication DAG: the table's record of who served whom, and what tensorhub.scheduling.dag makes of
 it (summary, link classes, JSON, dot)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from scheduling.dag import link_class, render, summary, to_dot, to_json
-from tensorhub.errors import InvalidArgument
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.scheduling.dag import link_class, summary, to_dot, to_json
+from tensorhub.tools.graphviz import render
 
 from .table_driver import Driver
 from .test_table import published
@@ -108,7 +109,7 @@ def test_a_burst_of_readers_in_another_datacenter_crosses_the_slow_link_once(rea
 def test_without_pipelining_every_reader_is_served_by_a_complete_holder(pipeline):
     """Pipeline replication off (``TableConfig(pipeline=False)``, ``tensorhub server
     --no-pipeline``): partial holders serve nobody, so a burst fans out from the trainer."""
-    from tensorhub.table import TableConfig
+    from tensorhub.core.table import TableConfig
 
     d = Driver(config=TableConfig(pipeline=pipeline))
     d.advance(11)

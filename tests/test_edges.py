@@ -1,4 +1,4 @@
-"""Which transport serves an edge (``scheduling.edges``): tables of cases, properties, errors."""
+"""Which transport serves an edge (``tensorhub.scheduling.edges``): tables of cases, properties, errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduling.edges import (
+from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.core.topology import Location
+from tensorhub.scheduling.edges import (
     DEFAULT_PREFERENCE,
     EDGE_KINDS,
     Choice,
@@ -14,8 +16,6 @@ from scheduling.edges import (
     edge_kind,
     parse_preference,
 )
-from scheduling.topology import Location
-from tensorhub.errors import InvalidArgument, TransportError
 
 A = Location("east", "a", "")
 A_NIC = Location("east", "a", "mlx5_0")

@@ -10,8 +10,8 @@ import socket
 import pytest
 import zmq.asyncio
 
-from tensorhub.embedded import resolve_server
-from tensorhub.errors import InvalidArgument
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.runtime.embedded import resolve_server
 
 from .procs import RemoteHandle
 

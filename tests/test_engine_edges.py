@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import structlog
 
-from scheduling.topology import Location
-from tensorhub import messages as m
-from tensorhub.engine import EngineActor, _Slot
-from tensorhub.errors import TransportError
-from transports.base import Transport
+from tensorhub.core import messages as m
+from tensorhub.core.errors import TransportError
+from tensorhub.core.topology import Location
+from tensorhub.runtime.engine import EngineActor, _Slot
+from tensorhub.transports.base import Transport
 
 HERE = Location("dc1", "h1", "")
 

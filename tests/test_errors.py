@@ -1,5 +1,5 @@
 """Unit tests of the error tree (``tensorhub.errors``): its shape, the context every error names,
-and the trip over the wire as :class:`tensorhub.messages.Failed`."""
+and the trip over the wire as :class:`tensorhub.core.messages.Failed`."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorhub
-from tensorhub import errors
-from tensorhub import messages as m
-from tensorhub import wire
-from tensorhub.errors import TensorHubError, error_from_wire
+from tensorhub.core import errors, wire
+from tensorhub.core import messages as m
+from tensorhub.core.errors import TensorHubError, error_from_wire
 
 ALL_ERRORS: list[type[TensorHubError]] = [
     obj for obj in vars(errors).values() if inspect.isclass(obj) and issubclass(obj, TensorHubError)

@@ -20,7 +20,7 @@ import time
 import pytest
 
 import tensorhub
-from tensorhub import errors as e
+from tensorhub.core import errors as e
 
 from .procs import RemoteError, ServerProcess
 

@@ -1,4 +1,4 @@
-"""Tests of the fault-injecting transport wrapper (``transports.faults``): each fault op fires at
+"""Tests of the fault-injecting transport wrapper (``tensorhub.transports.faults``): each fault op fires at
 the right byte and at the right reads (``times``, ``after``, ``version``), the wrapper stands in
 for the transport it wraps, and malformed fault specs are refused naming the field.
 
@@ -19,13 +19,13 @@ import msgpack
 import pytest
 import torch
 
-from tensorhub.actor import run
-from tensorhub.buffers import ShardBuffers, layout_of
-from tensorhub.errors import InvalidArgument, TransportError
-from transports.base import RangeNotReady, Transport
-from transports.faults import MAX_SECONDS, FaultyTransport, FiredFault, wrap
-from transports.memory import MemoryTransport
-from transports.registry import get_transport
+from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.runtime.actor import run
+from tensorhub.transports.base import RangeNotReady, Transport
+from tensorhub.transports.buffers import ShardBuffers, layout_of
+from tensorhub.transports.faults import MAX_SECONDS, FaultyTransport, FiredFault, wrap
+from tensorhub.transports.memory import MemoryTransport
+from tensorhub.transports.registry import get_transport
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -1,4 +1,4 @@
-"""Checksums computed as a read's bytes land (``tensorhub.checksum.LandingHasher``).
+"""Checksums computed as a read's bytes land (``tensorhub.runtime.checksum.LandingHasher``).
 
 A transport that reports landing calls the hasher from its copy threads with pieces of a read,
 in any order and from several threads at once. Whatever the cut and the order, the digests must
@@ -18,9 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub.buffers import ShardBuffers, layout_of
-from tensorhub.checksum import LandingHasher, compute
-from tensorhub.errors import InvalidArgument
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.runtime.checksum import LandingHasher, compute
+from tensorhub.transports.buffers import ShardBuffers, layout_of
 
 pytestmark = pytest.mark.timeout(60)
 

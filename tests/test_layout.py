@@ -1,4 +1,4 @@
-"""Unit and property tests of layouts (``tensorhub.layout``): validation of tensor specs and
+"""Unit and property tests of layouts (``tensorhub.core.layout``): validation of tensor specs and
 layouts, equality, the wire form, and the number of checksum units."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub import messages as m
-from tensorhub import wire
-from tensorhub.errors import MalformedMessage
-from tensorhub.layout import DTYPE_SIZES, MAX_DIMS, MAX_TENSORS, Layout, TensorSpec
+from tensorhub.core import messages as m
+from tensorhub.core import wire
+from tensorhub.core.errors import MalformedMessage
+from tensorhub.core.layout import DTYPE_SIZES, MAX_DIMS, MAX_TENSORS, Layout, TensorSpec
 
 MiB = 1 << 20
 

@@ -1,5 +1,5 @@
 """Unit and property tests of names, shard indices, versions, version specs and retention
-declarations (``tensorhub.naming``)."""
+declarations (``tensorhub.core.naming``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub import naming
-from tensorhub.errors import InvalidName, UsageError
-from tensorhub.naming import (
+from tensorhub.core import naming
+from tensorhub.core.errors import InvalidName, UsageError
+from tensorhub.core.naming import (
     LATEST,
     MAX_NAME_LEN,
     MAX_RELATIVE,

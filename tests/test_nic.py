@@ -1,4 +1,4 @@
-"""NIC affinity (``transports.nic``) on a fake sysfs tree built from real directories and symlinks.
+"""NIC affinity (``tensorhub.transports.nic``) on a fake sysfs tree built from real directories and symlinks.
 
 The tree (relative symlinks, as the kernel makes them)::
 
@@ -29,9 +29,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensorhub.errors import InvalidArgument
-from transports import nic
-from transports.nic import (
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.transports import nic
+from tensorhub.transports.nic import (
     CROSS_ROOT_DISTANCE,
     NicChoice,
     choose_nic,

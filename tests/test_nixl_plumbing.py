@@ -20,11 +20,11 @@ import msgpack
 import pytest
 import torch
 
-from tensorhub.buffers import ShardBuffers, layout_of
-from tensorhub.errors import InvalidArgument, TransportError
-from transports.base import RangeNotReady
-from transports.nixl import NixlTransport, XferStatus, completion, wait_xfer
-from transports.rdma_copy import RdmaCopyTransport
+from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.transports.base import RangeNotReady
+from tensorhub.transports.buffers import ShardBuffers, layout_of
+from tensorhub.transports.nixl import NixlTransport, XferStatus, completion, wait_xfer
+from tensorhub.transports.rdma_copy import RdmaCopyTransport
 
 REGION, VERSION = 11, 3
 

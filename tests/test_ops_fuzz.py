@@ -13,10 +13,10 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub import messages as m
-from tensorhub.errors import ProtocolError
-from tensorhub.fuzzing import FrameFuzzer, run_fuzz
-from tensorhub.wire import WIRE_VERSION, decode, encode, message_kinds
+from tensorhub.core import messages as m
+from tensorhub.core.errors import ProtocolError
+from tensorhub.core.wire import WIRE_VERSION, decode, encode, message_kinds
+from tensorhub.testing.fuzzing import FrameFuzzer, run_fuzz
 
 from .procs import ServerProcess
 

@@ -12,9 +12,9 @@ import sys
 import pytest
 import zmq
 
-from scheduling.topology import Location
-from tensorhub import messages as m
-from tensorhub.wire import decode, encode
+from tensorhub.core import messages as m
+from tensorhub.core.topology import Location
+from tensorhub.core.wire import decode, encode
 
 pytestmark = pytest.mark.integration
 

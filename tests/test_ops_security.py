@@ -14,13 +14,13 @@ import torch
 import zmq
 
 import tensorhub
-from scheduling.topology import Location
-from tensorhub import errors as e
-from tensorhub import messages as m
-from tensorhub.admin import server_status
-from tensorhub.layout import Layout, TensorSpec
-from tensorhub.metrics import parse_text, scrape
-from tensorhub.security import (
+from tensorhub.core import errors as e
+from tensorhub.core import messages as m
+from tensorhub.core.layout import Layout, TensorSpec
+from tensorhub.core.topology import Location
+from tensorhub.core.wire import decode, encode
+from tensorhub.runtime.metrics import parse_text, scrape
+from tensorhub.runtime.security import (
     ClientKeys,
     check_bind,
     client_keys,
@@ -29,7 +29,7 @@ from tensorhub.security import (
     load_public,
     load_secret,
 )
-from tensorhub.wire import decode, encode
+from tensorhub.tools.admin import server_status
 
 from .procs import ServerProcess
 

@@ -1,6 +1,6 @@
-"""Tests of the packing plan (``tensorhub.layout.plan_of``), of packing and unpacking real
-tensors through a shard's transfer byte space (``tensorhub.buffers.ShardBuffers``), and of the
-per-unit checksums (``tensorhub.checksum``).
+"""Tests of the packing plan (``tensorhub.core.layout.plan_of``), of packing and unpacking real
+tensors through a shard's transfer byte space (``tensorhub.transports.buffers.ShardBuffers``), and of the
+per-unit checksums (``tensorhub.runtime.checksum``).
 
 What must hold, whatever the layout:
 
@@ -28,16 +28,16 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub.buffers import (
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.core.layout import PACK_MAX, Layout, Plan, TensorSpec, plan_of
+from tensorhub.runtime.checksum import compute, digest, first_mismatch
+from tensorhub.transports.buffers import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_PACK_THRESHOLD,
     ShardBuffers,
     layout_of,
 )
-from tensorhub.checksum import compute, digest, first_mismatch
-from tensorhub.errors import InvalidArgument
-from tensorhub.layout import PACK_MAX, Layout, Plan, TensorSpec, plan_of
-from transports.memory import _copy_views
+from tensorhub.transports.memory import _copy_views
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,8 +7,8 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduling.selection import Candidate, SourceIndex, select_source
-from scheduling.topology import Location
+from tensorhub.core.topology import Location
+from tensorhub.scheduling.selection import Candidate, SourceIndex, select_source
 
 LOCS = [Location(dc, f"{dc}-h{h}", "") for dc in ("east", "west") for h in range(3)]
 

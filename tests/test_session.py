@@ -1,4 +1,4 @@
-"""Unit and property tests of the reader's replication session (``tensorhub.session``).
+"""Unit and property tests of the reader's replication session (``tensorhub.core.session``).
 
 The session is sans-IO: these tests feed it events and check the actions it returns. The
 property tests drive it with a small simulator (a server that grants and revokes, a data plane
@@ -25,8 +25,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub.errors import InvalidArgument
-from tensorhub.session import (
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.core.session import (
     Advance,
     ReadRange,
     ReplicationSession,

@@ -27,8 +27,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub.layout import Layout, TensorSpec, plan_of
-from tensorhub.session import (
+from tensorhub.core.layout import Layout, TensorSpec, plan_of
+from tensorhub.core.session import (
     Advance,
     ReadRange,
     ReplicationSession,

@@ -10,9 +10,9 @@ import msgpack
 import pytest
 import zmq
 
-from tensorhub.errors import TransportError
-from transports import sidechannel
-from transports.sidechannel import SideClient, SideError, SideServer, field
+from tensorhub.core.errors import TransportError
+from tensorhub.transports import sidechannel
+from tensorhub.transports.sidechannel import SideClient, SideError, SideServer, field
 
 
 def _echo(msg):

@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim import scenarios
-from sim.actors import SimReplica
-from sim.cli import main as sim_main
-from sim.cluster import GB, NetParams
-from sim.core import SimStuck, Simulator
-from sim.network import Link, Network
-from sim.scenarios import World
-from tensorhub.errors import InvalidArgument
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.sim import scenarios
+from tensorhub.sim.actors import SimReplica
+from tensorhub.sim.cli import main as sim_main
+from tensorhub.sim.cluster import GB, NetParams
+from tensorhub.sim.core import SimStuck, Simulator
+from tensorhub.sim.network import Link, Network
+from tensorhub.sim.scenarios import World
 
 # ---- the flow-level network -------------------------------------------------------------------
 
@@ -252,7 +252,7 @@ def test_a_replica_with_too_few_gpus_is_refused() -> None:
 
 
 def test_tensorhub_sim_goes_to_the_simulator(capsys) -> None:
-    from tensorhub.cli import main as tensorhub_main
+    from tensorhub.tools.cli import main as tensorhub_main
 
     with pytest.raises(SystemExit) as exc:
         tensorhub_main(["sim", "--help"])

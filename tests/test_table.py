@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tensorhub import errors as e
-from tensorhub import messages as m
-from tensorhub.invariants import assert_invariants
-from tensorhub.table import TableConfig
+from tensorhub.core import errors as e
+from tensorhub.core import messages as m
+from tensorhub.core.invariants import assert_invariants
+from tensorhub.core.table import TableConfig
 
 from .table_driver import LAYOUT, Driver, complete_all, make_layout
 

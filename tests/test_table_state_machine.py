@@ -25,10 +25,11 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tensorhub import messages as m
-from tensorhub.invariants import check_invariants
-from tensorhub.lifecycle import HolderState
-from tensorhub.table import ReferenceTable, TableConfig
+from tensorhub.core import messages as m
+from tensorhub.core.invariants import check_invariants
+from tensorhub.core.lifecycle import HolderState
+from tensorhub.core.table import ReferenceTable, TableConfig
+from tensorhub.scheduling.selection import SourceIndex
 
 from .table_driver import LAYOUT, VirtualClock
 
@@ -101,7 +102,7 @@ class TableMachine(RuleBasedStateMachine):
     @initialize(seed=st.integers(0, 2**32 - 1), retain=st.sampled_from([None, 0, 1]))
     def start(self, seed: int, retain: int | None) -> None:
         self.rng = random.Random(seed)
-        self.table = ReferenceTable(self.clock, random.Random(seed), CONFIG, term=self.term)
+        self.table = ReferenceTable(self.clock, random.Random(seed), CONFIG, term=self.term, sources=SourceIndex)
         self.time_passes(11.0)  # past the start-up grace period
         for name in ("trainer-0", "rollout-0", "rollout-1", "spot-0"):
             self.open(name, retain)
@@ -391,7 +392,7 @@ class TableMachine(RuleBasedStateMachine):
             return
         self.term += 1
         self.trace.append(f"failover to term {self.term}")
-        self.table = ReferenceTable(self.clock, random.Random(self.term), CONFIG, term=self.term)
+        self.table = ReferenceTable(self.clock, random.Random(self.term), CONFIG, term=self.term, sources=SourceIndex)
         self.step_removed = True
         self.unpublishing.clear()
         live = [rc for rc in self.replicas.values() if rc.live]

@@ -26,15 +26,15 @@ from typing import Any
 import pytest
 import torch
 
-from tensorhub.actor import run
-from tensorhub.buffers import ShardBuffers, layout_of, memory_of
-from tensorhub.errors import InvalidArgument, TransportError
+from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.runtime.actor import run
 from tensorhub.testing import CHECKS, check_transport
-from transports import local
-from transports.base import RangeNotReady
-from transports.local import LocalTransport
-from transports.registry import get_transport
-from transports.sidechannel import SideServer
+from tensorhub.transports import local
+from tensorhub.transports.base import RangeNotReady
+from tensorhub.transports.buffers import ShardBuffers, layout_of, memory_of
+from tensorhub.transports.local import LocalTransport
+from tensorhub.transports.registry import get_transport
+from tensorhub.transports.sidechannel import SideServer
 
 from .procs import mp
 

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from tensorhub.testing import check_transport
-from transports.nixl import load_nixl
+from tensorhub.transports.nixl import load_nixl
 
 from .procs import mp
 

@@ -1,4 +1,4 @@
-"""Unit tests of the transport registry (``transports.registry``).
+"""Unit tests of the transport registry (``tensorhub.transports.registry``).
 
 The registry is module-global state: every test runs on a private copy of it (the
 ``registry`` fixture), with the entry-point group replaced by a scriptable list, so that
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from tensorhub.errors import InvalidArgument
-from transports import registry as reg
-from transports.base import Transport
-from transports.tcp import TcpTransport
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.transports import registry as reg
+from tensorhub.transports.base import Transport
+from tensorhub.transports.tcp import TcpTransport
 
 
 class FakeTransport(Transport):
@@ -75,7 +75,7 @@ def write_module(where: Path, name: str, body: str) -> None:
 
 def test_tcp_is_built_in_and_loads_lazily(registry: list) -> None:
     assert reg.transport_names() == ["local", "memory", "nixl", "rdma_copy", "tcp"]
-    assert reg._registered["tcp"] == "transports.tcp:TcpTransport"  # not imported yet
+    assert reg._registered["tcp"] == "tensorhub.transports.tcp:TcpTransport"  # not imported yet
     assert reg.get_transport("tcp") is TcpTransport
     assert reg._registered["tcp"] is TcpTransport  # cached once loaded
     assert reg.get_transport("tcp") is TcpTransport
@@ -103,7 +103,7 @@ def test_duplicate_is_refused_naming_it(registry: list) -> None:
 
 
 def test_duplicate_of_a_built_in_is_refused_naming_it(registry: list) -> None:
-    with pytest.raises(InvalidArgument, match=r"'tcp' is already registered \(transports\.tcp:TcpTransport\)"):
+    with pytest.raises(InvalidArgument, match=r"'tcp' is already registered \(tensorhub\.transports\.tcp:TcpTransport\)"):
         reg.register_transport("tcp", Nameless)
     with pytest.raises(InvalidArgument, match="'tcp' is already registered"):
         reg.register_transport("tcp", "somewhere:Else")
@@ -143,7 +143,7 @@ def test_lazy_path_is_imported_on_first_use(registry: list, plugin_dir: Path) ->
         plugin_dir,
         "thplugin_ok",
         """
-        from transports.base import Transport
+        from tensorhub.transports.base import Transport
         class Good(Transport):
             name = "good"
         """,
@@ -175,7 +175,7 @@ def test_lazy_path_to_a_missing_class_names_the_plugin(registry: list, plugin_di
 
 def test_lazy_path_without_a_class_part_is_refused_at_registration(registry: list) -> None:
     with pytest.raises(InvalidArgument, match="transport 'noclass'"):
-        reg.register_transport("noclass", "transports.tcp")
+        reg.register_transport("noclass", "tensorhub.transports.tcp")
     with pytest.raises(InvalidArgument, match="no transport named 'noclass'"):
         reg.get_transport("noclass")
 
@@ -204,7 +204,7 @@ def test_lazy_path_with_an_empty_module_is_refused_at_registration(registry: lis
 
 
 def test_entry_points_are_discovered_lazily(registry: list, plugin_dir: Path) -> None:
-    write_module(plugin_dir, "thplugin_ep", "from transports.base import Transport\nclass Ep(Transport):\n    name = 'ep'\n")
+    write_module(plugin_dir, "thplugin_ep", "from tensorhub.transports.base import Transport\nclass Ep(Transport):\n    name = 'ep'\n")
     registry.append(EntryPoint("ep", "thplugin_ep:Ep", reg.ENTRY_POINT_GROUP))
     registry.append(EntryPoint("elsewhere", "thplugin_ep:Ep", "some.other.group"))
     assert reg.transport_names() == ["ep", "local", "memory", "nixl", "rdma_copy", "tcp"]
@@ -220,7 +220,7 @@ def test_register_refuses_a_name_an_entry_point_took(registry: list) -> None:
 
 def test_entry_point_clashing_with_a_built_in_is_refused_naming_both(registry: list) -> None:
     registry.append(EntryPoint("tcp", "evil_pkg.mod:Tcp", reg.ENTRY_POINT_GROUP))
-    with pytest.raises(InvalidArgument, match=r"entry point 'tcp' = 'evil_pkg\.mod:Tcp' of group tensorhub\.transports clashes with transport transports\.tcp:TcpTransport"):
+    with pytest.raises(InvalidArgument, match=r"entry point 'tcp' = 'evil_pkg\.mod:Tcp' of group tensorhub\.transports clashes with transport tensorhub\.transports\.tcp:TcpTransport"):
         reg.transport_names()
 
 

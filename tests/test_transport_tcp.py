@@ -1,5 +1,5 @@
-"""Tests of the ``tcp`` transport (``transports.tcp``) on 127.0.0.1, with real sockets and real
-:class:`~tensorhub.buffers.ShardBuffers`: byte-exact reads, partial holders, the generation
+"""Tests of the ``tcp`` transport (``tensorhub.transports.tcp``) on 127.0.0.1, with real sockets and real
+:class:`~tensorhub.transports.buffers.ShardBuffers`: byte-exact reads, partial holders, the generation
 seqlock, hostile bytes on the listening port, closing, and ranges outside the shard.
 
 Every transport and raw socket a test opens is closed before it ends; every wait is bounded.
@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import torch
 
-from tensorhub.actor import run
-from tensorhub.buffers import ShardBuffers, layout_of
-from tensorhub.errors import InvalidArgument, TransportError
-from transports import tcp
-from transports.tcp import RangeNotReady, TcpTransport
+from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.runtime.actor import run
+from tensorhub.transports import tcp
+from tensorhub.transports.buffers import ShardBuffers, layout_of
+from tensorhub.transports.tcp import RangeNotReady, TcpTransport
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 

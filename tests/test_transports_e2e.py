@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from scheduling.topology import Location
+from tensorhub.core.topology import Location
 
 from .procs import wait_until
 from .test_integrity import BIG, MANY, SCALE, publish_and_wait_checksums, shard_bytes

@@ -1,8 +1,8 @@
-"""Unit and property tests of the control-plane wire format (``tensorhub.wire``) and of the
-message classes it carries (``tensorhub.messages``).
+"""Unit and property tests of the control-plane wire format (``tensorhub.core.wire``) and of the
+message classes it carries (``tensorhub.core.messages``).
 
 Every bad input must raise the specific :class:`~tensorhub.errors.ProtocolError` subclass the
-wire module documents; anything random fed to :func:`~tensorhub.wire.decode` must give a
+wire module documents; anything random fed to :func:`~tensorhub.core.wire.decode` must give a
 message or a ``ProtocolError``, never another exception.
 """
 
@@ -18,14 +18,27 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduling.topology import Location
-from tensorhub import errors
-from tensorhub import messages as m
-from tensorhub import wire
-from tensorhub.errors import MalformedMessage, OversizeMessage, ProtocolError, UnknownMessageKind, WireVersionMismatch
-from tensorhub.layout import DTYPE_SIZES, Layout, TensorSpec
-from tensorhub.naming import MAX_RELATIVE, MAX_SHARDS, MAX_VERSION
-from tensorhub.wire import MAX_BYTES, MAX_COLLECTION, MAX_FRAME_BYTES, MAX_OPAQUE_DEPTH, MAX_STR, WIRE_VERSION, Opaque
+from tensorhub.core import errors, wire
+from tensorhub.core import messages as m
+from tensorhub.core.errors import (
+    MalformedMessage,
+    OversizeMessage,
+    ProtocolError,
+    UnknownMessageKind,
+    WireVersionMismatch,
+)
+from tensorhub.core.layout import DTYPE_SIZES, Layout, TensorSpec
+from tensorhub.core.naming import MAX_RELATIVE, MAX_SHARDS, MAX_VERSION
+from tensorhub.core.topology import Location
+from tensorhub.core.wire import (
+    MAX_BYTES,
+    MAX_COLLECTION,
+    MAX_FRAME_BYTES,
+    MAX_OPAQUE_DEPTH,
+    MAX_STR,
+    WIRE_VERSION,
+    Opaque,
+)
 
 U64 = 2**64 - 1
 

@@ -53,16 +53,17 @@ read across a generation change.
 
 **What must be overridden:** ``start``, ``endpoint``, ``read``, ``close``; two-sided transports
 also use ``serve``. **What may be:** ``available`` (a probe of optional libraries; import them
-only inside the plugin), ``expose``/``withdraw``, and ``reaches(peer_endpoint) -> bool`` (can
+only inside the plugin), ``probe`` (below), ``expose``/``withdraw``, and
+``reaches(peer_endpoint) -> bool`` (can
 this process read from that peer at all: ``local`` checks that the peer shares this host's
 kernel, ``memory`` this process; the engine skips a transport that does not reach).
 
 **Which transport serves an edge** is not the transport's decision: the engine asks
-:func:`scheduling.edges.choose_transport` with both ends' locations, the transports the holder's
+:func:`tensorhub.scheduling.edges.choose_transport` with both ends' locations, the transports the holder's
 endpoint offers, the ones this process started, and ``reaches``.
 
 **Talking to the holder** without bulk bytes (describing registered memory, asking for a
-staged slice) goes over :mod:`transports.sidechannel`: msgpack requests to a ZeroMQ ROUTER the
+staged slice) goes over :mod:`tensorhub.transports.sidechannel`: msgpack requests to a ZeroMQ ROUTER the
 holder runs, never pickled objects.
 
 **Capability flags** (class attributes): ``one_sided`` (reads need no holder CPU),
@@ -75,7 +76,7 @@ sides' endpoints.
 through :meth:`ShardBuffers.views`, :meth:`~ShardBuffers.spans`, :meth:`~ShardBuffers.copy_in`
 and :meth:`~ShardBuffers.copy_out` (and ``ShardBuffers.parts`` for what it describes to peers)
 copes with a range scattered over many tensors. When every transport of a process gathers, the
-engine keeps that process's packs *in place* (:class:`~tensorhub.buffers.ShardBuffers`): the
+engine keeps that process's packs *in place* (:class:`~tensorhub.transports.buffers.ShardBuffers`): the
 tiny tensors are not copied into pack buffers at publish nor out of them after a pull, and the
 process does not hold a second copy of them. A transport that registers ``ShardBuffers.regions``
 (NIXL) leaves it False: it needs a pack to be one buffer; ``regions`` holds None for a pack kept
@@ -91,23 +92,33 @@ exactly once (pieces in any order, from any threads). Never report bytes that ar
 (a later write to the same range would go unhashed); for CUDA destinations the engine passes no
 callback. A callback that raises fails the read.
 
+**Probing** (``probe()``, a classmethod; cheap, no side effects, never raises). It answers
+three things as a :class:`Probe`: whether the transport can run in this process at all
+(``usable``: the libraries import, the system calls are allowed), whether it is worth starting
+when the user configured nothing (``default``), and ``reason``, one line saying why not (or
+what it will do), with ``facts``: what it checked, for ``tensorhub doctor``. A handle opened
+without ``transports=`` and without ``$TENSORHUB_TRANSPORTS`` starts every *built-in* transport
+whose probe says ``default``; plugins from entry points are started only when named. The base
+implementation derives ``usable`` from :meth:`Transport.available` and leaves ``default`` False.
+
 Every transport must pass :func:`tensorhub.testing.check_transport` (the conformance suite);
 its tests call it, skipping (and saying why) only checks the transport cannot take part in.
 The capability flags steer it: a one-sided transport must refuse withdrawn buffers.
-:func:`transports.faults.wrap` stands a fault-injecting wrapper in for any transport.
+:func:`tensorhub.transports.faults.wrap` stands a fault-injecting wrapper in for any transport.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
-from tensorhub.errors import TransportError
+from tensorhub.core.errors import TransportError
 
 if TYPE_CHECKING:
-    from tensorhub.buffers import ShardBuffers
+    from .buffers import ShardBuffers
 
-__all__ = ["Landed", "RangeNotReady", "Resolver", "Transport"]
+__all__ = ["Landed", "Probe", "RangeNotReady", "Resolver", "Transport"]
 
 #: ``resolver(region, version)``: the buffers holding ``version`` under ``region``, or None.
 Resolver = Callable[[int, int], Optional["ShardBuffers"]]
@@ -121,6 +132,27 @@ class RangeNotReady(TransportError):
     read's ``wait_timeout``). The holder is not at fault: the engine retries the range."""
 
     code = "range_not_ready"
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What a transport found about this process (:meth:`Transport.probe`).
+
+    Attributes:
+        usable: ``start()`` can work here (libraries import, system calls allowed).
+        default: worth starting when nothing is configured (implies ``usable``).
+        reason: one line: why it is not usable or not a default, or what it will use.
+        facts: ``(what was checked, what was found)`` pairs, in a fixed order.
+    """
+
+    usable: bool
+    default: bool
+    reason: str
+    facts: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.default and not self.usable:
+            raise ValueError("a transport that is not usable cannot be a default")
 
 
 class Transport:
@@ -141,6 +173,15 @@ class Transport:
     def available(cls) -> bool:
         """Whether this transport can run here (its optional libraries import)."""
         return True
+
+    @classmethod
+    def probe(cls) -> Probe:
+        """Whether it can run here and whether to start it by default (see the manual)."""
+        try:
+            usable = bool(cls.available())
+        except Exception as err:  # a plugin's probe must not take the process down
+            return Probe(False, False, f"available() raised {type(err).__name__}: {err}")
+        return Probe(usable, False, "started only when named" if usable else "available() is False here")
 
     async def start(self) -> None:
         raise NotImplementedError

@@ -39,10 +39,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tensorhub.buffers import ShardBuffers
-from tensorhub.errors import InvalidArgument, TransportError
+from tensorhub.core.errors import InvalidArgument, TransportError
 
 from .base import Landed, Resolver, Transport
+from .buffers import ShardBuffers
 
 __all__ = ["MAX_SECONDS", "FaultyTransport", "FiredFault", "wrap"]
 

@@ -6,12 +6,12 @@ A holder's memory is read straight out of its process: ``process_vm_readv(2)`` f
 (the kernel copies from the holder's pages into the reader's, once), CUDA IPC handles for GPU
 memory (a device-to-device copy over NVLink or PCIe). The holder's CPU takes part once per
 ``(region, version)`` a reader pulls, to *describe* its memory over the side channel
-(:mod:`transports.sidechannel`); every read after that is one-sided.
+(:mod:`tensorhub.transports.sidechannel`); every read after that is one-sided.
 
-Holder side. :meth:`LocalTransport.start` starts a :class:`~transports.sidechannel.SideServer`
+Holder side. :meth:`LocalTransport.start` starts a :class:`~tensorhub.transports.sidechannel.SideServer`
 (on ``host``, default 127.0.0.1) with one inline op, ``describe {region, version}``: it resolves
 the pair through the engine's resolver and answers ``{"pid", "tag", "words", "regions"}``: the
-tag and address of the holding's progress words (:mod:`tensorhub.buffers`), and for each region
+tag and address of the holding's progress words (:mod:`tensorhub.transports.buffers`), and for each region
 of the packing plan, in plan order, ``[address, nbytes, "cpu" | "cuda" | "parts", device index,
 extra]``. ``extra`` is None for CPU memory; for a CUDA region, ``ipc``: the fields of torch's
 ``_share_cuda_()`` as bytes and integers, the tensor's byte offset in its storage and the GPU's
@@ -104,11 +104,11 @@ from typing import Any
 
 import torch
 
-from tensorhub.buffers import WORD_BYTES, ShardBuffers, cut_parts, read_words
-from tensorhub.errors import InvalidArgument, TransportError
-from tensorhub.layout import MAX_TENSORS
+from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.core.layout import MAX_TENSORS
 
-from .base import Landed, RangeNotReady, Transport
+from .base import Landed, Probe, RangeNotReady, Transport
+from .buffers import WORD_BYTES, ShardBuffers, cut_parts, read_words
 from .sidechannel import SideClient, SideError, SideServer, field
 
 __all__ = ["LocalTransport"]
@@ -174,6 +174,27 @@ def _lib() -> Any:
         fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
         _libc = lib
     return _libc
+
+
+def ptrace_scope(path: str = "/proc/sys/kernel/yama/ptrace_scope") -> int | None:
+    """Yama's ``ptrace_scope`` (0 to 3), or None when the kernel has no Yama."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _has_cap_sys_ptrace() -> bool:
+    """Whether this process's effective capabilities include ``CAP_SYS_PTRACE`` (bit 19)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> 19 & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _allow_readers() -> None:
@@ -441,6 +462,33 @@ class LocalTransport(Transport):
             return _lib() is not None
         except (OSError, AttributeError):  # no libc to load, or one without process_vm_readv
             return False
+
+    @classmethod
+    def probe(cls) -> Probe:
+        """Usable (and a default) on Linux when ``process_vm_readv`` exists, is not filtered
+        (a read of this process's own memory succeeds: container seccomp profiles refuse it
+        without ``CAP_SYS_PTRACE``) and Yama lets a same-user reader attach (``ptrace_scope``
+        0 or 1; 2 only with ``CAP_SYS_PTRACE``; 3 never)."""
+        facts: list[tuple[str, str]] = [("platform", sys.platform)]
+        if not cls.available():
+            return Probe(False, False, "needs Linux and process_vm_readv in libc", tuple(facts))
+        facts.append(("process_vm_readv", "in libc"))
+        src, dst = ctypes.create_string_buffer(b"tensorhub", 16), ctypes.create_string_buffer(16)
+        try:
+            _vm_read(os.getpid(), [(ctypes.addressof(dst), 16)], [(ctypes.addressof(src), 16)])
+        except _VmError as err:
+            facts.append(("self read", os.strerror(err.errno)))
+            return Probe(False, False, f"process_vm_readv is refused here ({os.strerror(err.errno)}: a seccomp "
+                         "filter, e.g. a container without CAP_SYS_PTRACE)", tuple(facts))  # fmt: skip
+        facts.append(("self read", "ok" if dst.raw == src.raw else "wrong bytes"))
+        scope, cap = ptrace_scope(), _has_cap_sys_ptrace()
+        facts.append(("yama ptrace_scope", "absent (no Yama)" if scope is None else str(scope)))
+        facts.append(("CAP_SYS_PTRACE", "yes" if cap else "no"))
+        if scope == 3 or (scope == 2 and not cap):
+            why = "3 forbids it" if scope == 3 else "2 needs CAP_SYS_PTRACE, which this process lacks"
+            return Probe(False, False, f"Yama ptrace_scope {scope}: reading another process's memory is refused ({why})", tuple(facts))
+        note = "; holders allow same-user readers (PR_SET_PTRACER)" if scope == 1 else ""
+        return Probe(True, True, f"same-host reads with one copy (process_vm_readv){note}", tuple(facts))
 
     # ---- both sides ----------------------------------------------------------------------------
 

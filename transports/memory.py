@@ -20,8 +20,8 @@ A read of ``[offset, offset + length)`` of ``(region, version)``:
    generation moved, or the holder held the version and stopped -> :class:`TransportError`;
 4. copies in pieces of ``piece_bytes``, checking between pieces (and after the last) that
    neither side closed and the buffers are still exposed. CPU memory is copied view to view;
-   CUDA memory goes through :meth:`~tensorhub.buffers.ShardBuffers.copy_out` /
-   :meth:`~tensorhub.buffers.ShardBuffers.copy_in` (``cuda`` is False: it stages);
+   CUDA memory goes through :meth:`~tensorhub.transports.buffers.ShardBuffers.copy_out` /
+   :meth:`~tensorhub.transports.buffers.ShardBuffers.copy_in` (``cuda`` is False: it stages);
 5. applies the seqlock: the generation read before the copy (step 3) must equal the one read
    after it, the holder must still hold the version, and if the caller passed a generation it
    must be that one -> :class:`TransportError` otherwise.
@@ -46,10 +46,10 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tensorhub.buffers import ShardBuffers
-from tensorhub.errors import InvalidArgument, TransportError
+from tensorhub.core.errors import InvalidArgument, TransportError
 
-from .base import RangeNotReady, Transport
+from .base import Probe, RangeNotReady, Transport
+from .buffers import ShardBuffers
 
 __all__ = ["MemoryTransport"]
 
@@ -93,6 +93,10 @@ class MemoryTransport(Transport):
     cuda = False
     cross_host = False
     gathers = True
+
+    @classmethod
+    def probe(cls) -> Probe:
+        return Probe(True, False, "started only when named: it serves only readers in its own process (tests, simulation)")
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)

@@ -34,7 +34,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from tensorhub.errors import InvalidArgument
+from tensorhub.core.errors import InvalidArgument
 
 __all__ = [
     "CROSS_ROOT_DISTANCE",

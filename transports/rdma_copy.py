@@ -17,13 +17,13 @@ piece, in one of the reader's threads:
    ``(region, version)``, waits (in slices, bounded by ``wait_timeout``; ``not_ready`` past it)
    until the holder's progress covers the piece, takes a free staging slot (a lease, reclaimed
    after ``lease_s`` if the reader never releases it), copies the piece into it
-   (:meth:`~tensorhub.buffers.ShardBuffers.copy_out`; CUDA memory on a side stream), and checks
+   (:meth:`~tensorhub.transports.buffers.ShardBuffers.copy_out`; CUDA memory on a side stream), and checks
    that the generation and version did not move across the copy (a seqlock, on the holder:
    once in the slot the bytes cannot change). It answers with the slot's address, the lease and
    the generation, and the first answer to a reader carries the pool's NIXL metadata;
 3. READ the slot into the local slot with one NIXL transfer request, then tell the holder the
    slot is free (a one-way message);
-4. copy the local slot into ``into`` (:meth:`~tensorhub.buffers.ShardBuffers.copy_in`).
+4. copy the local slot into ``into`` (:meth:`~tensorhub.transports.buffers.ShardBuffers.copy_in`).
 
 Every piece of a read must come from one generation, and the caller's if it gave one.
 
@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 
-from tensorhub.buffers import ShardBuffers, memory_of
-from tensorhub.errors import InvalidArgument, TransportError
-from tensorhub.log import get_logger
+from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.core.log import get_logger
 
-from .base import RangeNotReady, Transport
-from .nixl import NixlIO, default_agent, load_nixl, options_of, start_agent
+from .base import Probe, RangeNotReady, Transport
+from .buffers import ShardBuffers, memory_of
+from .nixl import NixlIO, default_agent, load_nixl, options_of, probe_nixl, start_agent
 from .sidechannel import SideClient, SideError, SideServer
 from .sidechannel import field as req_field
 
@@ -179,6 +179,10 @@ class RdmaCopyTransport(Transport):
     @classmethod
     def available(cls) -> bool:
         return load_nixl() is not None
+
+    @classmethod
+    def probe(cls) -> Probe:
+        return probe_nixl("rdma_copy")
 
     async def start(self) -> None:
         """Create the agent, allocate and register the staging pool, start the side channel.

@@ -11,22 +11,26 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
-from tensorhub.errors import InvalidArgument
+from tensorhub.core.errors import InvalidArgument
 
-from .base import Transport
+from .base import Probe, Transport
 
-__all__ = ["ENTRY_POINT_GROUP", "get_transport", "register_transport", "transport_names"]
+__all__ = ["BUILTIN_ORDER", "ENTRY_POINT_GROUP", "probe_builtins", "get_transport", "register_transport", "transport_names"]
 
 ENTRY_POINT_GROUP = "tensorhub.transports"
 
 _BUILTIN: dict[str, str] = {
-    "local": "transports.local:LocalTransport",
-    "memory": "transports.memory:MemoryTransport",
-    "nixl": "transports.nixl:NixlTransport",
-    "rdma_copy": "transports.rdma_copy:RdmaCopyTransport",
-    "tcp": "transports.tcp:TcpTransport",
+    "local": "tensorhub.transports.local:LocalTransport",
+    "memory": "tensorhub.transports.memory:MemoryTransport",
+    "nixl": "tensorhub.transports.nixl:NixlTransport",
+    "rdma_copy": "tensorhub.transports.rdma_copy:RdmaCopyTransport",
+    "tcp": "tensorhub.transports.tcp:TcpTransport",
 }
 _registered: dict[str, type[Transport] | str] = dict(_BUILTIN)
+
+#: the built-ins in the order a handle configured with nothing starts them (the engine's own
+#: order, used when an edge's preference list has no fit)
+BUILTIN_ORDER = ("local", "nixl", "rdma_copy", "tcp", "memory")
 _entry_points_loaded = False
 
 
@@ -73,6 +77,19 @@ def get_transport(name: str) -> type[Transport]:
         _check(name, cls)
         _registered[name] = entry = cls
     return entry
+
+
+def probe_builtins() -> dict[str, Probe]:
+    """Every built-in transport's :meth:`~Transport.probe`, in :data:`BUILTIN_ORDER`. The
+    default transport set (a handle opened without ``transports=`` and without
+    ``$TENSORHUB_TRANSPORTS``) is the names whose probe says ``default``; ``tcp`` always does."""
+    found = {}
+    for name in BUILTIN_ORDER:
+        try:
+            found[name] = get_transport(name).probe()
+        except InvalidArgument as err:  # the module does not load (a broken optional library)
+            found[name] = Probe(False, False, str(err))
+    return found
 
 
 def _check(name: str, cls: object) -> None:

@@ -40,7 +40,7 @@ import msgpack
 import zmq
 import zmq.utils.monitor
 
-from tensorhub.errors import TransportError
+from tensorhub.core.errors import TransportError
 
 __all__ = ["SideClient", "SideError", "SideServer", "decode", "encode"]
 

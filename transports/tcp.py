@@ -57,10 +57,10 @@ from typing import Any
 
 import torch
 
-from tensorhub.buffers import ShardBuffers, memory_of
-from tensorhub.errors import InvalidArgument, TransportError
+from tensorhub.core.errors import InvalidArgument, TransportError
 
-from .base import RangeNotReady, Transport
+from .base import Probe, RangeNotReady, Transport
+from .buffers import ShardBuffers, memory_of
 
 __all__ = ["RangeNotReady", "TcpTransport"]
 
@@ -131,6 +131,11 @@ class TcpTransport(Transport):
     cuda = False
     cross_host = True
     gathers = True
+
+    @classmethod
+    def probe(cls) -> Probe:
+        """Always usable, and the fallback of every edge."""
+        return Probe(True, True, "raw sockets; serves every edge no faster transport serves", (("listens on", "127.0.0.1 unless host= is given"),))
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)

@@ -1,0 +1,753 @@
+"""Control-plane messages between shard clients and the reference server.
+
+Every message is a frozen, slotted dataclass registered under a wire kind (see
+:mod:`tensorhub.core.wire`). Requests carry ``req``, a client-chosen id that the reply echoes
+(0 for none), and ``session``, the id the server gave the shard at :class:`OpenShard`.
+Model-parallel calls (§5.4 of the design) carry ``call``: the replica-wide call number, counted
+by each shard from 1.
+
+A request gets exactly one final reply: :class:`Ack`, :class:`Failed` or the call's own answer
+(:class:`Opened`, :class:`Replicated`, :class:`Updated`, :class:`Listing` with ``final``,
+:class:`HeartbeatAck`). Notifications (:class:`Grant`, :class:`Revoke`, :class:`OffloadRequest`,
+...) may arrive at any time; those tied to a request echo its ``req``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any
+
+from .errors import TensorHubError
+from .layout import Layout
+from .naming import parse_version_spec, validate_model, validate_replica, validate_shard, validate_version
+from .topology import Location
+from .wire import Opaque, message, struct
+
+U64 = (1 << 64) - 1
+
+#: Holder kinds as the wire names them.
+KIND_NORMAL = "normal"
+KIND_OFFLOAD = "offload"
+
+
+def _nonneg(what: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+
+
+def _timeout(value: float | None) -> None:
+    if value is not None and not 0 <= value <= 1e7:
+        raise ValueError(f"timeout must be None or in [0, 1e7] seconds, got {value}")
+
+
+def _checksums(values: tuple[int, ...] | None) -> None:
+    if values is not None:
+        for v in values:
+            if not 0 <= v <= U64:
+                raise ValueError("checksums must be unsigned 64-bit integers")
+
+
+def _version_spec(spec: int | str) -> None:
+    parse_version_spec(spec)
+
+
+# --- nested structs ---------------------------------------------------------------------------
+
+
+@struct
+class SourceInfo:
+    """Where a granted reader pulls from."""
+
+    session: int
+    replica: str
+    shard_idx: int
+    kind: str
+    complete: bool
+    location: Location
+    endpoint: Opaque
+
+
+@struct
+class ReplicaEntry:
+    """One replica holding a version completely (all its shards)."""
+
+    replica: str
+    kind: str
+    spot: bool
+
+
+@struct
+class VersionEntry:
+    """One available version and the replicas that hold it completely."""
+
+    version: int
+    replicas: tuple[ReplicaEntry, ...]
+
+
+@struct
+class Held:
+    """A holding re-announced after failover."""
+
+    version: int
+    kind: str
+    checksums: tuple[int, ...] | None
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        if self.kind not in (KIND_NORMAL, KIND_OFFLOAD):
+            raise ValueError(f"holding kind must be normal or offload, got {self.kind!r}")
+        _checksums(self.checksums)
+
+
+@struct
+class PartialHeld:
+    """A partial holding re-announced after failover: what was verified so far."""
+
+    version: int
+    verified: int
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        _nonneg("verified", self.verified)
+
+
+@struct
+class CallAnswer:
+    """The answer a shard last got for a model-parallel call, re-announced after failover so that
+    the other shards get the same one."""
+
+    call: int
+    kind: str
+    version: int | None
+    moved: bool | None
+    epoch: int | None
+    listing: tuple[VersionEntry, ...] | None
+    error: str | None = field(default=None, metadata={"max_len": 64})
+    message: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.call < 1:
+            raise ValueError(f"call numbers start at 1, got {self.call}")
+        if self.kind not in ("publish", "unpublish", "replicate", "update", "list", "wait"):
+            raise ValueError(f"not a model-parallel call: {self.kind!r}")
+
+
+# --- client -> server -------------------------------------------------------------------------
+
+
+@message("open")
+class OpenShard:
+    req: int
+    model: str
+    replica: str
+    num_shards: int
+    shard_idx: int
+    incarnation: str = field(metadata={"max_len": 64})
+    location: Location
+    spot: bool
+    retain: int | None
+
+    def __post_init__(self) -> None:
+        validate_model(self.model)
+        validate_replica(self.replica, model=self.model)
+        validate_shard(self.num_shards, self.shard_idx, model=self.model, replica=self.replica)
+        if not self.incarnation:
+            raise ValueError("incarnation must be a non-empty nonce")
+        if not isinstance(self.location, Location):
+            raise ValueError("location is required")
+        if self.retain is not None:
+            _nonneg("retain", self.retain)
+
+
+@message("register")
+class Register:
+    req: int
+    session: int
+    layout: Layout
+    endpoint: Opaque
+
+
+@message("unregister")
+class Unregister:
+    req: int
+    session: int
+
+
+@message("publish")
+class Publish:
+    req: int
+    session: int
+    call: int
+    version: int
+    checksums: tuple[int, ...] | None
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        _checksums(self.checksums)
+
+
+@message("checksums")
+class DeclareChecksums:
+    req: int
+    session: int
+    version: int
+    checksums: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        _checksums(self.checksums)
+
+
+@message("unpublish")
+class Unpublish:
+    req: int
+    session: int
+    call: int
+
+
+@message("offloaded")
+class PublishOffload:
+    """The answer to :class:`OffloadRequest`: the copy is in CPU memory (``ok``), or could not be
+    made."""
+
+    req: int
+    session: int
+    version: int
+    ok: bool
+
+
+@message("replicate")
+class Replicate:
+    req: int
+    session: int
+    call: int
+    spec: int | str
+    timeout: float | None
+
+    def __post_init__(self) -> None:
+        _version_spec(self.spec)
+        _timeout(self.timeout)
+
+
+@message("update")
+class Update:
+    """``offload_seed``: if this replica would be the first of its datacenter to pull the version
+    across datacenters, do not move; answer ``seed`` instead, and the client pulls into a CPU copy
+    in the background (offload seeding, DESIGN §5.6)."""
+
+    req: int
+    session: int
+    call: int
+    spec: int | str
+    timeout: float | None
+    offload_seed: bool = False
+
+    def __post_init__(self) -> None:
+        _version_spec(self.spec)
+        _timeout(self.timeout)
+
+
+@message("list")
+class ListVersions:
+    """``call`` is set for ``list(consistent=True)`` (a model-parallel transaction), else None."""
+
+    req: int
+    session: int
+    call: int | None
+
+
+@message("wait")
+class Wait:
+    """Long-poll for a listing newer than ``known_epoch``; ``satisfied_epoch`` reports that the
+    predicate held on the listing of that epoch, which then becomes the replica's answer."""
+
+    req: int
+    session: int
+    call: int
+    known_epoch: int
+    satisfied_epoch: int | None
+    timeout: float | None
+
+    def __post_init__(self) -> None:
+        _timeout(self.timeout)
+
+
+@message("progress")
+class Progress:
+    req: int
+    session: int
+    grant: int
+    term: int
+    verified: int
+
+    def __post_init__(self) -> None:
+        _nonneg("verified", self.verified)
+
+
+@message("complete")
+class Complete:
+    req: int
+    session: int
+    grant: int
+    term: int
+
+
+@message("source_failed")
+class SourceFailed:
+    req: int
+    session: int
+    grant: int
+    term: int
+    verified: int
+    reason: str = field(metadata={"max_len": 1024})
+
+    def __post_init__(self) -> None:
+        _nonneg("verified", self.verified)
+
+
+@message("checksum_failed")
+class ChecksumFailed:
+    req: int
+    session: int
+    grant: int
+    term: int
+    verified: int
+    unit: int
+
+    def __post_init__(self) -> None:
+        _nonneg("verified", self.verified)
+        _nonneg("unit", self.unit)
+
+
+@message("verify_result")
+class VerifyResult:
+    req: int
+    session: int
+    version: int
+    ok: bool
+
+
+@message("heartbeat")
+class Heartbeat:
+    req: int
+    sessions: tuple[int, ...] = field(metadata={"max_len": 65536})
+
+
+@message("announce")
+class Announce:
+    req: int
+    session: int
+    holdings: tuple[Held, ...] = field(metadata={"max_len": 4096})
+    partial: PartialHeld | None
+    answered: int  # the last call number this shard got a final answer for (0: none)
+    answers: tuple[CallAnswer, ...] = field(metadata={"max_len": 64})  # its most recent answers
+
+    def __post_init__(self) -> None:
+        for a in self.answers:
+            if a.call > self.answered:
+                raise ValueError(f"answer to call {a.call} announced beyond the last answered call {self.answered}")
+
+
+@message("close")
+class CloseShard:
+    req: int
+    session: int
+
+
+# --- server -> client -------------------------------------------------------------------------
+
+
+@message("opened")
+class Opened:
+    req: int
+    session: int
+    term: int
+    heartbeat_interval: float
+    heartbeat_timeout: float
+
+
+@message("ack")
+class Ack:
+    req: int
+
+
+@message("failed")
+class Failed:
+    """A typed error reply; :meth:`error` rebuilds the exception."""
+
+    req: int
+    code: str = field(metadata={"max_len": 64})
+    message: str = ""
+    model: str | None = None
+    version: int | None = None
+    replica: str | None = None
+    shard: int | None = None
+
+    @classmethod
+    def of(cls, req: int, err: TensorHubError) -> "Failed":
+        return cls(req, type(err).code, err.message, err.model, err.version, err.replica, err.shard)
+
+    def error(self) -> TensorHubError:
+        from .errors import error_from_wire
+
+        return error_from_wire(
+            self.code, self.message, model=self.model, version=self.version, replica=self.replica, shard=self.shard
+        )
+
+
+@message("grant")
+class Grant:
+    """Pull ``shard_idx`` of ``version`` from ``source``. Echoes the replicate/update ``req``."""
+
+    req: int
+    session: int
+    grant: int
+    term: int
+    version: int
+    shard_idx: int
+    source: SourceInfo
+    checksums: tuple[int, ...] | None
+
+
+@message("revoke")
+class Revoke:
+    """The grant is void: discard what was not verified; a new grant (or the call's error)
+    follows."""
+
+    session: int
+    grant: int
+    term: int
+    reason: str
+
+
+@message("checksums_ready")
+class ChecksumsReady:
+    session: int
+    grant: int
+    term: int
+    version: int
+    checksums: tuple[int, ...]
+
+
+@message("offload_request")
+class OffloadRequest:
+    """Your holding is the last non-spot copy of a retained version: copy it to CPU memory and
+    answer with :class:`PublishOffload` before the unpublish can go on."""
+
+    session: int
+    version: int
+
+
+@message("free_offload")
+class FreeOffload:
+    """Your offload copy of ``version`` is no longer needed and no reader is using it: free it."""
+
+    session: int
+    version: int
+
+
+@message("verify_request")
+class VerifyRequest:
+    """A reader reported a checksum mismatch on your copy: re-verify it and answer with
+    :class:`VerifyResult`."""
+
+    session: int
+    version: int
+
+
+@message("quarantined")
+class Quarantined:
+    """Your copy of ``version`` failed verification and is no longer served."""
+
+    session: int
+    version: int
+
+
+@message("removed")
+class Removed:
+    """Your session is void (its replica was removed, or a newer incarnation opened)."""
+
+    session: int
+    code: str
+    reason: str
+
+
+@message("replicated")
+class Replicated:
+    req: int
+    version: int
+
+
+@message("updated")
+class Updated:
+    """``skipped``: a newer version exists, but a replica of this datacenter is still seeding it
+    across datacenters (smart skipping): ask again later. ``seed``: seed that version into a CPU
+    copy in the background (offload seeding; the replica named
+    :func:`tensorhub.core.naming.seed_replica` of this one)."""
+
+    req: int
+    moved: bool
+    version: int | None
+    skipped: int | None = None
+    seed: int | None = None
+
+
+@message("get_status")
+class GetStatus:
+    """Ask the server for its state (no session needed): :class:`ServerStatus`."""
+
+    req: int
+
+
+@struct
+class Seeding:
+    """A version being seeded into a datacenter: the replicas there that pull it across."""
+
+    model: str
+    version: int
+    datacenter: str
+    replicas: tuple[str, ...]
+
+
+@message("server_status")
+class ServerStatus:
+    """Counts of what the table holds, event counters, bytes moved per link class (``host``,
+    ``datacenter``, ``remote``: bytes of ended grants), and the seeding in progress."""
+
+    req: int
+    term: int
+    counts: dict[str, int]
+    stats: dict[str, int]
+    bytes_by_link: dict[str, int]
+    seeding: tuple[Seeding, ...]
+
+
+@message("get_dag")
+class GetDag:
+    """Ask for the replication DAG of one version (no session needed): :class:`Dag`."""
+
+    req: int
+    model: str
+    version: int
+
+    def __post_init__(self) -> None:
+        validate_model(self.model)
+        validate_version(self.version)
+
+
+@struct
+class DagEdge:
+    """One ended grant: who served whom, the bytes moved under it, when (server clock), how it ended."""
+
+    reader: str
+    reader_shard: int
+    reader_dc: str
+    reader_host: str
+    source: str
+    source_shard: int
+    source_kind: str
+    source_complete: bool
+    source_dc: str
+    source_host: str
+    bytes: int
+    start: float
+    end: float
+    outcome: str
+
+
+@message("dag")
+class Dag:
+    req: int
+    model: str
+    version: int
+    edges: tuple[DagEdge, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The form :mod:`tensorhub.scheduling.dag` takes."""
+        return {"model": self.model, "version": self.version, "edges": [dataclasses.asdict(e) for e in self.edges]}
+
+
+@message("listing")
+class Listing:
+    req: int
+    epoch: int
+    final: bool
+    versions: tuple[VersionEntry, ...]
+
+    def as_dict(self) -> dict[int, dict[str, ReplicaEntry]]:
+        return {v.version: {r.replica: r for r in v.replicas} for v in self.versions}
+
+
+@message("heartbeat_ack")
+class HeartbeatAck:
+    req: int
+    unknown: tuple[int, ...]
+
+
+# --- operations: transfer spans, cluster state, traces ------------------------------------------
+
+#: How a reader's transfer under one grant ended, as it reports it.
+SPAN_OUTCOMES = ("completed", "failed", "checksum_failed", "revoked", "aborted")
+
+
+@message("transfer_span")
+class TransferSpan:
+    """A reader's report of one transfer (its pull under one grant), sent when the grant ends
+    on its side. Times are the reader's wall clock (seconds since the epoch). The server answers
+    only an error (send with ``req`` 0)."""
+
+    req: int
+    session: int
+    grant: int
+    version: int
+    source_replica: str
+    source_shard: int
+    transport: str = field(metadata={"max_len": 64})
+    bytes: int
+    reads: int
+    start: float
+    end: float
+    outcome: str = field(metadata={"max_len": 32})
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        validate_replica(self.source_replica)
+        for what in ("grant", "source_shard", "bytes", "reads"):
+            _nonneg(what, getattr(self, what))
+        if self.bytes > U64:
+            raise ValueError("bytes must fit in 64 bits")
+        if not 0 <= self.start <= self.end <= 1e11:
+            raise ValueError(f"a span needs 0 <= start <= end (seconds since the epoch), got {self.start}..{self.end}")
+        if self.outcome not in SPAN_OUTCOMES:
+            raise ValueError(f"outcome must be one of {SPAN_OUTCOMES}, got {self.outcome!r}")
+
+
+@struct
+class SpanEntry:
+    """A transfer span as the server keeps it: the reader named by the server (its session),
+    the rest as the reader reported."""
+
+    reader: str
+    reader_shard: int
+    reader_dc: str
+    reader_host: str
+    grant: int
+    source: str
+    source_shard: int
+    transport: str
+    bytes: int
+    reads: int
+    start: float
+    end: float
+    outcome: str
+
+
+@message("get_trace")
+class GetTrace:
+    """Ask for what the server knows of one version's replication: :class:`Trace`."""
+
+    req: int
+    model: str
+    version: int
+
+    def __post_init__(self) -> None:
+        validate_model(self.model)
+        validate_version(self.version)
+
+
+@message("trace")
+class Trace:
+    """The reported transfer spans of a version and the server's record of its grants (edges:
+    server clock; ``clock_offset`` turns that clock into seconds since the epoch)."""
+
+    req: int
+    model: str
+    version: int
+    spans: tuple[SpanEntry, ...]
+    edges: tuple[DagEdge, ...]
+    clock_offset: float
+
+
+@message("get_cluster")
+class GetCluster:
+    """Ask for the cluster's state (no session needed): :class:`ClusterState`."""
+
+    req: int
+
+
+@struct
+class ShardState:
+    """One open shard (session) of a replica: where it is and what its buffers hold."""
+
+    shard_idx: int
+    session: int
+    datacenter: str
+    host: str
+    version: int | None  # the version its registered buffers hold or are pulling (None: none)
+    state: str  # "partial", "complete", "unpublishing", or "" (nothing held)
+    verified: int  # bytes verified of that version
+    total_bytes: int  # the shard's size (0: not registered)
+    offloads: tuple[int, ...]  # versions held as offload (CPU) copies
+    idle_s: float  # seconds since the server last heard from it
+
+
+@struct
+class ReplicaState:
+    replica: str
+    num_shards: int
+    spot: bool
+    shards: tuple[ShardState, ...]
+
+
+@struct
+class VersionState:
+    version: int
+    available: bool
+    retained: bool
+    holders: int  # complete or offload holders, all shards
+    partial: int  # readers pulling it
+    offloaded: int  # offload copies among the holders
+    replicas: tuple[str, ...]  # replicas holding it completely (all shards)
+
+
+@struct
+class ModelState:
+    model: str
+    num_shards: int
+    highest_published: int | None
+    retain_back: int | None
+    versions: tuple[VersionState, ...]
+    replicas: tuple[ReplicaState, ...]
+
+
+@struct
+class GrantState:
+    """An active grant: ``reader`` pulls shard ``shard_idx`` of ``version`` from ``source``."""
+
+    grant: int
+    model: str
+    version: int
+    shard_idx: int
+    reader: str
+    source: str
+    source_kind: str
+    source_complete: bool
+    verified: int
+    total_bytes: int
+    age_s: float
+    bytes_per_s: float  # verified under this grant, per second since it began
+
+
+@message("cluster_state")
+class ClusterState:
+    """What the server knows now: models, their versions and replicas, the active grants, and
+    the transfer rate of recent reported spans (bytes per second over ``window_s``)."""
+
+    req: int
+    term: int
+    time: float  # the server's wall clock
+    models: tuple[ModelState, ...]
+    grants: tuple[GrantState, ...]
+    window_s: float
+    recent_bytes_per_s: float

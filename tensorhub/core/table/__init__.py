@@ -1,0 +1,261 @@
+"""The reference table: everything the reference server decides, with no IO.
+
+Theory of operation
+-------------------
+The table is the server's whole logic as a plain object. :meth:`ReferenceTable.handle` takes
+one decoded client message and the opaque ``peer`` it came from, and returns the messages to
+send as ``(peer, message)`` pairs; :meth:`ReferenceTable.tick` does the same for the passage of
+time (heartbeat expiry, drain and call deadlines, the failover grace period). The clock and the
+random source are injected, so the real server, the simulator and the property tests drive the
+*same* code, and one seed gives one sequence of replies.
+
+What it owns:
+
+- **sessions**: one per open shard handle (model, replica, num_shards, shard_idx, location,
+  spot, retention declaration, incarnation nonce). A new incarnation of a shard removes the old
+  replica; an old incarnation's messages get ``Fenced``. A replica is removed *whole*: a shard
+  that expires, is fenced, or crashes takes every holding of its replica with it.
+- **layouts** per (model, shard_idx): the first registration fixes it while anyone uses it;
+  any other gets ``LayoutMismatch``.
+- **holders**: (model, version, shard, replica) in the lifecycle of :mod:`tensorhub.core.lifecycle`;
+  every state change is a transition of that table.
+- **grants**: reader holder <- source holder, counted on the source; every grant ends exactly
+  once (completed, failed, revoked or cancelled).
+- **transactions** per (replica, call number) for the model-parallel calls (publish, unpublish,
+  replicate, update, wait, consistent list): the first shard decides, the others get the
+  recorded answer; ``replicate``/``update`` answer only when every shard is done or all fail
+  alike.
+- **retention** declarations per (model, replica), counted from the highest version published,
+  lasting until the replica's shards have all closed cleanly.
+
+Invariants (checked by :func:`tensorhub.core.invariants.check_invariants`):
+
+- no grant is made from an unpublishing, excluded, quarantined, removed or downstream holder,
+  so the upstream graph never has a cycle;
+- a holder's grant count is exactly its active grants, and nothing frees a holder that has one
+  (unpublishing holders are removed only when drained, or after revoking what is left at
+  ``drain_timeout``);
+- a partial holder exists only while a reader is pulling it (with an active grant, or waiting
+  for one), and is failed with ``VersionUnavailable`` once no complete or offload holder of its
+  (version, shard) is left;
+- when every client has closed, nothing is left: no sessions, holders, grants, transactions.
+
+What it must never do: block, look at the wall clock, iterate a hash-ordered collection of
+strings (that would make replies depend on ``PYTHONHASHSEED``), or change anything when it
+answers with an error.
+
+Where things are
+----------------
+:class:`ReferenceTable` (in this module) is the one object. All its state is set up in its
+``__init__``, next to the entry points (:meth:`~ReferenceTable.handle`,
+:meth:`~ReferenceTable.tick`) and the outbox. Each concern is a mixin class in a module of its
+own; the mixins share the records of :mod:`.records` and import nothing else of the package
+(neither this module nor each other), and the table combines them:
+
+- :mod:`.records`: the records, :class:`TableConfig`, the :class:`SourcePolicy` protocol, bounds;
+- :mod:`.holders`: holder lifecycle transitions and the counts kept in step with them, and the
+  abrupt ends of a holding (removal, abort, sources gone);
+- :mod:`.sessions`: open, register, close, heartbeats; identity, fencing, expiry, replica removal;
+- :mod:`.publishing`: publish, checksums, unpublish and drain, offload, retention;
+- :mod:`.grants`: source selection, grants and their ends, progress, completion, source failures,
+  checksum failures, verification and quarantine;
+- :mod:`.transactions`: the model-parallel calls, and the consistent list and wait built on them;
+- :mod:`.pulls`: replicate and update: version resolution, the replica's decision, the
+  cross-datacenter policy, moving each shard;
+- :mod:`.failover`: the grace period and re-announcements;
+- :mod:`.settling`: the consequences applied after every event, and garbage collection;
+- :mod:`.views`: the listing, status, and the replication history.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import OrderedDict
+from typing import Any, Callable, Hashable
+
+from .. import messages as m
+from ..errors import ProtocolError, ReplicaRemoved, TensorHubError
+from ..topology import LINK_CLASSES
+from .failover import FailoverMixin
+from .grants import GrantMixin
+from .holders import HolderMixin
+from .publishing import PublishMixin
+from .pulls import PullMixin
+
+# re-exported: the server and the invariants import these from here
+from .records import HISTORY_EDGES as HISTORY_EDGES
+from .records import HISTORY_VERSIONS as HISTORY_VERSIONS
+from .records import SERVING as SERVING
+from .records import Outbox, SourcePolicy, TableConfig, _Grant, _Holder, _Model, _Session, _ShardCall
+from .sessions import SessionMixin
+from .settling import SettleMixin
+from .transactions import TransactionMixin
+from .views import ViewMixin
+
+__all__ = ["ReferenceTable", "TableConfig", "Outbox"]
+
+
+class ReferenceTable(
+    SessionMixin,
+    HolderMixin,
+    PublishMixin,
+    GrantMixin,
+    TransactionMixin,
+    PullMixin,
+    FailoverMixin,
+    SettleMixin,
+    ViewMixin,
+):
+    """The reference server's state and decisions (sans-IO).
+
+    Args:
+        clock: returns the current time in seconds (monotonic); injected.
+        rng: the one random source (tie-breaks); injected and seeded by the caller.
+        config: timeouts.
+        term: this server start's term; grants carry it, and a grant of another term is void.
+        sources: makes the index of one (version, shard)'s grantable holders, which also picks
+            the source for a reader: the scheduling policy, injected because the core sits below
+            the scheduling layer (the server, the simulator and the tests pass
+            :class:`tensorhub.scheduling.selection.SourceIndex`).
+    """
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        rng: random.Random,
+        config: TableConfig | None = None,
+        term: int = 1,
+        *,
+        sources: Callable[[], SourcePolicy],
+    ) -> None:
+        self.clock = clock
+        self.sources = sources
+        self.rng = rng
+        self.config = config or TableConfig()
+        self.term = term
+        self.models: dict[str, _Model] = {}
+        self.sessions: dict[int, _Session] = {}
+        self.by_slot: dict[tuple[str, str, int], _Session] = {}
+        self.fenced: OrderedDict[int, str] = OrderedDict()  # removed session id -> error code
+        self.expiry: OrderedDict[int, _Session] = OrderedDict()  # sessions by last_seen
+        self.grants: dict[int, _Grant] = {}
+        self._by_id: dict[int, _Holder] = {}  # every holder in the table, by id
+        self.revoked: OrderedDict[int, None] = OrderedDict()  # recently revoked grant ids
+        self.grace_until = clock() + self.config.heartbeat_timeout
+        #: (model, version) -> its ended grants, oldest first (see :meth:`replication_dag`)
+        self.history: OrderedDict[tuple[str, int], list[dict[str, Any]]] = OrderedDict()
+        self._ids = itertools.count(1)
+        self._timers: list[tuple[float, int, str, Any]] = []
+        self._seq = itertools.count()
+        self._out: Outbox = []
+        self._dirty_models: dict[str, _Model] = {}
+        self.stats = {
+            "grants": 0, "grants_ended": 0, "revoked": 0, "expired": 0, "quarantined": 0, "offloads": 0,
+            "updates_skipped": 0, "offload_seeds": 0,
+        }  # fmt: skip
+        #: bytes moved under ended grants, per link class (:data:`tensorhub.core.topology.LINK_CLASSES`)
+        self.bytes_by_link = dict.fromkeys(LINK_CLASSES, 0)
+        self._handlers: dict[type, Callable[[Hashable, Any], None]] = {
+            m.OpenShard: self._on_open,
+            m.Register: self._on_register,
+            m.Unregister: self._on_unregister,
+            m.Publish: self._on_publish,
+            m.DeclareChecksums: self._on_checksums,
+            m.Unpublish: self._on_unpublish,
+            m.PublishOffload: self._on_offloaded,
+            m.Replicate: self._on_pull,
+            m.Update: self._on_pull,
+            m.ListVersions: self._on_list,
+            m.Wait: self._on_wait,
+            m.Progress: self._on_progress,
+            m.Complete: self._on_complete,
+            m.SourceFailed: self._on_source_failed,
+            m.ChecksumFailed: self._on_checksum_failed,
+            m.VerifyResult: self._on_verify_result,
+            m.Heartbeat: self._on_heartbeat,
+            m.Announce: self._on_announce,
+            m.CloseShard: self._on_close,
+            m.GetStatus: self._on_status,
+            m.GetDag: self._on_dag,
+        }
+
+    # ---- entry points --------------------------------------------------------------------------
+
+    def handle(self, peer: Hashable, msg: Any) -> Outbox:
+        """Process one message from ``peer``; return the messages to send.
+
+        A message the table cannot accept gets a :class:`~tensorhub.core.messages.Failed` reply
+        with a typed error, and changes nothing.
+        """
+        handler = self._handlers.get(type(msg))
+        try:
+            if handler is None:
+                raise ProtocolError(f"{type(msg).__name__} is not a request a server accepts")
+            handler(peer, msg)
+        except TensorHubError as err:
+            self._out.append((peer, m.Failed.of(getattr(msg, "req", 0), err)))
+        self._settle()
+        return self._flush()
+
+    def tick(self) -> Outbox:
+        """Apply the passage of time up to ``clock()``; return the messages to send."""
+        now = self.clock()
+        while self.expiry:
+            sid, s = next(iter(self.expiry.items()))
+            if s.last_seen + self.config.heartbeat_timeout > now:
+                break
+            self.stats["expired"] += 1
+            self._remove_replica(s.replica, ReplicaRemoved, f"shard {s.shard_idx} missed heartbeats")
+        while self._timers and self._timers[0][0] <= now:
+            _, _, what, obj = heapq.heappop(self._timers)
+            if what == "drain":
+                self._drain_expired(obj, now)
+            elif what == "txn":
+                self._txn_expired(obj, now)
+            elif what == "announce":
+                obj.announce_until = None  # its shards had their time: decide without the rest
+                obj.model.availability_changed = True
+                self._mark_dirty(obj.model)
+        if self.grace_until is not None and now >= self.grace_until:
+            self.grace_until = None
+            for model in list(self.models.values()):  # what waited out the grace period may fail now
+                for v, ver in model.versions.items():
+                    for i in range(model.num_shards):
+                        if not ver.serving[i] and ver.holders[i]:
+                            model.dirty_shards[(v, i)] = None
+                model.availability_changed = True
+                self._mark_dirty(model)
+                self._regrant_waiting(model)
+        self._settle()
+        return self._flush()
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` next has something to do (None: only on new messages)."""
+        times = []
+        if self.expiry:
+            times.append(next(iter(self.expiry.values())).last_seen + self.config.heartbeat_timeout)
+        if self._timers:
+            times.append(self._timers[0][0])
+        if self.grace_until is not None:
+            times.append(self.grace_until)
+        return min(times) if times else None
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _flush(self) -> Outbox:
+        out, self._out = self._out, []
+        return out
+
+    def _send(self, session: _Session, msg: Any) -> None:
+        self._out.append((session.peer, msg))
+
+    def _reply_error(self, call: _ShardCall, err: TensorHubError) -> None:
+        self._send(call.session, m.Failed.of(call.req, err))
+
+    def _timer(self, when: float, what: str, obj: Any) -> None:
+        heapq.heappush(self._timers, (when, next(self._seq), what, obj))
+
+    def _mark_dirty(self, model: _Model) -> None:
+        self._dirty_models[model.name] = model

@@ -1,0 +1,202 @@
+"""Pulls: ``replicate`` and ``update``: which version a replica moves to, then moving each shard.
+
+Theory of operation
+-------------------
+What it owns: resolving a version spec against the available versions (``None``: wait, it may
+still come; ``VersionUnavailable``: it existed and is gone, or can never exist); the decision the
+first shard makes for the replica (replicate waits for its version; update never waits, and may
+not move); the cross-datacenter policy of update (smart skipping, offload seeding, DESIGN §5.6);
+and advancing each shard: unpublish what it holds, start a partial holder and have it granted a
+source, answer once every shard holds the version.
+
+Invariants: a call is decided once, and after a failover only when the replica's shards have
+all re-announced (or the grace period ended). ``Replicated`` and a moving ``Updated`` are sent
+only when every shard of the replica holds the version completely; an update that does not move
+answers at once with what is held, and with what it skipped or is to seed.
+
+What it must never do: have a call wait, outside the grace period, for a version that existed
+and is gone.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+from .. import messages as m
+from ..errors import NotRegistered, TensorHubError, VersionUnavailable
+from ..lifecycle import Event
+from ..naming import VersionSpec, parse_version_spec, seed_owner
+from .records import C, P, _all_done, _Model, _seed_name, _Session, _ShardCall, _Txn
+
+
+class PullMixin:
+    """Replicate and update. Mixed into :class:`~tensorhub.core.table.ReferenceTable`, whose
+    ``__init__`` sets up the state it uses."""
+
+    def _resolve(self, model: _Model, spec: VersionSpec, ctx: dict) -> int | None:
+        """The absolute version ``spec`` names now, or None to wait for it.
+
+        Raises:
+            VersionUnavailable: it existed and is gone, or it can never exist.
+        """
+        available = model.available
+        if spec.relative:
+            if not available:
+                return None
+            v = spec.resolve(available[-1])
+            if v < 0:
+                raise VersionUnavailable(f"{spec} is before version 0 (latest is {available[-1]})", **ctx)
+        else:
+            v = spec.version
+        assert v is not None
+        ver = model.versions.get(v)
+        if ver is not None and ver.available:
+            return v
+        if ver is not None and ver.ever_available and not self.in_grace:
+            raise VersionUnavailable(f"version {v} is gone: no live holder has every shard", **{**ctx, "version": v})
+        return None
+
+    def _on_pull(self, peer: Hashable, msg: m.Replicate | m.Update) -> None:
+        """``replicate`` and ``update``: one transaction per call number, then each shard pulls."""
+        s = self._session(peer, msg.session)
+        spec = parse_version_spec(msg.spec)
+        kind = "replicate" if type(msg) is m.Replicate else "update"
+        txn, call = self._join(s, msg.req, msg.call, kind, spec.wire())
+        if kind == "update" and not txn.decided:
+            txn.offload_seed = msg.offload_seed
+        self._set_deadline(txn, msg.timeout)
+        self._advance(txn, call)
+
+    def _decide(self, txn: _Txn, s: _Session) -> None:
+        """First shard to reach an undecided replicate/update decides for the replica."""
+        model = s.model
+        spec = parse_version_spec(txn.args)
+        ctx = s.ctx()
+        if txn.kind == "replicate":
+            v = self._resolve(model, spec, ctx)
+            if v is None:
+                txn.waiting = True
+                model.parked[txn] = None
+                return
+            txn.version, txn.moved = v, True
+        else:  # update never waits: no available version, or the one held, means "did not move"
+            try:
+                v = self._resolve(model, spec, ctx)
+            except VersionUnavailable:
+                v = None
+            held = s.holder.version if s.holder is not None and s.holder.state is C else None
+            if v is None:
+                moves = False
+            elif spec.relative and spec.back == 0:  # "latest": only a newer version
+                moves = held is None or v > held
+            else:
+                moves = v != held
+            if moves and v is not None:
+                moves = self._seeding_allows(txn, s, v)
+            txn.version, txn.moved = (v if moves else held), moves
+        txn.waiting = False
+        txn.decided = True
+
+    def _seeding_allows(self, txn: _Txn, s: _Session, v: int) -> bool:
+        """Cross-datacenter policy for an ``update`` that would move to ``v`` (DESIGN §5.6).
+
+        Where every shard of ``v`` has a whole holder in the reader's datacenter, or the table
+        does not skip (no pipelining, or skipping off), it moves. Where a replica of the
+        datacenter is seeding ``v`` (some shard has only partial holders there, or a replica
+        was told to offload-seed it and its pull has not shown up yet), it does not (smart
+        skipping: ``txn.skipped``). Where nobody there has any shard of ``v``, this replica is
+        the seeder: it moves (pulls across), or with offload seeding it is told to seed into a
+        CPU copy in the background (``txn.seed``) and does not move. When the replica's own seed
+        holds ``v``, its shards are pulled from it.
+        """
+        model = s.model
+        dc = s.location.datacenter
+        ver = model.versions[v]
+        seed = _seed_name(txn.replica.name)
+        if seed is not None and seed in ver.full:
+            txn.source_replica = seed  # the replica's own CPU copy, next to it
+        if not (self.config.pipeline and self.config.smart_skipping):
+            return True
+        absent = False
+        for index in ver.index:
+            whole, partial = index.in_datacenter(dc)
+            if whole:
+                continue
+            if partial:
+                return self._skip(txn, v)
+            absent = True
+        if not absent:
+            model.seeds.pop((v, dc), None)
+            return True
+        reserved = model.seeds.get((v, dc))
+        if reserved is not None:
+            owner, until = reserved
+            if until > self.clock() and owner in model.replicas:
+                return self._skip(txn, v)
+            del model.seeds[(v, dc)]
+        if not txn.offload_seed or seed is None or seed_owner(txn.replica.name) is not None:
+            return True  # this replica seeds the datacenter itself, pulling across
+        model.seeds[(v, dc)] = (txn.replica.name, self.clock() + self.config.heartbeat_timeout)
+        for key in [k for k in model.seeds if k[0] < v and k[1] == dc]:
+            del model.seeds[key]  # older versions' seeds are of no more interest
+        txn.seed = v
+        self.stats["offload_seeds"] += 1
+        return False
+
+    def _skip(self, txn: _Txn, v: int) -> bool:
+        txn.skipped = v
+        self.stats["updates_skipped"] += 1
+        return False
+
+    def _advance(self, txn: _Txn, call: _ShardCall) -> None:
+        """Move one shard's replicate/update call forward as far as it can go now."""
+        if call.done or txn.replica.txns.get(txn.n) is not txn or call.session.id not in self.sessions:
+            return  # answered, or dropped with its replica, while this step waited
+        if txn.error is not None:
+            self._error_shard(txn, call)
+            return
+        s = call.session
+        if not txn.decided and self._awaiting_announcements(txn.replica):
+            txn.waiting = True
+            s.model.parked[txn] = None
+            return
+        if not txn.decided:
+            try:
+                self._decide(txn, s)
+            except TensorHubError as err:
+                self._fail_txn(txn, err)
+                return
+            if not txn.decided:
+                return  # parked: re-run when versions change
+        if txn.kind == "update" and not txn.moved:
+            self._finish_call(txn, call, m.Updated(call.req, False, txn.version, txn.skipped, txn.seed))
+            return
+        v = txn.version
+        assert v is not None
+        if s.layout is None:
+            self._fail_txn(txn, NotRegistered("replicate needs registered tensors: register first", **s.ctx(v)))
+            return
+        h = s.holder
+        if h is not None and h.version == v and h.state is C:
+            self._maybe_answer(txn)
+            return
+        if h is not None and h.version == v and h.state is P:
+            h.call = (txn, s.shard_idx)
+            if h.upstream is None:
+                self._regrant(h)
+            return
+        if h is not None:
+            self._unpublish(h, lambda: self._advance(txn, call))
+            return
+        h = s.holder = self._new_holder(s, v, m.KIND_NORMAL, Event.GRANT)
+        h.call = (txn, s.shard_idx)
+        ver = s.model.versions[v]
+        h.checksums = ver.checksums.get(s.shard_idx)
+        self._regrant(h)
+
+    def _maybe_answer(self, txn: _Txn) -> None:
+        if txn.error is not None or not _all_done(txn):
+            return
+        for call in list(txn.shards.values()):
+            reply = m.Replicated(call.req, txn.version) if txn.kind == "replicate" else m.Updated(call.req, True, txn.version)
+            self._finish_call(txn, call, reply)

@@ -1,0 +1,192 @@
+"""End-to-end checksums of a shard's checksum units (DESIGN §4, §5.2).
+
+Theory of operation
+-------------------
+A layout names its checksum algorithm; the only one today is ``xxh3-64`` (XXH3, 64-bit, seed
+0), about 20 GB/s on one core, which is what lets a reader verify every byte it receives while
+the next bytes are still on the wire. One 64-bit value per checksum unit (a whole tiny tensor,
+or one ``chunk_bytes`` piece of a large one: :class:`~tensorhub.core.layout.Unit`), in the layout's
+order.
+
+The value depends only on the bytes: CPU memory is hashed in place (no copy; the hash releases
+the GIL, so a worker thread hashes while the event loop and the transports' threads go on).
+CUDA memory is staged through a pinned buffer in pieces and hashed by the same code, so a unit
+has the same checksum on CPU and GPU by construction.
+
+Bad input gets a typed error: an unknown algorithm is :class:`~tensorhub.errors.InvalidArgument`,
+a wrong number of expected values too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterable, Sequence
+
+import torch
+import xxhash
+
+from tensorhub.core.errors import InvalidArgument
+from tensorhub.core.layout import Unit
+from tensorhub.transports.buffers import ShardBuffers, memory_of
+
+__all__ = ["ALGORITHMS", "LandingHasher", "compute", "digest", "first_mismatch"]
+
+ALGORITHMS = ("xxh3-64",)
+_STAGE = 8 << 20  # CUDA units are hashed through pinned staging in pieces of this size
+
+
+class _Staging(threading.local):
+    tensor: torch.Tensor | None = None
+
+    def get(self, n: int) -> memoryview:
+        if self.tensor is None or self.tensor.numel() < n:
+            self.tensor = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return memory_of(self.tensor)[:n]
+
+
+_staging = _Staging()
+
+
+def digest(data: memoryview | bytes) -> int:
+    """The ``xxh3-64`` checksum of ``data``."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _check_algorithm(buffers: ShardBuffers) -> None:
+    if buffers.layout.checksum not in ALGORITHMS:
+        raise InvalidArgument(f"checksum algorithm {buffers.layout.checksum!r} is not supported (known: {', '.join(ALGORITHMS)})")
+
+
+def _unit_checksum(buffers: ShardBuffers, u: Unit) -> int:
+    if u.length == 0:
+        return digest(b"")
+    if not buffers.on_cuda:
+        (view,) = buffers.views(u.offset, u.length)
+        return digest(view)
+    h = xxhash.xxh3_64()
+    pos = 0
+    while pos < u.length:
+        n = min(_STAGE, u.length - pos)
+        staged = _staging.get(n)
+        buffers.copy_out(u.offset + pos, staged)
+        h.update(staged)
+        pos += n
+    return h.intdigest()
+
+
+def compute(buffers: ShardBuffers, units: Iterable[int] | None = None) -> list[int]:
+    """The checksums of ``units`` (indices into the plan's units; all of them by default), in
+    that order. Blocking: run it in a worker thread."""
+    _check_algorithm(buffers)
+    all_units = buffers.plan.units
+    picked = all_units if units is None else [all_units[i] for i in units]
+    return [_unit_checksum(buffers, u) for u in picked]
+
+
+def first_mismatch(buffers: ShardBuffers, units: Iterable[int], expected: Sequence[int]) -> int | None:
+    """The index of the first of ``units`` whose bytes do not match ``expected`` (the layout's
+    declared checksums, all of them), or None if all match. Blocking: run it in a worker thread.
+
+    Raises:
+        InvalidArgument: ``expected`` does not have one value per checksum unit.
+    """
+    _check_algorithm(buffers)
+    all_units = buffers.plan.units
+    if len(expected) != len(all_units):
+        raise InvalidArgument(f"{len(expected)} checksums for a layout of {len(all_units)} checksum units")
+    for i in units:
+        if _unit_checksum(buffers, all_units[i]) != expected[i]:
+            return i
+    return None
+
+
+class LandingHasher:
+    """The checksums of one read's units, computed as the read's bytes land (fused with the copy).
+
+    A transport that reports landing (``Transport.reports_landing``) calls :meth:`landed` from
+    the thread that has just copied a piece of the range into the reader's CPU memory, so the
+    piece is hashed while it is still in that core's cache instead of being read back from
+    memory by a separate pass. Pieces of one unit may land out of order and from several
+    threads (a read split over threads is cut where the transport likes): each unit is hashed
+    as a stream, in order, by whichever thread lands the piece that continues it; a piece that
+    lands ahead of its unit's hashed prefix waits in a list until the prefix reaches it.
+
+    Invariants: a unit's digest exists only once every byte of it was hashed exactly once, in
+    order; :attr:`complete` is True only when every unit has one. The hasher never judges the
+    bytes: the engine compares :attr:`digests` with the declared checksums (which may arrive
+    later) and reads again whatever does not match. A read that fails or is revoked just drops
+    its hasher.
+    """
+
+    __slots__ = ("_buffers", "_busy", "_count", "_ends", "_lock", "_next", "_pending", "_states", "_starts", "_units", "digests")
+
+    def __init__(self, buffers: ShardBuffers, units: Sequence[Unit]) -> None:
+        if buffers.on_cuda:
+            raise InvalidArgument("landing hashes need CPU buffers; CUDA units are verified after the read")
+        _check_algorithm(buffers)
+        self._buffers = buffers
+        self._lock = threading.Lock()
+        self._count = len({u.index for u in units})
+        self.digests: dict[int, int] = {}
+        real = sorted((u for u in units if u.length), key=lambda u: u.offset)
+        for u in units:
+            if not u.length:
+                self.digests[u.index] = digest(b"")
+        self._units = real
+        self._starts = [u.offset for u in real]
+        self._ends = [u.offset + u.length for u in real]
+        self._next = list(self._starts)  # each unit is hashed up to here (transfer offset)
+        self._pending: list[list[tuple[int, int]]] = [[] for _ in real]  # landed, not yet hashed
+        self._busy = [False] * len(real)  # a thread is hashing this unit now
+        self._states: list[xxhash.xxh3_64 | None] = [None] * len(real)
+
+    @property
+    def complete(self) -> bool:
+        """Every unit of the read has its digest."""
+        with self._lock:
+            return len(self.digests) == self._count
+
+    def landed(self, offset: int, length: int) -> None:
+        """Bytes ``[offset, offset + length)`` of the transfer space just landed: hash what now
+        continues a unit's hashed prefix. Called from transport threads."""
+        end = offset + length
+        k = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        mine: list[int] = []
+        with self._lock:
+            while k < len(self._units) and self._starts[k] < end:
+                s, e = max(offset, self._starts[k]), min(end, self._ends[k])
+                if s < e:
+                    self._pending[k].append((s, e))
+                    if not self._busy[k]:
+                        self._busy[k] = True
+                        mine.append(k)
+                k += 1
+        for k in mine:
+            self._drain(k)
+
+    def _drain(self, k: int) -> None:
+        u = self._units[k]
+        while True:
+            with self._lock:
+                pending, at = self._pending[k], self._next[k]
+                take = next((r for r in pending if r[0] == at), None)
+                if take is None:
+                    self._busy[k] = False
+                    return
+                pending.remove(take)
+            s, e = take
+            (view,) = self._buffers.views(s, e - s)
+            if s == u.offset and e == self._ends[k]:
+                value: int | None = digest(view)  # the whole unit in one piece: no stream state
+            else:
+                state = self._states[k]
+                if state is None:
+                    state = self._states[k] = xxhash.xxh3_64()
+                state.update(view)
+                value = state.intdigest() if e == self._ends[k] else None
+            with self._lock:
+                self._next[k] = e
+                if value is not None:
+                    self.digests[u.index] = value
+                    self._states[k] = None

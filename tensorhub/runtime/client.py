@@ -1,0 +1,607 @@
+"""The client actor: one ZeroMQ DEALER per process and server list, requests, routing,
+heartbeats, and failover to the next server.
+
+Theory of operation
+-------------------
+:class:`ClientActor` owns the connection to the reference server for every shard handle of the
+process that names the same ordered list of server addresses (``server="tcp://a:5557,tcp://b:5557"``).
+It talks to one of them at a time. A handle's request goes out with a fresh ``req`` number and
+waits on a future; the server's reply with that ``req`` resolves it (``Failed`` raises its typed
+error). Messages the server sends unasked (grants, revokes, offload requests, removals) carry a
+session id and go to the :class:`~tensorhub.runtime.engine.EngineActor`.
+
+Session ids. Each server numbers its sessions its own way, so the handles and the engine know a
+shard by a *local* id, unique in the process, that this actor gives it when its first
+``OpenShard`` is answered (the first server's id, unless the process already uses that one);
+the actor maps it to the current server's id on every message out (and back on every message
+in). After a failover the mapping changes; the handles, the engine's
+slots and the user's tensors do not.
+
+Heartbeats go out every ``heartbeat_interval`` (the server's figure, from ``Opened``) for all
+open sessions in one message. When nothing at all has come from the server for
+``heartbeat_timeout``, the server is taken as gone (``lost``):
+
+1. every request waiting for an answer fails with :class:`~tensorhub.errors.ServerUnavailable`
+   (none is re-sent: a handle gives the call number back, so that a call made again after the
+   move gets the answer its sibling shards were given), and the engine aborts its pulls (their
+   calls just failed); the registered tensors and complete holdings are untouched and stay
+   servable to peers that were already granted them;
+2. the actor looks for a server: the next addresses of the list in order, wrapping around, so
+   that the lost one is tried last; each probe is bounded by ``attempt_timeout``; after a full
+   round with no answer it backs off (doubling, at most ``_MAX_BACKOFF`` s), and gives up after
+   ``failover_timeout``;
+3. on the server found it re-opens every session (same incarnation, location, spot and retention
+   declaration), re-registers its layout and announces what it holds (``Announce``: complete and
+   offload copies with their checksums, and its last model-parallel answers), through the owning
+   handle's ``restore``; if that server fails meanwhile, it goes on with the next;
+4. then requests flow again. Meanwhile new requests fail at once with ``ServerUnavailable``
+   (the handle turns ``update()`` into "no newer version": False).
+
+If it gives up, the sessions are removed (the engine stops serving them) and every later
+request fails with ``ServerUnavailable``; a new handle gets a new client.
+
+A partial pull is never re-announced: its call failed at the loss and the pull was aborted
+(the handle is empty), so the ``partial`` of ``Announce`` stays None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from tensorhub.core import messages as m
+from tensorhub.core.errors import (
+    ContractViolation,
+    ServerUnavailable,
+    TensorHubError,
+    Timeout,
+    error_from_wire,
+)
+from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
+
+from .actor import Actor
+from .engine import AbortPull
+from .security import ClientKeys, apply_client, client_keys
+
+if TYPE_CHECKING:
+    from .engine import EngineActor
+
+__all__ = ["Call", "ClientActor", "Send", "SessionOwner"]
+
+_REPLIES = (m.Ack, m.Failed, m.Opened, m.Replicated, m.Updated, m.Listing, m.HeartbeatAck)
+_TO_ENGINE = (
+    m.Grant, m.Revoke, m.ChecksumsReady, m.OffloadRequest, m.FreeOffload, m.VerifyRequest, m.Quarantined, m.Removed,
+)  # fmt: skip
+
+#: Local session ids in use in this process (the engine's slots are keyed by them). A session's
+#: local id is the id its first server gave it, unless another session of the process has it.
+_LOCAL_IN_USE: dict[int, None] = {}
+_SPARE_IDS = itertools.count(1 << 48)
+
+
+def _take_local_id(remote: int) -> int:
+    local = remote if remote not in _LOCAL_IN_USE else next(_SPARE_IDS)
+    _LOCAL_IN_USE[local] = None
+    return local
+
+_FIRST_BACKOFF = 0.05
+_MAX_BACKOFF = 2.0
+
+#: ``send(build)`` as a handle's ``restore`` gets it: one request to the new server, bounded in time.
+Exchange = Callable[[Callable[[int], Any]], Awaitable[Any]]
+
+
+class SessionOwner(Protocol):
+    """What the client needs from a shard handle to re-open its session on another server."""
+
+    def open_message(self, req: int) -> m.OpenShard:
+        """The handle's ``OpenShard`` (same incarnation every time)."""
+
+    async def restore(self, send: Exchange) -> None:
+        """Re-register and announce what the shard holds, through ``send``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Send ``build(req)`` and answer with the server's reply. ``session`` (if any) lets a
+    removal of that session fail the call at once. ``adopt``: the call is an ``OpenShard`` of
+    this owner; its answer is ``(local session id, Opened)``."""
+
+    build: Callable[[int], Any]
+    session: int | None = None
+    adopt: SessionOwner | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send a message whose answer only matters if it is an error (then it is logged).
+    ``unanswered``: the server sends no reply on success (progress reports)."""
+
+    build: Callable[[int], Any]
+    unanswered: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Incoming:
+    sock: Any
+    frames: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class _Beat:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Raw:
+    """A request of the failover task: sent even while ``lost`` (to the server being moved to)."""
+
+    build: Callable[[int], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Switch:
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Reopened:
+    local: int
+    opened: m.Opened
+
+
+@dataclass(frozen=True, slots=True)
+class _Dead:
+    local: int
+    error: TensorHubError
+
+
+@dataclass(frozen=True, slots=True)
+class _Moved:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _GaveUp:
+    error: ServerUnavailable
+
+
+class _Shard:
+    __slots__ = ("owner", "remote")
+
+    def __init__(self, owner: SessionOwner | None, remote: int | None) -> None:
+        self.owner = owner
+        self.remote = remote  # the current server's id for it (None: not open there)
+
+
+class ClientActor(Actor):
+    """Args:
+    addresses: the servers, in order of preference (one address: a list of one).
+    ctx: the process's ZeroMQ context.
+    engine: the process's engine (told of grants, removals, aborts).
+    failover_timeout: how long to look for a server (at the start, or after a loss) before
+        giving up.
+    attempt_timeout: the bound of one probe, and of each request re-opening a session.
+    keys: CURVE keys for every server of the list (default: from ``$TENSORHUB_CURVE_SERVER_KEY``
+        and ``$TENSORHUB_CURVE_SECRET``, see :func:`tensorhub.runtime.security.client_keys`; None when
+        those are not set: plain connections).
+
+    Raises:
+        InvalidArgument: the CURVE environment is half set or names unreadable keys.
+    """
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        ctx: zmq.asyncio.Context,
+        engine: EngineActor,
+        failover_timeout: float = 120.0,
+        attempt_timeout: float = 2.0,
+        keys: ClientKeys | None | str = "env",
+    ) -> None:
+        self.keys: ClientKeys | None = client_keys() if keys == "env" else keys  # type: ignore[assignment]
+        self.addresses = (addresses,) if isinstance(addresses, str) else tuple(addresses)
+        super().__init__(f"client:{','.join(self.addresses)}")
+        self.index = 0
+        self.address = self.addresses[0]
+        self.ctx = ctx
+        self.engine = engine
+        self.failover_timeout = failover_timeout
+        self.attempt_timeout = attempt_timeout
+        self.sock: zmq.asyncio.Socket | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._req = itertools.count(1)
+        self.pending: dict[int, tuple[asyncio.Future, int | None, SessionOwner | None]] = {}
+        self.sessions: dict[int, _Shard] = {}  # local id -> shard
+        self._remote: dict[int, int] = {}  # the current server's session id -> local id
+        self._dead: dict[int, TensorHubError] = {}  # local sessions that could not be restored
+        self.heartbeat_interval = 1.0
+        self.heartbeat_timeout = 10.0
+        self.last_heard = time.monotonic()
+        #: Set while no server is connected (before the first, during a failover, after giving up).
+        self.lost: ServerUnavailable | None = ServerUnavailable(f"not connected yet to {self._names()}")
+        #: Set once the actor gave up looking for a server: nothing will work any more.
+        self.gave_up: ServerUnavailable | None = None
+        self.failovers = 0  # moves to another server after a loss
+        self._ever_connected = False
+        self._connected = asyncio.Event()
+        self._next_beat = 0.0  # when the next heartbeat is due (monotonic)
+
+    def failing_over(self, local: int | None) -> bool:
+        """No server is connected now, but one is being looked for, and session ``local`` will
+        be restored there (it is not dead)."""
+        return self.lost is not None and self.gave_up is None and not self.stopped and local not in self._dead
+
+    def _names(self) -> str:
+        return ", ".join(self.addresses)
+
+    async def on_start(self) -> None:
+        self.spawn(self._find_and_move(0, first=True), "client-connect")
+        self.every(0.2, _Beat)
+
+    async def on_stop(self) -> None:
+        self._fail_all(ServerUnavailable(f"client for {self._names()} closed"))
+        for local in self.sessions:
+            _LOCAL_IN_USE.pop(local, None)
+        self._connected.set()
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+
+    async def ready(self, timeout: float) -> None:
+        """Wait until a server is connected.
+
+        Raises:
+            ServerUnavailable: none within ``timeout`` seconds, or the actor gave up.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.gave_up is not None:
+                raise self.gave_up
+            if self.stopped:
+                raise ServerUnavailable(f"client for {self._names()} closed")
+            if self.lost is None:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServerUnavailable(f"no answer from the server at {self._names()} in {timeout:g} s")
+            try:
+                await asyncio.wait_for(self._connected.wait(), left)
+            except TimeoutError:
+                pass
+
+    async def _reader(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            self.tell(_Incoming(sock, frames))
+
+    # ---- outgoing ----------------------------------------------------------------------------
+
+    def _outgoing(self, msg: Any) -> Any:
+        """``msg`` with the current server's session ids in place of the local ones."""
+        if isinstance(msg, m.Heartbeat):
+            remote = tuple(s.remote for s in self.sessions.values() if s.remote is not None)
+            return dataclasses.replace(msg, sessions=remote)
+        local = getattr(msg, "session", None)
+        if local is None:
+            return msg
+        dead = self._dead.get(local)
+        if dead is not None:
+            raise dead
+        shard = self.sessions.get(local)
+        if shard is None or shard.remote is None:
+            raise ServerUnavailable(f"session {local} is not open on the server at {self.address}")
+        return dataclasses.replace(msg, session=shard.remote)
+
+    def _send(self, msg: Any) -> None:
+        if self.sock is None:
+            raise ServerUnavailable(f"not connected to {self._names()}")
+        try:
+            self.sock.send(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again as err:
+            raise ServerUnavailable(f"cannot send to {self.address}: the queue to the server is full") from err
+
+    def _request(self, build: Callable[[int], Any], session: int | None, adopt: SessionOwner | None = None) -> asyncio.Future:
+        req = next(self._req)
+        msg = self._outgoing(build(req))
+        self._send(msg)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[req] = (fut, session, adopt)
+        return fut
+
+    def on_Call(self, call: Call) -> asyncio.Future:
+        if call.session is not None and call.session in self._dead:
+            raise self._dead[call.session]
+        if self.lost is not None:
+            raise self.lost
+        return self._request(call.build, call.session, call.adopt)
+
+    def on__Raw(self, raw: _Raw) -> asyncio.Future:
+        return self._request(raw.build, None)
+
+    def report(self, build: Callable[[int], Any], unanswered: bool = False) -> None:
+        """Send ``build(req)`` to the server from any coroutine of this loop; an error in the
+        answer is logged (an engine slot's ``report``)."""
+        self.tell(Send(build, unanswered))
+
+    def on_Send(self, send: Send) -> None:
+        if self.lost is not None:
+            return
+        try:
+            if send.unanswered:  # req 0: the server answers only an error, which is logged on arrival
+                self._send(self._outgoing(send.build(0)))
+                return
+            req = next(self._req)
+            msg = self._outgoing(send.build(req))
+        except TensorHubError as err:
+            self.log.debug("message not sent", error=str(err))
+            return
+        self._send(msg)
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_log_failure(self, msg))
+        self.pending[req] = (fut, None, None)
+
+    def drop_session(self, local: int) -> None:
+        """The handle closed. (If it could not tell the server, because none is connected,
+        the session is closed on the server being moved to, if it was re-opened there.)"""
+        shard = self.sessions.pop(local, None)
+        self._dead.pop(local, None)
+        _LOCAL_IN_USE.pop(local, None)
+        if shard is None or shard.remote is None:
+            return
+        self._remote.pop(shard.remote, None)
+        if self.lost is not None and self.sock is not None and self.gave_up is None:
+            remote = shard.remote
+            try:
+                self._send(m.CloseShard(0, remote))
+            except ServerUnavailable:
+                pass
+
+    def _adopt(self, owner: SessionOwner, opened: m.Opened) -> int:
+        local = _take_local_id(opened.session)
+        self.sessions[local] = _Shard(owner, opened.session)
+        self._remote[opened.session] = local
+        self._learn_timing(opened)
+        return local
+
+    def _learn_timing(self, opened: m.Opened) -> None:
+        first = sum(1 for s in self.sessions.values() if s.remote is not None) <= 1
+        interval = opened.heartbeat_interval
+        self.heartbeat_interval = interval if first else min(self.heartbeat_interval, interval)
+        self.heartbeat_timeout = opened.heartbeat_timeout
+        self._next_beat = 0.0
+
+    def on__Beat(self, _: _Beat) -> None:
+        now = time.monotonic()
+        if self.lost is None:
+            waiting = bool(self.pending) or bool(self.sessions)
+            if waiting and now - self.last_heard > self.heartbeat_timeout:
+                self._lose(ServerUnavailable(f"no word from the server at {self.address} for {self.heartbeat_timeout:g} s"))
+                return
+        elif self.sock is None or self.gave_up is not None:
+            return
+        # Also while sessions are being restored on a new server: those already re-opened
+        # there must not expire before the last one is done.
+        if self.sessions and now >= self._next_beat:
+            self._next_beat = now + self.heartbeat_interval
+            req = next(self._req)
+            msg = self._outgoing(m.Heartbeat(req, ()))
+            if not msg.sessions:
+                return
+            try:
+                self._send(msg)
+            except ServerUnavailable as err:
+                self.log.warning("heartbeat not sent", error=str(err))
+                return
+            fut = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(_log_failure(self, msg))
+            self.pending[req] = (fut, None, None)
+
+    def _lose(self, err: ServerUnavailable) -> None:
+        self.lost = err
+        self._connected.clear()
+        self.log.error("server lost; failing over", address=self.address, others=len(self.addresses) - 1)
+        for local in self.sessions:
+            self.engine.tell(AbortPull(local))  # before the calls fail: nothing partial survives the move
+        self._fail_all(err)
+        self.spawn(self._find_and_move(self.index + 1), "client-failover")
+
+    # ---- failover ----------------------------------------------------------------------------
+
+    async def _probe(self, address: str) -> bool:
+        from .embedded import probe
+
+        return await probe(self.ctx, address, self.attempt_timeout, self.keys)
+
+    async def _find_and_move(self, start: int, first: bool = False) -> None:
+        """Find a server from ``start`` on (wrapping around), move there and restore every
+        session; give up after ``failover_timeout``."""
+        n = len(self.addresses)
+        deadline = time.monotonic() + self.failover_timeout
+        backoff = _FIRST_BACKOFF
+        tried = 0
+        while time.monotonic() < deadline:
+            idx = (start + tried) % n
+            tried += 1
+            if await self._probe(self.addresses[idx]):
+                await self.ask(_Switch(idx))
+                try:
+                    await self._restore_all()
+                except (ServerUnavailable, Timeout) as err:
+                    self.log.warning("server failed while sessions were restored", address=self.addresses[idx], error=str(err))
+                    await self.ask(_Switch(-1))
+                else:
+                    await self.ask(_Moved())
+                    if not first:
+                        self.log.warning("moved to another server", address=self.addresses[idx], sessions=len(self.sessions))
+                    return
+            if tried % n == 0:  # a whole round without a server
+                await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                backoff = min(backoff * 2, _MAX_BACKOFF)
+        self.tell(_GaveUp(ServerUnavailable(f"no server of {self._names()} answered within {self.failover_timeout:g} s")))
+
+    async def _restore_all(self) -> None:
+        async def send(build: Callable[[int], Any]) -> Any:
+            try:
+                return await self.ask(_Raw(build), timeout=self.attempt_timeout)
+            except Timeout:
+                raise ServerUnavailable(f"no answer from the server at {self.address} in {self.attempt_timeout:g} s") from None
+
+        for local in list(self.sessions):
+            shard = self.sessions.get(local)
+            if shard is None or shard.owner is None or local in self._dead:
+                continue  # closed meanwhile
+            opened = await send(shard.owner.open_message)
+            if not await self.ask(_Reopened(local, opened)):
+                continue
+            try:
+                await shard.owner.restore(send)
+            except ServerUnavailable:
+                raise
+            except ContractViolation as err:
+                # The server still has this session (the same one came back within its timeout):
+                # it knows what it holds; nothing to announce.
+                self.log.info("server still knew the session; nothing re-announced", session=local, error=str(err))
+            except TensorHubError as err:
+                self.log.error("session could not be restored on the new server", session=local, error=str(err))
+                await self.ask(_Dead(local, err))
+
+    def on__Switch(self, msg: _Switch) -> None:
+        """Connect to ``addresses[index]`` (-1: just drop the current connection)."""
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            self._reader_task = None
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+        self._remote.clear()
+        for shard in self.sessions.values():
+            shard.remote = None
+        self._fail_all(ServerUnavailable(f"left the server at {self.address}"))  # nothing sent there will be answered
+        if msg.index < 0:
+            return
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        apply_client(sock, self.keys)
+        sock.connect(self.addresses[msg.index])
+        self.sock = sock
+        self.index = msg.index
+        self.address = self.addresses[msg.index]
+        self.last_heard = time.monotonic()
+        self._reader_task = self.spawn(self._reader(sock), "client-reader")
+
+    def on__Reopened(self, msg: _Reopened) -> bool:
+        shard = self.sessions.get(msg.local)
+        if shard is None:  # closed while it was re-opened: close it there too
+            try:
+                self._send(m.CloseShard(0, msg.opened.session))
+            except ServerUnavailable:
+                pass
+            return False
+        shard.remote = msg.opened.session
+        self._remote[msg.opened.session] = msg.local
+        self._learn_timing(msg.opened)
+        return True
+
+    def on__Dead(self, msg: _Dead) -> None:
+        if msg.local in self.sessions:
+            self._dead[msg.local] = msg.error
+            self.engine.tell(m.Removed(msg.local, type(msg.error).code, str(msg.error)))
+
+    def on__Moved(self, _: _Moved) -> None:
+        if self._ever_connected:
+            self.failovers += 1
+        self._ever_connected = True
+        self.lost = None
+        self.last_heard = time.monotonic()
+        self._next_beat = 0.0
+        self._connected.set()
+
+    def on__GaveUp(self, msg: _GaveUp) -> None:
+        self.log.error("no server answered; giving up", addresses=self._names(), error=str(msg.error))
+        self.gave_up = self.lost = msg.error
+        for local in self.sessions:
+            if local not in self._dead:
+                self._dead[local] = msg.error
+                self.engine.tell(m.Removed(local, ServerUnavailable.code, str(msg.error)))
+        self._fail_all(msg.error)
+        self._connected.set()
+
+    # ---- incoming ----------------------------------------------------------------------------
+
+    def on__Incoming(self, msg: _Incoming) -> None:
+        if msg.sock is not self.sock:
+            return  # from a server this actor has left
+        self.last_heard = time.monotonic()
+        if len(msg.frames) != 1:
+            self.log.warning("server sent a multi-part message; dropped", parts=len(msg.frames))
+            return
+        try:
+            reply = decode(msg.frames[0])
+        except TensorHubError as err:
+            self.log.warning("undecodable message from the server; dropped", error=str(err))
+            return
+        if isinstance(reply, _TO_ENGINE):
+            local = self._remote.get(reply.session)
+            if local is None:
+                self.log.debug("message for a session this client does not have; dropped", kind=type(reply).__name__)
+                return
+            reply = dataclasses.replace(reply, session=local)
+            if isinstance(reply, m.Removed):
+                self._fail_session(local, error_from_wire(reply.code, reply.reason))
+            self.engine.tell(reply)
+            return
+        if isinstance(reply, m.HeartbeatAck) and reply.unknown:
+            for remote in reply.unknown:
+                local = self._remote.get(remote)
+                if local is not None and local in self.sessions:
+                    self.engine.tell(m.Removed(local, "replica_removed", "the server no longer knows this session"))
+                    self._fail_session(local, error_from_wire("replica_removed", "the server no longer knows this session"))
+        if isinstance(reply, _REPLIES):
+            entry = self.pending.pop(reply.req, None)
+            if entry is None:
+                if isinstance(reply, m.Failed):
+                    self.log.warning("server reported an error", code=reply.code, error=reply.message)
+                return
+            fut, _, adopt = entry
+            if fut.done():
+                return
+            if isinstance(reply, m.Failed):
+                fut.set_exception(reply.error())
+            elif adopt is not None and isinstance(reply, m.Opened):
+                fut.set_result((self._adopt(adopt, reply), reply))
+            else:
+                fut.set_result(reply)
+
+    def _fail_session(self, local: int, err: TensorHubError) -> None:
+        for req, (fut, s, _) in list(self.pending.items()):
+            if s == local:
+                del self.pending[req]
+                if not fut.done():
+                    fut.set_exception(err)
+
+    def _fail_all(self, err: TensorHubError) -> None:
+        pending, self.pending = self.pending, {}
+        for fut, _, _ in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+
+def _log_failure(client: ClientActor, msg: Any) -> Callable[[asyncio.Future], None]:
+    def done(fut: asyncio.Future) -> None:
+        err = None if fut.cancelled() else fut.exception()
+        if err is not None and not isinstance(err, ServerUnavailable):  # a lost server is logged once
+            client.log.warning("server refused a message", kind=type(msg).__name__, error=str(fut.exception()))
+
+    return done

@@ -1,0 +1,787 @@
+"""The transfer engine: registered buffers, serving them, and pulling versions into them.
+
+Theory of operation
+-------------------
+:class:`EngineActor` is one per process and event loop. It owns:
+
+- the process's transports (started once; their endpoints go into every registration);
+- one :class:`_Slot` per registered shard handle (server session): the handle's
+  :class:`~tensorhub.transports.buffers.ShardBuffers`, a region id that names them to peers, the offload
+  copies the server asked this shard to keep, and the :class:`~tensorhub.core.session.ReplicationSession`
+  of a pull in progress.
+
+Serving: transports call :meth:`EngineActor.resolve` from their threads with (region, version);
+it returns the buffers that hold that version now (the live buffers if their progress counter
+says so, else an offload copy), or None. Whether a range may be served is the progress counter's
+business (:mod:`tensorhub.transports.buffers`), so partial holders serve as they fill.
+
+Publishing: once the server has taken a publish, :class:`StartPublish` runs the holder's
+background job in a worker thread: copy the tiny tensors into their packs (copied packs only:
+in-place ones are the tensors; see :class:`~tensorhub.transports.buffers.ShardBuffers`; then the whole
+shard is servable), hash every checksum unit, and declare the checksums to the server, which
+hands them to readers. ``publish`` never waits for it; ``unpublish`` does
+(:class:`WaitPublished`).
+
+Pulling: a ``Grant`` from the server starts (or continues) the slot's session; the engine
+carries out its actions: reads run as tasks on the transport (whose bulk work is in threads);
+each read that lands is verified against the version's checksums in a worker thread while the
+next reads are on the wire (or parked until the checksums arrive: a reader may be granted
+before the publisher has hashed). A transport that reports landing (``local``) lets the engine
+hash each piece in the thread that copied it, while it is still in that core's cache
+(:class:`~tensorhub.runtime.checksum.LandingHasher`); verifying such a read is then only comparing its
+digests with the declared checksums; verified bytes advance the progress counter; progress,
+complete, source-failed and checksum-failed go to the server through the client actor. Before
+complete is reported, copied packs are copied out into the caller's tiny tensors (in-place
+packs received into them directly; :attr:`EngineActor.packs_in_place`). A pull that is
+aborted (its call failed or was cancelled) is finished only when none of its reads can still
+write into the buffers.
+
+Self-check: when a reader reports a mismatch against this holder's copy, the server asks it to
+re-verify (``VerifyRequest``); the engine re-hashes the held copy and answers.
+
+What it must never do: serve a version the buffers do not hold (the progress counter's version
+and generation are set before a publish is sent and bumped when an unpublish returns), or run
+two pulls' reads into one set of buffers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from tensorhub.core import messages as m
+from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.core.layout import Read
+from tensorhub.core.session import (
+    Advance,
+    ReadRange,
+    ReplicationSession,
+    ReportChecksumFailed,
+    ReportComplete,
+    ReportProgress,
+    ReportSourceFailed,
+    Verify,
+)
+from tensorhub.core.topology import Location
+from tensorhub.scheduling.edges import choose_transport
+from tensorhub.transports.buffers import ShardBuffers
+
+from . import checksum
+from .actor import Actor
+
+if TYPE_CHECKING:
+    from tensorhub.transports.base import Transport
+
+__all__ = ["EngineActor", "PullStats"]
+
+#: ``report(build, unanswered)``: send ``build(req)`` to the server for a slot's shard; errors in
+#: the answer are logged (``unanswered``: the server answers only an error, as for progress).
+Report = Callable[[Callable[[int], Any], bool], None]
+
+
+@dataclass
+class PullStats:
+    """What one pull moved, and from whom (for the demo's summary and the benchmarks)."""
+
+    version: int
+    bytes: int = 0
+    grants: int = 0
+    sources: list[str] = field(default_factory=list)
+    transports: list[str] = field(default_factory=list)  #: the transport of each grant's edge
+    reads: int = 0  #: transfer operations that landed (one request each)
+    segments: int = 0  #: memory regions those reads touched (descriptors, for a one-sided transport)
+    regions: int = 0  #: regions of the shard (what a one-sided transport registers)
+    verify_s: float = 0.0  #: seconds spent hashing landed bytes (in worker threads, overlapped)
+    hashed_on_landing: int = 0  #: reads whose bytes were hashed as they landed (no second pass)
+
+
+class _Slot:
+    __slots__ = (
+        "aborted",
+        "buffers",
+        "checksums",
+        "report",
+        "ctx",
+        "deferred",
+        "grant",
+        "idle_waiters",
+        "landed",
+        "location",
+        "offloads",
+        "parked",
+        "peer",
+        "peer_generation",
+        "publishing",
+        "pull",
+        "reads",
+        "region",
+        "session",
+        "span",
+        "stats",
+        "term",
+        "unpacking",
+    )  # fmt: skip
+
+    def __init__(self, session: int, region: int, buffers: ShardBuffers, report: Report, ctx: dict) -> None:
+        self.location: Location | None = None
+        self.session = session
+        self.region = region
+        self.buffers = buffers
+        self.report = report
+        self.offloads: dict[int, ShardBuffers] = {}
+        self.pull: ReplicationSession | None = None
+        self.grant: m.Grant | None = None
+        self.term = 0
+        self.peer: tuple[Transport, dict, int] | None = None
+        self.aborted: list[ReplicationSession] = []  # pulls ended with reads still in flight
+        self.idle_waiters: list[asyncio.Future] = []
+        self.deferred: list[tuple[ReplicationSession, ReadRange]] = []  # reads that wait for an aborted pull's reads to end
+        self.stats: PullStats | None = None
+        self.ctx = ctx
+        self.checksums: dict[int, tuple[int, ...]] = {}  # version -> its checksums, once known
+        self.parked: list[tuple[ReplicationSession, Verify]] = []  # landed reads waiting for checksums
+        self.landed: dict[tuple[int, int], dict[int, int]] = {}  # (grant, offset) -> digests hashed on landing
+        self.reads: dict[int, Read] = {}  # offset -> the read plan's read (its checksum units)
+        self.peer_generation: int | None = None  # the current grant's source generation
+        self.publishing: asyncio.Task | None = None  # the publish job (pack, hash, declare)
+        self.unpacking: asyncio.Task | None = None  # the last of the slot's unpacks (they run in order)
+        self.span: _Span | None = None  # the transfer under the current grant, reported when it ends
+
+
+@dataclass(slots=True)
+class _Span:
+    """A transfer under one grant, as the reader saw it (reported to the server when it ends)."""
+
+    grant: int
+    version: int
+    source: str
+    source_shard: int
+    transport: str
+    start: float  # wall clock
+    bytes0: int  # the pull's landed bytes and reads when the grant began
+    reads0: int
+
+
+#: ``$TENSORHUB_SPANS=0`` turns transfer reports off (e.g. against a server that predates them).
+_SPANS = os.environ.get("TENSORHUB_SPANS", "1") != "0"
+
+
+# ---- messages the engine takes -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AddSlot:
+    """Serve and pull a shard's buffers. ``report`` sends the slot's reports to the server
+    (``report(build, unanswered)``: :meth:`tensorhub.runtime.client.ClientActor.report`); the
+    engine knows no client."""
+
+    session: int
+    buffers: ShardBuffers
+    report: Report
+    ctx: dict
+    location: Location | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DropSlot:
+    session: int
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """Ask: ``(checksums by version, offload versions)`` a shard's slot knows (what a failover
+    re-announces)."""
+
+    session: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortPull:
+    """The slot's pull ended without success: answer once no read can write its buffers."""
+
+    session: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartPublish:
+    """The server took ``version`` from this slot: pack, hash and declare it in the background."""
+
+    session: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitPublished:
+    """Answer once the slot's publish job (if any) has ended."""
+
+    session: int
+
+
+@dataclass(frozen=True, slots=True)
+class _ReadDone:
+    session: int
+    pull: ReplicationSession
+    grant: int
+    offset: int
+    length: int
+    generation: int | None
+    digests: dict[int, int] | None = None  # the read's units hashed as they landed (fused)
+
+
+@dataclass(frozen=True, slots=True)
+class _Verified:
+    session: int
+    pull: ReplicationSession
+    grant: int
+    offset: int
+    bad_unit: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Unpacked:
+    session: int
+    pull: ReplicationSession
+    grant: int
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _ReadFailed:
+    session: int
+    pull: ReplicationSession
+    grant: int
+    offset: int
+    reason: str
+    retryable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Offloaded:
+    session: int
+    version: int
+    copy: ShardBuffers | None
+    error: str | None
+
+
+class EngineActor(Actor):
+    """Args:
+    transports: started transports by name (the order breaks ties when no preferred one fits).
+    chunk_bytes: size of one read of a pull.
+    preference: edge kind -> transport names (:func:`tensorhub.scheduling.edges.parse_preference`);
+        None: the defaults (same host ``local``, same datacenter ``nixl``, else ``tcp``).
+    """
+
+    def __init__(
+        self, transports: dict[str, Transport], chunk_bytes: int = 8 << 20, preference: dict[str, list[str]] | None = None
+    ) -> None:
+        super().__init__("engine")
+        if chunk_bytes < 1:
+            raise InvalidArgument(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self.transports = transports
+        #: Whether this process keeps packs in place (every transport gathers; see
+        #: ``Transport.gathers``). Fixed at construction: the API reads it when it registers.
+        self.packs_in_place = bool(transports) and all(t.gathers for t in transports.values())
+        self.preference = preference
+        self._fallbacks_logged: set[tuple[str, str, str]] = set()
+        self.chunk_bytes = chunk_bytes
+        self.slots: dict[int, _Slot] = {}
+        self.regions: dict[int, _Slot] = {}
+        self._regions = itertools.count(1)
+        for t in transports.values():
+            t.serve(self.resolve)
+
+    async def on_stop(self) -> None:
+        for t in self.transports.values():
+            await t.close()
+
+    def endpoint(self, region: int) -> dict[str, Any]:
+        return {"region": region, **{name: t.endpoint() for name, t in self.transports.items()}}
+
+    def resolve(self, region: int, version: int) -> ShardBuffers | None:
+        """Called from transport threads: the buffers that hold (or are about to hold)
+        ``version`` under ``region``, or None for an unknown region."""
+        slot = self.regions.get(region)
+        if slot is None:
+            return None
+        live = slot.buffers
+        if live.progress.version != version:
+            copy = slot.offloads.get(version)
+            if copy is not None:
+                return copy
+        # The live buffers, even if they do not hold ``version`` yet: the server may grant this
+        # shard as a partial source before its own grant has arrived; the transport waits.
+        return live
+
+    # ---- slots -------------------------------------------------------------------------------
+
+    def on_AddSlot(self, msg: AddSlot) -> dict[str, Any]:
+        if msg.session in self.slots:
+            raise InvalidArgument("this shard already has registered buffers", **msg.ctx)
+        region = next(self._regions)
+        slot = _Slot(msg.session, region, msg.buffers, msg.report, msg.ctx)
+        slot.location = msg.location
+        self.slots[msg.session] = slot
+        self.regions[region] = slot
+        for t in self.transports.values():
+            t.expose(msg.buffers)
+        return self.endpoint(region)
+
+    def on_Holdings(self, msg: Holdings) -> tuple[dict[int, tuple[int, ...]], list[int]]:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return {}, []
+        return dict(slot.checksums), sorted(slot.offloads)
+
+    def on_DropSlot(self, msg: DropSlot) -> None:
+        slot = self.slots.pop(msg.session, None)
+        if slot is None:
+            return
+        if slot.publishing is not None:
+            slot.publishing.cancel()
+        self.regions.pop(slot.region, None)
+        slot.buffers.progress.reset(None)
+        for copy in slot.offloads.values():
+            copy.progress.reset(None)
+        for t in self.transports.values():
+            t.withdraw(slot.buffers)
+            for copy in slot.offloads.values():
+                t.withdraw(copy)
+        slot.offloads.clear()
+
+    def pull_stats(self, session: int) -> PullStats | None:
+        slot = self.slots.get(session)
+        return slot.stats if slot is not None else None
+
+    # ---- pulls -------------------------------------------------------------------------------
+
+    def on_Grant(self, g: m.Grant) -> None:
+        slot = self.slots.get(g.session)
+        if slot is None:
+            self.log.warning("grant for a shard with no buffers; ignored", session=g.session)
+            return
+        pull = slot.pull
+        if pull is None or pull.version != g.version or pull.done:
+            if pull is not None and not pull.done:
+                self._abort(slot)
+            pull = slot.pull = self._new_pull(slot, g.version)
+        if g.checksums is not None:
+            self._learn_checksums(slot, g.version, g.checksums)
+        slot.grant = g
+        slot.term = g.term
+        slot.peer_generation = None
+        try:
+            slot.peer = self._pick(slot, g.source)
+        except TransportError as err:
+            verified, reason = pull.verified, str(err)[:1000]
+            self._report(slot, lambda req: m.SourceFailed(req, slot.session, g.grant, g.term, verified, reason))
+            return
+        assert slot.stats is not None
+        slot.stats.grants += 1
+        slot.stats.sources.append(f"{g.source.replica}/{g.source.shard_idx}")
+        slot.stats.transports.append(slot.peer[0].name)
+        self._end_span(slot, "failed")  # a grant that was replaced without a word (normally reported already)
+        slot.span = _Span(g.grant, g.version, g.source.replica, g.source.shard_idx, slot.peer[0].name, time.time(),
+                          slot.stats.bytes, slot.stats.reads)  # fmt: skip
+        self._run(slot, pull, pull.on_grant(g.grant, g.source))
+
+    def _new_pull(self, slot: _Slot, version: int) -> ReplicationSession:
+        b = slot.buffers
+        plan = b.plan.reads(max(self.chunk_bytes, b.layout.chunk_bytes))
+        slot.reads = {r.offset: r for r in plan if r.length}
+        slot.parked.clear()
+        slot.landed.clear()
+        slot.stats = PullStats(version, regions=len(b.regions))
+        b.progress.reset(version, 0)
+        slot.checksums = {v: c for v, c in slot.checksums.items() if v in slot.offloads}
+        return ReplicationSession(
+            version, b.total_bytes, self.chunk_bytes, self._streams(), reads=[(r.offset, r.length) for r in plan], verify=True
+        )
+
+    def _learn_checksums(self, slot: _Slot, version: int, checksums: tuple[int, ...]) -> None:
+        if len(checksums) != len(slot.buffers.plan.units):
+            self.log.error("checksums of the wrong length; ignored", version=version, got=len(checksums), **slot.ctx)
+            return
+        slot.checksums[version] = checksums
+        parked, slot.parked = slot.parked, []
+        for pull, a in parked:
+            self._verify(slot, pull, a)
+
+    def _streams(self) -> int:
+        """Reads of a pull in flight at once: what the transports ask for (``reads_in_flight``,
+        else ``streams``: a transport that stripes each read wants fewer)."""
+        return max((getattr(t, "reads_in_flight", getattr(t, "streams", 1)) for t in self.transports.values()), default=1)
+
+    def _pick(self, slot: _Slot, source: m.SourceInfo) -> tuple[Transport, dict, int]:
+        """The transport for this (reader, holder) edge (:func:`tensorhub.scheduling.edges.choose_transport`),
+        the holder's endpoint for it, and the holder's region id. A fallback from the preferred
+        transport is logged once per (edge kind, preferred, chosen)."""
+        endpoint = source.endpoint
+        if not isinstance(endpoint, dict) or type(endpoint.get("region")) is not int:
+            raise TransportError(f"source endpoint {endpoint!r} names no region")
+        offered = [k for k, v in endpoint.items() if k != "region" and isinstance(v, dict)]
+
+        def reaches(name: str) -> bool:
+            probe = getattr(self.transports[name], "reaches", None)
+            return probe is None or bool(probe(endpoint[name]))
+
+        reader = slot.location or source.location
+        choice = choose_transport(reader, source.location, offered, list(self.transports), self.preference, reaches)
+        if choice.fallback:
+            key = (choice.kind, choice.preferred, choice.name)
+            if key not in self._fallbacks_logged:
+                self._fallbacks_logged.add(key)
+                # A warning when one side has the preferred transport (somebody meant to use
+                # it); when neither does, it was not configured here, and that is no news.
+                expected = choice.preferred in offered or choice.preferred in self.transports
+                (self.log.warning if expected else self.log.info)(choice.describe(), **slot.ctx)
+        return self.transports[choice.name], endpoint[choice.name], endpoint["region"]
+
+    def _end_span(self, slot: _Slot, outcome: str, grant: int | None = None) -> None:
+        """Report the transfer under the slot's current grant (if it is ``grant``, when given)."""
+        span = slot.span
+        if span is None or (grant is not None and span.grant != grant):
+            return
+        slot.span = None
+        if not _SPANS:
+            return
+        stats = slot.stats
+        moved = max(0, stats.bytes - span.bytes0) if stats is not None else 0
+        reads = max(0, stats.reads - span.reads0) if stats is not None else 0
+        end = max(time.time(), span.start)
+        self._report(slot, lambda req: m.TransferSpan(req, slot.session, span.grant, span.version, span.source, span.source_shard,
+                                                      span.transport, moved, reads, span.start, end, outcome), True)  # fmt: skip
+
+    def on_Revoke(self, msg: m.Revoke) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is not None and slot.pull is not None:
+            self._end_span(slot, "revoked", msg.grant)
+            self.log.info("grant revoked", grant=msg.grant, reason=msg.reason, version=slot.pull.version, **slot.ctx)
+            self._run(slot, slot.pull, slot.pull.on_revoked(msg.grant))
+
+    def on_AbortPull(self, msg: AbortPull) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        slot = self.slots.get(msg.session)
+        if slot is not None and slot.pull is not None and not slot.pull.done:
+            self._abort(slot)
+        if slot is None or not slot.aborted:
+            fut.set_result(None)
+        else:
+            slot.idle_waiters.append(fut)
+        return fut
+
+    def _abort(self, slot: _Slot) -> None:
+        pull = slot.pull
+        assert pull is not None
+        self._end_span(slot, "aborted")
+        pull.on_abort()
+        slot.pull = None
+        slot.parked.clear()
+        slot.landed.clear()
+        slot.buffers.progress.reset(None)
+        if not pull.idle:
+            slot.aborted.append(pull)
+
+    def _run(self, slot: _Slot, pull: ReplicationSession, actions: list) -> None:
+        if pull is not slot.pull:
+            return
+        for a in actions:
+            if isinstance(a, ReadRange):
+                if slot.aborted:
+                    slot.deferred.append((pull, a))
+                else:
+                    self.spawn(self._read(slot, pull, a), "read")
+            elif isinstance(a, Verify):
+                self._verify(slot, pull, a)
+            elif isinstance(a, Advance):
+                slot.buffers.progress.advance(a.verified)
+            elif isinstance(a, ReportProgress):
+                self._report(slot, lambda req, a=a: m.Progress(req, slot.session, a.grant, slot.term, a.verified), True)
+            elif isinstance(a, ReportComplete):
+                self.spawn(self._unpack(slot, pull, a.grant), "unpack")
+            elif isinstance(a, ReportChecksumFailed):
+                src = pull.sources[-1] if pull.sources else None
+                where = f"{src.replica}/{src.shard_idx} ({src.kind})" if src is not None else "?"
+                self._end_span(slot, "checksum_failed", a.grant)
+                self.log.error("bytes from a source failed verification", grant=a.grant, source=where, unit=a.unit,
+                               version=pull.version, **slot.ctx)  # fmt: skip
+                self._report(slot, lambda req, a=a: m.ChecksumFailed(req, slot.session, a.grant, slot.term, a.verified, a.unit))
+            elif isinstance(a, ReportSourceFailed):
+                src = pull.sources[-1] if pull.sources else None
+                where = f"{src.replica}/{src.shard_idx} ({src.kind})" if src is not None else "?"
+                self._end_span(slot, "failed", a.grant)
+                self.log.warning("source failed", grant=a.grant, source=where, verified=a.verified, reason=a.reason,
+                                 version=pull.version, **slot.ctx)  # fmt: skip
+                self._report(slot, lambda req, a=a: m.SourceFailed(req, slot.session, a.grant, slot.term, a.verified, a.reason[:1000]))
+
+    def _verify(self, slot: _Slot, pull: ReplicationSession, a: Verify) -> None:
+        expected = slot.checksums.get(pull.version)
+        if expected is None:
+            slot.parked.append((pull, a))  # the publisher has not declared them yet
+            return
+        digests = slot.landed.pop((a.grant, a.offset), None)
+        if digests is not None:  # hashed as the bytes landed: only the comparison is left
+            if slot.stats is not None and pull is slot.pull:
+                slot.stats.hashed_on_landing += 1
+            units = slot.reads[a.offset].units
+            bad = next((u for u in units if digests.get(u) != expected[u]), None)
+            self.tell(_Verified(slot.session, pull, a.grant, a.offset, bad))
+            return
+        self.spawn(self._check(slot, pull, a, expected), "verify")
+
+    async def _check(self, slot: _Slot, pull: ReplicationSession, a: Verify, expected: tuple[int, ...]) -> None:
+        units = slot.reads[a.offset].units
+        t0 = time.perf_counter()
+        try:
+            bad = await asyncio.to_thread(checksum.first_mismatch, slot.buffers, units, expected)
+        except (RuntimeError, OSError, InvalidArgument) as err:  # e.g. a CUDA error staging the bytes
+            # Never accept bytes that were not checked: count the read as bad (it is read again).
+            self.log.error("verifying landed bytes failed locally", error=repr(err), **slot.ctx)
+            bad = units[0]
+        if slot.stats is not None and pull is slot.pull:
+            slot.stats.verify_s += time.perf_counter() - t0
+        self.tell(_Verified(slot.session, pull, a.grant, a.offset, bad))
+
+    def on__Verified(self, msg: _Verified) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None or msg.pull is not slot.pull:
+            return
+        if msg.bad_unit is None and slot.buffers.packed:
+            # Its tiny tensors are final: copy them out now, overlapped with the rest of the pull.
+            units = slot.buffers.plan.units
+            tiny = [units[u].tensor for u in slot.reads[msg.offset].units if units[u].region >= 0
+                    and slot.buffers.plan.regions[units[u].region].tensor is None]  # fmt: skip
+            if tiny:
+                self._chain_unpack(slot, tiny)
+        self._run(slot, msg.pull, msg.pull.on_verified(msg.grant, msg.offset, msg.bad_unit))
+
+    def _chain_unpack(self, slot: _Slot, tensors: list[int] | None) -> asyncio.Task:
+        """Unpack ``tensors`` (None: all) in a worker thread, after the slot's earlier unpacks
+        (so that an aborted pull's late copy never lands after a newer one's)."""
+        before = slot.unpacking
+
+        async def run() -> str | None:
+            if before is not None:
+                await asyncio.wait([before])
+            try:
+                await asyncio.to_thread(slot.buffers.unpack, tensors)
+            except (RuntimeError, ValueError) as err:
+                return f"{type(err).__name__}: {err}"
+            return None
+
+        task = slot.unpacking = self.spawn(run(), "unpack")
+        return task
+
+    async def _unpack(self, slot: _Slot, pull: ReplicationSession, grant: int) -> None:
+        error = None
+        if slot.buffers.packed and slot.unpacking is not None:
+            last = slot.unpacking
+            await asyncio.wait([last])
+            error = last.result()
+        self.tell(_Unpacked(slot.session, pull, grant, error))
+
+    def on__Unpacked(self, msg: _Unpacked) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None or msg.pull is not slot.pull:
+            return
+        if msg.error is not None:
+            self._end_span(slot, "failed", msg.grant)
+            self.log.error("unpacking the pulled tiny tensors failed", error=msg.error, version=msg.pull.version, **slot.ctx)
+            reason = f"unpacking failed locally: {msg.error}"[:1000]
+            self._report(slot, lambda req: m.SourceFailed(req, slot.session, msg.grant, slot.term, 0, reason))
+            return
+        self._report(slot, lambda req: m.Complete(req, slot.session, msg.grant, slot.term))
+        self._end_span(slot, "completed", msg.grant)
+
+    def _report(self, slot: _Slot, build: Any, unanswered: bool = False) -> None:
+        slot.report(build, unanswered)
+
+    async def _read(self, slot: _Slot, pull: ReplicationSession, a: ReadRange) -> None:
+        from tensorhub.transports.base import RangeNotReady
+
+        assert slot.peer is not None
+        transport, peer, region = slot.peer
+        generation = slot.peer_generation
+        hasher, kw = None, {}
+        if getattr(transport, "reports_landing", False) and not slot.buffers.on_cuda and a.offset in slot.reads:
+            units = slot.buffers.plan.units
+            hasher = checksum.LandingHasher(slot.buffers, [units[u] for u in slot.reads[a.offset].units])
+            kw["landed"] = hasher.landed
+        try:
+            gen = await transport.read(peer, region, pull.version, a.offset, a.length, slot.buffers, generation, **kw)
+        except RangeNotReady as err:
+            self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), True))
+        except (TransportError, InvalidArgument) as err:
+            self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), False))
+        except Exception as err:  # noqa: BLE001 - a transport's bug fails this source, not the engine
+            self.log.exception("transport read raised", transport=transport.name, **slot.ctx)
+            self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, f"{type(err).__name__}: {err}", False))
+        else:
+            digests = hasher.digests if hasher is not None and hasher.complete else None
+            self.tell(_ReadDone(slot.session, pull, a.grant, a.offset, a.length, gen, digests))
+
+    def on__ReadDone(self, msg: _ReadDone) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        if msg.digests is not None and msg.pull is slot.pull:
+            slot.landed[(msg.grant, msg.offset)] = msg.digests
+        actions = msg.pull.on_read_done(msg.grant, msg.offset)
+        if msg.pull is slot.pull and slot.stats is not None and msg.grant == (slot.grant.grant if slot.grant else None):
+            slot.stats.bytes += msg.length
+            slot.stats.reads += 1
+            slot.stats.segments += len(slot.buffers.segments(msg.offset, msg.length))
+            if slot.peer_generation is None and isinstance(msg.generation, int):
+                slot.peer_generation = msg.generation  # later reads of this grant insist on it
+        self._run(slot, msg.pull, actions)
+        self._check_idle(slot)
+
+    def on__ReadFailed(self, msg: _ReadFailed) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        self._run(slot, msg.pull, msg.pull.on_read_failed(msg.grant, msg.offset, msg.reason, msg.retryable))
+        self._check_idle(slot)
+
+    def _check_idle(self, slot: _Slot) -> None:
+        slot.aborted = [p for p in slot.aborted if not p.idle]
+        if not slot.aborted:
+            deferred, slot.deferred = slot.deferred, []
+            for pull, a in deferred:
+                if pull is slot.pull:
+                    self.spawn(self._read(slot, pull, a), "read")
+            waiters, slot.idle_waiters = slot.idle_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    # ---- what the server asks of a holder ---------------------------------------------------
+
+    def on_OffloadRequest(self, msg: m.OffloadRequest) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        self.log.info("offloading the last retained copy to CPU", version=msg.version, **slot.ctx)
+        self.spawn(self._offload(slot, msg.version), "offload")
+
+    async def _offload(self, slot: _Slot, version: int) -> None:
+        try:
+            copy = await asyncio.to_thread(slot.buffers.clone_cpu)
+        except (RuntimeError, MemoryError) as err:
+            self.tell(_Offloaded(slot.session, version, None, repr(err)))
+            return
+        self.tell(_Offloaded(slot.session, version, copy, None))
+
+    def on__Offloaded(self, msg: _Offloaded) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        ok = msg.copy is not None
+        if msg.copy is not None:
+            msg.copy.progress.reset(msg.version, msg.copy.total_bytes)
+            for t in self.transports.values():  # registered before anyone can resolve to it
+                t.expose(msg.copy)
+            slot.offloads[msg.version] = msg.copy
+        else:
+            self.log.error("offload failed", version=msg.version, error=msg.error, **slot.ctx)
+        self._report(slot, lambda req: m.PublishOffload(req, slot.session, msg.version, ok))
+
+    def on_FreeOffload(self, msg: m.FreeOffload) -> None:
+        slot = self.slots.get(msg.session)
+        copy = slot.offloads.pop(msg.version, None) if slot is not None else None
+        if copy is not None:
+            copy.progress.reset(None)
+            for t in self.transports.values():
+                t.withdraw(copy)
+
+    def on_VerifyRequest(self, msg: m.VerifyRequest) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        self.spawn(self._self_check(slot, msg.version), "self-check")
+
+    async def _self_check(self, slot: _Slot, version: int) -> None:
+        live = slot.buffers
+        held = live if live.progress.version == version else slot.offloads.get(version)
+        expected = slot.checksums.get(version)
+        if slot.publishing is not None and not slot.publishing.done():
+            await asyncio.wait([slot.publishing])
+            expected = slot.checksums.get(version)
+        if held is None or expected is None:
+            # Nothing to judge (the holding went away, or its checksums were never known).
+            self.log.warning("verify request for a copy that cannot be checked", version=version, **slot.ctx)
+            ok = held is not None
+        else:
+            units = range(len(held.plan.units))
+            bad = await asyncio.to_thread(checksum.first_mismatch, held, units, expected)
+            ok = bad is None
+            if not ok:
+                self.log.error("self-check failed: this holder's copy is corrupt", version=version, unit=bad, **slot.ctx)
+        self._report(slot, lambda req: m.VerifyResult(req, slot.session, version, ok))
+
+    def on_ChecksumsReady(self, msg: m.ChecksumsReady) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is not None:
+            self._learn_checksums(slot, msg.version, msg.checksums)
+
+    # ---- publishing --------------------------------------------------------------------------
+
+    def on_StartPublish(self, msg: StartPublish) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        if slot.publishing is not None and not slot.publishing.done():
+            return  # the same version again while its job runs
+        if msg.version in slot.checksums and slot.buffers.progress.version == msg.version:
+            return  # published again: already packed, hashed and declared
+        slot.publishing = self.spawn(self._publish_job(slot, msg.version), "publish")
+
+    async def _publish_job(self, slot: _Slot, version: int) -> None:
+        b = slot.buffers
+        gen = b.progress.snapshot()[0]
+        try:
+            if b.packed:
+                await asyncio.to_thread(b.pack)
+            if b.progress.snapshot()[:2] != (gen, version):
+                return  # unpublished meanwhile
+            b.progress.advance(b.total_bytes)
+            sums = tuple(await asyncio.to_thread(checksum.compute, b))
+        except (RuntimeError, ValueError, InvalidArgument) as err:
+            self.log.error("publish job failed: the version stays without checksums", version=version, error=repr(err), **slot.ctx)
+            return
+        if b.progress.snapshot()[:2] != (gen, version):
+            return
+        slot.checksums[version] = sums
+        self._report(slot, lambda req: m.DeclareChecksums(req, slot.session, version, sums))
+
+    def on_WaitPublished(self, msg: WaitPublished) -> Any:
+        slot = self.slots.get(msg.session)
+        if slot is None or slot.publishing is None or slot.publishing.done():
+            return None
+        return asyncio.ensure_future(asyncio.wait([slot.publishing]))
+
+    def on_Quarantined(self, msg: m.Quarantined) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        self.log.error("copy quarantined by the server", version=msg.version, **slot.ctx)
+        if slot.buffers.progress.version == msg.version:
+            slot.buffers.progress.reset(None)
+        copy = slot.offloads.pop(msg.version, None)
+        if copy is not None:
+            copy.progress.reset(None)
+
+    def on_Removed(self, msg: m.Removed) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            return
+        self.log.warning("session removed by the server", code=msg.code, reason=msg.reason, **slot.ctx)
+        if slot.pull is not None and not slot.pull.done:
+            self._abort(slot)
+        slot.buffers.progress.reset(None)
+        for copy in slot.offloads.values():
+            copy.progress.reset(None)
+        slot.offloads.clear()

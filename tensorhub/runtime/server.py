@@ -1,0 +1,612 @@
+"""The reference server: a ZeroMQ ROUTER around the sans-IO :class:`ReferenceTable`.
+
+Theory of operation
+-------------------
+:class:`ServerActor` owns one ROUTER socket and one table. A reader task receives frames and
+puts them in the actor's mailbox; the actor decodes each (a malformed frame, a wrong wire
+version, an unknown kind or an oversize frame gets a typed ``Failed`` reply to its sender and
+changes nothing), hands it to the table with the sender's routing id as the peer, and sends the
+table's replies. A timer wakes the table at its next deadline (heartbeat expiry, drain and call
+timeouts). The clock is ``time.monotonic``; the random source is seeded once per start.
+
+The server never dies of a client's message: anything unexpected raised while handling one is
+logged with the message kind and answered as a protocol error. Every frame is counted by its
+outcome (``ok`` or the error code it was answered with); a frame over the socket's size limit
+is dropped by ZeroMQ with its connection, which the socket monitor counts.
+
+The mailbox is bounded: past ``max_queued`` frames waiting, the reader stops taking more, so
+ZeroMQ's per-connection queues (fair-queued across clients) push back on a flooding client
+instead of growing the server's memory or delaying everyone's heartbeats behind it.
+
+Security (:mod:`tensorhub.runtime.security`). With ``keys``, the socket runs CURVE and a ZAP handler
+admits only the allowed client keys; each message carries its connection's key, and the server
+binds a session to the key that opened it: another key's messages naming that session (a
+``Register`` with transport endpoints, an ``Announce``, a heartbeat, a call) are refused with
+``UnknownSession``, and another key cannot open a new incarnation of a shard that a live
+session of another key holds (``ContractViolation``). A bind that is not loopback needs keys,
+or ``insecure``.
+
+Operations. Besides the table's requests, the server answers ``GetCluster`` (the cluster's
+state, :mod:`tensorhub.tools.status`) and ``GetTrace`` (a version's transfer spans and grants,
+:mod:`tensorhub.tools.trace`), and keeps the ``TransferSpan`` reports of readers (bounded: the latest
+``HISTORY_VERSIONS`` versions, ``SPANS_PER_VERSION`` each). With ``metrics_port`` it serves
+Prometheus metrics (:mod:`tensorhub.runtime.metrics`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from tensorhub.core import messages as m
+from tensorhub.core.errors import (
+    ContractViolation,
+    InvalidArgument,
+    MalformedMessage,
+    ProtocolError,
+    TensorHubError,
+    UnknownSession,
+)
+from tensorhub.core.lifecycle import HolderState
+from tensorhub.core.table import HISTORY_VERSIONS, ReferenceTable, TableConfig
+from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
+from tensorhub.scheduling.selection import SourceIndex
+
+from .actor import Actor
+from .metrics import DURATION_BUCKETS, Counter, Gauge, MetricsServer, Registry
+from .security import KeyAuthenticator, ServerKeys, check_bind, user_id
+
+__all__ = ["ServerActor", "ServerConfig", "serve"]
+
+SPANS_PER_VERSION = 4096  #: transfer spans kept per version
+RATE_WINDOW_S = 10.0  #: the window of the recent transfer rate in the cluster state
+_LOG_EVERY_S = 10.0  # refused frames are summed up in one log line at most this often
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything a server start needs.
+
+    Attributes:
+        bind: ZeroMQ address to bind (loopback by default).
+        table: the table's timing parameters.
+        seed: the random source's seed (None: from the OS).
+        term: this start's term (None: from the clock, so a restart has a higher one).
+        idle_exit: stop after this many seconds with no session open (None: never). The
+            embedded default server uses it so that it does not outlive its jobs.
+        keys: CURVE keys (the server's and the allowed clients'); None: no authentication.
+        insecure: allow a non-loopback bind without keys.
+        metrics_port: serve Prometheus metrics on this port (0: any free one; None: no).
+        metrics_host: the address the metrics endpoint binds (loopback by default).
+        max_queued: frames waiting in the mailbox before the reader stops taking more.
+    """
+
+    bind: str = "tcp://127.0.0.1:5557"
+    table: TableConfig = TableConfig()
+    seed: int | None = None
+    term: int | None = None
+    idle_exit: float | None = None
+    keys: ServerKeys | None = None
+    insecure: bool = False
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    max_queued: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class _Frames:
+    peer: bytes
+    frames: list[bytes]
+    user: str | None = None  # the CURVE key of the connection (None without authentication)
+    at: float = 0.0  # when the reader took it (monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class _Tick:
+    pass
+
+
+_KINDS_LOCAL = (m.TransferSpan, m.GetTrace, m.GetCluster)
+
+
+class ServerActor(Actor):
+    """The reference server's actor. ``await start()`` binds; ``await stop()`` unbinds."""
+
+    def __init__(self, config: ServerConfig, ctx: zmq.asyncio.Context | None = None) -> None:
+        super().__init__("server")
+        self.config = config
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.asyncio.Context()
+        seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "big")
+        term = config.term if config.term is not None else int(time.time() * 1000)
+        self.table = ReferenceTable(time.monotonic, random.Random(seed), config.table, term=term, sources=SourceIndex)
+        self.sock: zmq.asyncio.Socket | None = None
+        self.address = config.bind
+        self._wake: asyncio.TimerHandle | None = None
+        self._wake_at: float | None = None
+        self._idle_since = time.monotonic()
+        self.frames_in = 0
+        self.bad_frames = 0
+        self.done = asyncio.Event()
+        self.auth: KeyAuthenticator | None = None
+        self.metrics_server: MetricsServer | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._owner: dict[int, str] = {}  # session id -> the CURVE key that opened it
+        self._queued = 0
+        self._room = asyncio.Event()
+        self._room.set()
+        #: (model, version) -> reported transfer spans, oldest first
+        self.spans: collections.OrderedDict[tuple[str, int], list[m.SpanEntry]] = collections.OrderedDict()
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=100_000)  # (received, bytes)
+        self._refused_since_log: dict[str, int] = {}
+        self._last_refusal_log = time.monotonic()
+        self._build_metrics()
+
+    # ---- metrics -----------------------------------------------------------------------------
+
+    def _build_metrics(self) -> None:
+        r = self.registry = Registry()
+        self.m_frames = r.counter("tensorhub_frames_total", "Frames received, by outcome: ok, or the error code answered", ["outcome"])
+        self.m_requests = r.counter("tensorhub_requests_total", "Requests decoded, by message kind", ["kind"])
+        self.m_clients = r.counter("tensorhub_client_frames_total",
+                                   "Frames received per client key (the first 12 characters of its CURVE key; 'anonymous' without keys)",
+                                   ["client"])  # fmt: skip
+        self.m_latency = r.histogram("tensorhub_request_seconds", "Time from receiving a request to sending its replies", ["kind"])
+        self.m_dropped = r.counter("tensorhub_replies_dropped_total",
+                                   "Replies not sent: the client's queue was full, or its connection is gone", ["reason"])  # fmt: skip
+        self.m_conn = r.counter("tensorhub_connections_total", "Connection events on the server socket (monitor)", ["event"])
+        self.m_xfer = r.histogram("tensorhub_transfer_seconds", "Transfer durations reported by readers (one per grant)",
+                                  ["transport", "outcome"], DURATION_BUCKETS)  # fmt: skip
+        self.m_xfer_bytes = r.counter("tensorhub_transfer_bytes_total", "Bytes moved, as reported by readers", ["transport", "outcome"])
+        self.m_failures = r.counter("tensorhub_transfer_failures_total", "Failures readers reported to the server", ["reason"])
+        self.registry.collectors.append(self._collect)
+
+    def _collect(self) -> list[Any]:
+        t = self.table
+        out: list[Any] = []
+
+        def counter(name: str, help: str, value: float) -> None:
+            c = Counter(name, help)
+            c.set(value=value)
+            out.append(c)
+
+        def gauge(name: str, help: str, labels: tuple[str, ...] = (), values: dict | None = None, value: float = 0) -> Gauge:
+            g = Gauge(name, help, labels)
+            if values is None:
+                g.set(value=value)
+            else:
+                for k, v in values.items():
+                    g.set(*k, value=v)
+            out.append(g)
+            return g
+
+        st = t.stats
+        counter("tensorhub_grants_total", "Grants made", st["grants"])
+        counter("tensorhub_grants_ended_total", "Grants ended (completed, failed, revoked or cancelled)", st["grants_ended"])
+        counter("tensorhub_revocations_total", "Grants revoked (drain timeout, source removed)", st["revoked"])
+        counter("tensorhub_expiries_total", "Replicas removed because a shard missed its heartbeats", st["expired"])
+        counter("tensorhub_quarantines_total", "Holders quarantined after failed verification", st["quarantined"])
+        counter("tensorhub_offloads_total", "Offload copies requested (last copy of a retained version unpublished)", st["offloads"])
+        counter("tensorhub_updates_skipped_total", "update() calls answered 'not yet' by smart skipping", st["updates_skipped"])
+        counter("tensorhub_offload_seeds_total", "Offload seeding started", st["offload_seeds"])
+        bytes_by = Counter("tensorhub_bytes_granted_total", "Bytes moved under ended grants, by link class", ("link",))
+        for link, n in t.bytes_by_link.items():
+            bytes_by.set(link, value=n)
+        out.append(bytes_by)
+        holders: dict[tuple[str, str], int] = {}
+        grants: dict[tuple[str], int] = {}
+        available: dict[tuple[str], int] = {}
+        latest: dict[tuple[str], int] = {}
+        for name, mo in t.models.items():
+            available[(name,)] = len(mo.available)
+            if mo.available:
+                latest[(name,)] = mo.available[-1]
+            for st_ in HolderState:
+                holders[(name, st_.value)] = 0
+            grants[(name,)] = 0
+        for h in t.holders():
+            if h.state is not None:
+                key = (h.session.model.name, h.state.value)
+                holders[key] = holders.get(key, 0) + 1
+        for g in t.grants.values():
+            key1 = (g.reader.session.model.name,)
+            grants[key1] = grants.get(key1, 0) + 1
+        gauge("tensorhub_holders", "Holders, by model and state", ("model", "state"), holders)
+        gauge("tensorhub_grants_active", "Active grants, by model", ("model",), grants)
+        gauge("tensorhub_versions_available", "Available versions, by model", ("model",), available)
+        gauge("tensorhub_latest_version", "The highest available version, by model", ("model",), latest)
+        counts = t.counts()
+        gauge("tensorhub_sessions", "Open shard sessions", value=counts["sessions"])
+        gauge("tensorhub_models", "Models", value=counts["models"])
+        gauge("tensorhub_transactions", "Model-parallel calls in progress", value=counts["transactions"])
+        gauge("tensorhub_server_term", "This server start's term", value=t.term)
+        gauge("tensorhub_mailbox_depth", "Frames waiting to be handled", value=self._queued)
+        auth = Counter("tensorhub_auth_total", "CURVE authentication decisions", ("result",))
+        if self.auth is not None:
+            auth.set("accepted", value=self.auth.accepted)
+            for reason, n in self.auth.denied.items():
+                auth.set(f"denied: {reason}", value=n)
+        out.append(auth)
+        return out
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def on_start(self) -> None:
+        keys = self.config.keys
+        check_bind(self.config.bind, keys, self.config.insecure)
+        if keys is not None:
+            self.auth = KeyAuthenticator(self.ctx, keys.allowed)
+            try:
+                self.auth.start()
+            except zmq.ZMQError as err:
+                self.auth = None
+                raise InvalidArgument(f"cannot start CURVE authentication (one authenticated server per context): {err}") from err
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a connection that is gone raises (and is counted)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        if keys is not None:
+            keys.apply(sock)
+        try:
+            sock.bind(self.config.bind)
+        except zmq.ZMQError as err:
+            sock.close(0)
+            await self._stop_auth()
+            raise InvalidArgument(f"server cannot bind {self.config.bind}: {err}") from err
+        self.sock = sock
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        events = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
+        self._monitor = sock.get_monitor_socket(events)
+        self.spawn(self._watch(self._monitor), "server-monitor")
+        if self.config.metrics_port is not None:
+            ms = MetricsServer(self.registry, self.config.metrics_host, self.config.metrics_port)
+            try:
+                await ms.start()
+            except OSError as err:
+                raise InvalidArgument(f"metrics endpoint cannot bind {self.config.metrics_host}:{self.config.metrics_port}: {err}") from err
+            self.metrics_server = ms
+        self.spawn(self._reader(), "server-reader")
+        self.every(min(1.0, self.config.table.heartbeat_interval), _Tick)
+        self.log.info("server listening", address=self.address, term=self.table.term, curve=keys is not None,
+                      metrics_port=self.metrics_server.port if self.metrics_server else None)  # fmt: skip
+
+    async def _stop_auth(self) -> None:
+        if self.auth is not None:
+            await self.auth.stop()
+
+    async def on_stop(self) -> None:
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+        if self.sock is not None:
+            if self._monitor is not None:
+                try:
+                    self.sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                self._monitor.close(0)
+            self.sock.close(0)
+        await self._stop_auth()
+        if self._own_ctx:
+            self.ctx.term()
+        self.done.set()
+        self.log.info("server stopped", address=self.address)
+
+    async def _reader(self) -> None:
+        sock = self.sock
+        assert sock is not None
+        authenticated = self.config.keys is not None
+        while True:
+            if self._queued >= self.config.max_queued:
+                self._room.clear()
+                await self._room.wait()
+            if authenticated:
+                parts = await sock.recv_multipart(copy=False)
+                user = user_id(parts[-1])
+                frames = [p.bytes for p in parts]
+            else:
+                frames = await sock.recv_multipart(copy=True)
+                user = None
+            self._queued += 1
+            self.tell(_Frames(frames[0], frames[1:], user, time.monotonic()))
+
+    async def _watch(self, mon: zmq.asyncio.Socket) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            try:
+                event = parse_monitor_message(await mon.recv_multipart())
+                name = zmq.Event(event["event"]).name.lower()
+            except (RuntimeError, ValueError, zmq.ZMQError) as err:  # counting is not worth dying for
+                self.log.warning("socket monitor stopped", error=str(err))
+                return
+            self.m_conn.inc(name)
+            if event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                self.log.debug("handshake refused", what=name)
+
+    # ---- messages ----------------------------------------------------------------------------
+
+    def on__Frames(self, msg: _Frames) -> None:
+        self._queued -= 1
+        if self._queued <= self.config.max_queued // 2:
+            self._room.set()
+        self.frames_in += 1
+        self.m_clients.inc(client_label(msg.user))
+        kind = "undecodable"
+        req = 0
+        try:
+            if len(msg.frames) != 1:
+                raise MalformedMessage(f"expected one frame per message, got {len(msg.frames)}")
+            request = decode(msg.frames[0])
+            kind = request.KIND
+            req = getattr(request, "req", 0)
+            self.m_requests.inc(kind)
+            if msg.user is not None:
+                self._guard(request, msg.user)
+            if isinstance(request, _KINDS_LOCAL):
+                out = self._handle_local(msg.peer, request)
+            else:
+                out = self.table.handle(msg.peer, request)
+                if msg.user is not None and isinstance(request, m.OpenShard):
+                    self._bind_owner(msg.peer, request, msg.user, out)
+            outcome = "ok"
+            for peer, reply in out:
+                if peer == msg.peer and isinstance(reply, m.Failed) and reply.req == req:
+                    outcome = reply.code
+                    self._note_refusal(kind, reply)
+                    break
+            if outcome == "ok" and isinstance(request, (m.SourceFailed, m.ChecksumFailed)):
+                self.m_failures.inc(request.KIND)
+        except ProtocolError as err:
+            self.bad_frames += 1
+            outcome = err.code
+            reply = m.Failed.of(req or _salvage_req(msg.frames), err)
+            self._note_refusal(kind, reply)
+            out = [(msg.peer, reply)]
+        except TensorHubError as err:  # a refusal of the server's own (e.g. a slot held by another key)
+            outcome = err.code
+            reply = m.Failed.of(req, err)
+            self._note_refusal(kind, reply)
+            out = [(msg.peer, reply)]
+        except Exception as err:
+            self.bad_frames += 1
+            outcome = "internal"
+            self.log.exception("internal error handling a message", peer=msg.peer.hex(), kind=kind)
+            out = [(msg.peer, m.Failed.of(req or _salvage_req(msg.frames), ProtocolError(f"internal server error: {err!r}")))]
+        self.m_frames.inc(outcome)
+        self._send(out)
+        self._schedule()
+        if msg.at:
+            self.m_latency.observe(time.monotonic() - msg.at, kind)
+
+    def _note_refusal(self, kind: str, reply: m.Failed) -> None:
+        """Refusals are logged at debug one by one, with what they concern, and summed up in one
+        warning at most every ``_LOG_EVERY_S`` (a flood of bad frames must not flood the log)."""
+        concerns = {k: v for k, v in (("model", reply.model), ("version", reply.version), ("replica", reply.replica),
+                                      ("shard", reply.shard)) if v is not None}  # fmt: skip
+        self.log.debug("request refused", kind=kind, code=reply.code, error=reply.message[:200], **concerns)
+        self._refused_since_log[reply.code] = self._refused_since_log.get(reply.code, 0) + 1
+        now = time.monotonic()
+        if now - self._last_refusal_log >= _LOG_EVERY_S:
+            self.log.warning("requests refused", window_s=round(now - self._last_refusal_log, 1), **self._refused_since_log)
+            self._refused_since_log = {}
+            self._last_refusal_log = now
+
+    def _guard(self, request: Any, user: str) -> None:
+        """Refuse a message that names a session another authenticated key opened, or that
+        would open a new incarnation of a shard another key's live session holds."""
+        if isinstance(request, m.OpenShard):
+            s = self.table.by_slot.get((request.model, request.replica, request.shard_idx))
+            if s is not None and self._owner.get(s.id, user) != user:
+                raise ContractViolation(
+                    "this shard is open under another authenticated client's key; it cannot be re-opened with this one",
+                    model=request.model, replica=request.replica, shard=request.shard_idx,
+                )  # fmt: skip
+            return
+        sessions: tuple[int, ...] = ()
+        if isinstance(request, m.Heartbeat):
+            sessions = request.sessions
+        else:
+            sid = getattr(request, "session", None)
+            if type(sid) is int:
+                sessions = (sid,)
+        for sid in sessions:
+            owner = self._owner.get(sid)
+            if owner is not None and owner != user:
+                raise UnknownSession(f"session {sid} was opened by another authenticated client; this key cannot use it")
+
+    def _bind_owner(self, peer: bytes, request: m.OpenShard, user: str, out: list[tuple[Any, Any]]) -> None:
+        for p, reply in out:
+            if p == peer and isinstance(reply, m.Opened) and reply.req == request.req:
+                self._owner[reply.session] = user
+        if len(self._owner) > 2 * len(self.table.sessions) + 1024:
+            self._owner = {sid: k for sid, k in self._owner.items() if sid in self.table.sessions}
+
+    def _handle_local(self, peer: bytes, request: Any) -> list[tuple[Any, Any]]:
+        if isinstance(request, m.TransferSpan):
+            return self._on_span(peer, request)
+        if isinstance(request, m.GetTrace):
+            edges = tuple(m.DagEdge(**e) for e in self.table.history.get((request.model, request.version), ()))
+            spans = tuple(self.spans.get((request.model, request.version), ()))
+            offset = time.time() - time.monotonic()
+            return [(peer, m.Trace(request.req, request.model, request.version, spans, edges, offset))]
+        now = time.monotonic()
+        moved = sum(n for at, n in self._recent if at >= now - RATE_WINDOW_S)
+        return [(peer, cluster_state(self.table, request.req, moved / RATE_WINDOW_S, RATE_WINDOW_S))]
+
+    def _on_span(self, peer: bytes, span: m.TransferSpan) -> list[tuple[Any, Any]]:
+        s = self.table.sessions.get(span.session)
+        if s is None:
+            raise UnknownSession(f"session {span.session} is not known to this server (term {self.table.term})")
+        s.peer = peer
+        model = s.model.name
+        entry = m.SpanEntry(
+            s.replica.name, s.shard_idx, s.location.datacenter, s.location.host, span.grant, span.source_replica,
+            span.source_shard, span.transport, span.bytes, span.reads, span.start, span.end, span.outcome,
+        )  # fmt: skip
+        key = (model, span.version)
+        kept = self.spans.get(key)
+        if kept is None:
+            kept = self.spans[key] = []
+            while len(self.spans) > HISTORY_VERSIONS:
+                self.spans.popitem(last=False)
+        if len(kept) < SPANS_PER_VERSION:
+            kept.append(entry)
+        self.m_xfer.observe(span.end - span.start, span.transport, span.outcome)
+        self.m_xfer_bytes.inc(span.transport, span.outcome, by=span.bytes)
+        self._recent.append((time.monotonic(), span.bytes))
+        self.log.debug("transfer reported", model=model, version=span.version, replica=s.replica.name, shard=s.shard_idx,
+                       source=span.source_replica, bytes=span.bytes, seconds=round(span.end - span.start, 4),
+                       outcome=span.outcome)  # fmt: skip
+        return [(peer, m.Ack(span.req))] if span.req else []
+
+    def on__Tick(self, _: _Tick) -> None:
+        self._send(self.table.tick())
+        self._schedule()
+        if self.config.idle_exit is not None:
+            now = time.monotonic()
+            if self.table.sessions:
+                self._idle_since = now
+            elif now - self._idle_since >= self.config.idle_exit:
+                self.log.info("no sessions; idle exit", idle_s=round(now - self._idle_since, 1))
+                self.spawn(self.stop(), "server-idle-exit")
+
+    def _send(self, out: list[tuple[Any, Any]]) -> None:
+        sock = self.sock
+        assert sock is not None
+        for peer, reply in out:
+            try:
+                sock.send_multipart([peer, encode(reply)], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self.m_dropped.inc("queue full")
+                self.log.warning("client not keeping up; reply dropped", peer=peer.hex(), kind=type(reply).__name__)
+            except zmq.ZMQError as err:
+                if err.errno != zmq.EHOSTUNREACH:
+                    raise
+                self.m_dropped.inc("peer gone")  # it reconnected under another routing id, or left
+
+    def _schedule(self) -> None:
+        """Wake the table at its next deadline (the periodic tick covers the rest)."""
+        when = self.table.next_deadline()
+        if when is None or (self._wake_at is not None and self._wake_at <= when):
+            return
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake_at = when
+        assert self.loop is not None
+        delay = max(0.0, when - time.monotonic())
+
+        def fire() -> None:
+            self._wake = self._wake_at = None
+            self.tell(_Tick())
+
+        self._wake = self.loop.call_later(delay, fire)
+
+
+def client_label(user: str | None) -> str:
+    """The metrics label of a client key: its first 12 characters (keys are allowed by the
+    operator, so the labels are bounded), or ``anonymous``."""
+    return user[:12] if user else "anonymous"
+
+
+def _salvage_req(frames: list[bytes]) -> int:
+    """The ``req`` of a frame that failed to decode, if it can be read at all (for the reply)."""
+    try:
+        obj = msgpack.unpackb(frames[0], raw=False, max_bin_len=1 << 20, max_str_len=1 << 20,
+                              max_array_len=16, max_map_len=4096, max_ext_len=0)  # fmt: skip
+        req = obj[2]["req"]
+        return req if type(req) is int and 0 <= req < 1 << 63 else 0
+    except Exception:  # noqa: BLE001 - garbage stays garbage
+        return 0
+
+
+async def serve(config: ServerConfig, ready: Any = None, metrics_ready: Any = None) -> None:
+    """Run a server until SIGINT/SIGTERM (or idle exit). ``ready(address)`` is called once bound;
+    ``metrics_ready(port)`` once the metrics endpoint listens (if it is configured)."""
+    server = ServerActor(config)
+    try:
+        await server.start()
+    except BaseException:
+        await server.stop()
+        raise
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.stop()))
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - not the main thread
+            pass
+    if ready is not None:
+        ready(server.address)
+    if metrics_ready is not None and server.metrics_server is not None:
+        metrics_ready(server.metrics_server.port)
+    await server.done.wait()
+
+
+_C, _O, _P = HolderState.COMPLETE, HolderState.OFFLOAD, HolderState.PARTIAL
+
+
+def cluster_state(table: Any, req: int, recent_bytes_per_s: float, window_s: float) -> m.ClusterState:
+    """The table's models, versions, replicas and active grants (read-only)."""
+    now = table.clock()
+    models = []
+    for name in sorted(table.models):
+        mo = table.models[name]
+        back = mo.retain_back()
+        versions = []
+        for v in sorted(mo.versions):
+            ver = mo.versions[v]
+            serving = partial = offloaded = 0
+            for hs in ver.holders:
+                for h in hs.values():
+                    if h.state in (_C, _O):
+                        serving += 1
+                        offloaded += h.state is _O
+                    elif h.state is _P:
+                        partial += 1
+            if not (serving or partial):
+                continue
+            versions.append(m.VersionState(
+                v, ver.available, mo.retained(v), serving, partial, offloaded, tuple(sorted(ver.full)),
+            ))  # fmt: skip
+        replicas = []
+        for rname in sorted(mo.replicas):
+            r = mo.replicas[rname]
+            shards = []
+            for idx in sorted(r.shards):
+                s = r.shards[idx]
+                h = s.holder
+                total = s.layout.total_bytes if s.layout is not None else 0
+                verified = total if h is not None and h.state is not _P else (h.verified if h is not None else 0)
+                shards.append(m.ShardState(
+                    idx, s.id, s.location.datacenter, s.location.host,
+                    h.version if h is not None else None, h.state.value if h is not None and h.state else "",
+                    verified, total, tuple(sorted(o.version for o in s.offloads.values())),
+                    round(max(0.0, now - s.last_seen), 3),
+                ))  # fmt: skip
+            replicas.append(m.ReplicaState(rname, r.num_shards, r.spot, tuple(shards)))
+        models.append(m.ModelState(name, mo.num_shards, mo.highest_published, back, tuple(versions), tuple(replicas)))
+    grants = []
+    for gid in sorted(table.grants):
+        g = table.grants[gid]
+        r, src = g.reader, g.source
+        layout = r.session.layout
+        total = layout.total_bytes if layout is not None else 0
+        age = max(0.0, now - g.created)
+        moved = max(0, r.verified - g.start)
+        grants.append(m.GrantState(
+            gid, r.session.model.name, r.version, r.shard_idx, r.replica.name, src.replica.name, src.kind,
+            src.state is not _P, r.verified, total, round(age, 3), round(moved / age, 1) if age > 0 else 0.0,
+        ))  # fmt: skip
+    return m.ClusterState(req, table.term, time.time(), tuple(models), tuple(grants), window_s, round(recent_bytes_per_s, 1))

@@ -1,0 +1,97 @@
+"""Conformance checks of the seqlock: the ``generation`` argument (``seqlock_between``) and a
+generation that moves during a read (``seqlock_during``; across processes, a holder that
+changes its holding in a tight loop)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tensorhub.testing.assertions import _expect, _failed_as_expected, _fails, _same_bytes
+from tensorhub.testing.limits import VERSION
+from tensorhub.testing.pairs import _Ctx
+from tensorhub.testing.registry import _check
+from tensorhub.testing.shards import _bytes, _partition
+
+
+@_check("seqlock_between")
+async def _seqlock_between(ctx: _Ctx) -> None:
+    """The ``generation`` argument is honoured: after the holder's generation moves, a read
+    passing the old one (or one it never had) raises TransportError (not RangeNotReady); a read
+    passing None or the new one returns the new one."""
+    shard = ctx.shard()
+    async with ctx.pair() as p:
+        g1 = await p.hold(shard)
+        into = p.into(shard)
+        got = await p.read(into, 0, 100, g1)
+        _expect(got == g1, f"a read passing generation {g1} returned {got}")
+        g2 = await p.reset(shard, VERSION, shard.total)
+        await _fails(p.read(into, 0, 100, g1), f"a read passing generation {g1} after the holder moved to {g2}")
+        await _fails(p.read(into, 0, 100, g2 + 1000), f"a read passing generation {g2 + 1000}, the holder's is {g2}")
+        got = await p.read(into, 0, 100)
+        _expect(got == g2, f"a read passing None returned generation {got}, the holder's is {g2}")
+        got = await p.read(into, 100, 100, g2)
+        _expect(got == g2, f"a read passing generation {g2} returned {got}")
+
+
+@_check("seqlock_during")
+async def _seqlock_during(ctx: _Ctx) -> None:
+    """A read across which the holder's generation moves (bumped after the transport took the
+    holder's memory to copy it) raises TransportError (not RangeNotReady); the same read
+    afterwards returns the new generation with the right bytes. Across processes: while the
+    holder process changes its holding in a tight loop, every read fails so or returns a
+    generation the holder had with exactly that generation's bytes."""
+    if ctx.processes:
+        await _seqlock_churn(ctx)
+        return
+    shard = ctx.shard()
+    async with ctx.pair() as p:
+        before = await p.hold(shard)
+        buf = p.hooked(shard)
+        into = p.into(shard)
+        buf.arm(lambda: buf.progress.reset(VERSION, shard.total))
+        await _fails(p.read(into, 0, shard.total), "a read across which the holder's generation moved")
+        _expect(buf.hook_fired, (
+            "the transport never read the holder's memory through ShardBuffers.views()/copy_out(), so "
+            "the suite cannot move the generation during a read; skip 'seqlock_during' for it"
+        ))
+        got = await p.read(into, 0, shard.total)
+        _expect(got == before + 1, f"the read after the change returned generation {got}, the holder's is {before + 1}")
+        _same_bytes(_bytes(into), shard.data, "the read after the generation change")
+
+
+_CHURN_ROUNDS = 6  # rounds of reads while the holder process churns
+
+
+async def _seqlock_churn(ctx: _Ctx) -> None:
+    """``seqlock_during`` across processes (see "Across processes" in the package docstring)."""
+    shard = ctx.shard()
+    contents = (shard.data, shard.spec.data("churn"))
+    async with ctx.pair() as p:
+        await p.hold(shard)
+        into, whole = p.into(shard), p.into(shard)
+        await p.read(into, 0, 100)  # connections made before the holding starts to move
+        first = await p.churn(shard)
+        seen: list[int] = []
+        try:
+            for _ in range(_CHURN_ROUNDS):
+                ranges = [*_partition(ctx.rng, shard.total, 12), (0, shard.total)]
+                results = await asyncio.gather(
+                    *(p.read(whole if n == shard.total else into, o, n) for o, n in ranges), return_exceptions=True
+                )
+                got_into, got_whole = _bytes(into), _bytes(whole)
+                for (o, n), r in zip(ranges, results):
+                    what = f"a read of bytes [{o}, {o + n}) while the holder's generation moved"
+                    if isinstance(r, BaseException):
+                        _failed_as_expected(r, what)
+                        continue
+                    _expect(type(r) is int and r >= first, f"{what} returned generation {r}; it was {first} before the changes")
+                    seen.append(r)
+                    got = (got_whole if n == shard.total else got_into)[o : o + n]
+                    _same_bytes(got, contents[(r - first) % 2][o : o + n], f"{what}, returning generation {r}", o)
+        finally:
+            await p.quiet()
+        last = await p.generation(shard)
+        _expect(all(g <= last for g in seen), f"reads returned generations {sorted(set(seen))}; the holder's last is {last}")
+        got = await p.read(whole, 0, shard.total)
+        _expect(got == last, f"the read after the changes stopped returned generation {got}, the holder's is {last}")
+        _same_bytes(_bytes(whole), contents[(last - first) % 2], "the read after the changes stopped")

@@ -1,0 +1,580 @@
+"""A shard's registered memory as one byte space, and the words that guard it.
+
+Theory of operation
+-------------------
+A shard's bytes are moved as one *transfer byte space*: its pack buffers (the tiny tensors laid
+end to end), then its large tensors, in the order the layout's packing plan fixes
+(:mod:`tensorhub.core.layout`). Transports move byte ranges of that space;
+:meth:`ShardBuffers.views` turns a range into the memory segments it covers, without copying.
+
+:class:`ProgressCounter` holds the two words a reader of this holder checks (DESIGN §4):
+
+- ``verified``: bytes of the held version received (and verified) contiguously from the start.
+  It never decreases while one generation lasts.
+- ``generation``: bumped whenever the buffers may change (unpublish, abort, a new version
+  pulled in). A read is accepted only if the generation did not move across it (a seqlock).
+
+Serving threads of two-sided transports block on the counter until a range is covered, so a
+partial holder serves each range as soon as it has it (pipeline replication). Every wait is
+bounded by a timeout and ends early when the generation moves.
+
+One-sided readers (``nixl``, ``local``) cannot block on a condition in another process: they
+read the counter's *words* instead, four int64 in CPU memory that the counter rewrites on every
+change: ``[tag, generation, version + 1 (0: none), verified]``. The words live in slots of a
+process-wide arena (:data:`WORDS`) whose chunks are allocated once and never freed, so a
+transport registers each chunk once and a stale reader can never read unmapped memory; ``tag``
+is a random nonzero number per counter (zeroed when the counter dies), so a reader that cached
+the address of a slot later given to another counter sees the tag differ and stops. A reset
+stores ``verified = 0`` and the version before the new generation, then the real ``verified``;
+``verified`` advances only after the bytes below it are in place (x86 and the PCIe ordering of
+a NIC's READ keep stores in that order). A READ of the words is not atomic, so a reader takes
+them as covering its range only when two READs in a row agree; it reads them again after its
+bytes (a seqlock) and accepts the bytes only if the tag, generation and version did not change
+and ``verified`` still covers them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import ctypes
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tensorhub.core.errors import InvalidArgument, InvalidName
+from tensorhub.core.layout import DTYPE_SIZES, Layout, TensorSpec, plan_of
+
+__all__ = ["WORDS", "WORD_BYTES", "ProgressCounter", "Segment", "ShardBuffers", "WordsArena", "layout_of", "memory_of", "read_words"]
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_PACK_THRESHOLD = 2 << 20
+CHECKSUM_ALGORITHM = "xxh3-64"
+
+
+WORD_BYTES = 32  #: one counter's words: tag, generation, version + 1, verified (int64 each)
+
+
+class WordsArena:
+    """Slots of :data:`WORD_BYTES` for progress words, in CPU chunks that are never freed.
+
+    Attributes:
+        chunks: the chunks allocated so far (uint8 tensors), in order; a transport that must
+            register memory registers each one once.
+    """
+
+    def __init__(self, chunk_slots: int = 2048) -> None:
+        self.chunk_slots = chunk_slots
+        self.chunks: list[torch.Tensor] = []
+        self._free: list[int] = []  # addresses of free slots
+        # Slots given back, not yet in ``_free``. ``give`` runs from counters' finalizers, that
+        # is whenever the garbage collector runs, even inside ``take`` on the same thread: it
+        # must not take a lock (a deque's append is atomic).
+        self._returned: collections.deque[int] = collections.deque()
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[int, int]:
+        """A free slot: ``(address, chunk index)``; its words are zero."""
+        with self._lock:
+            while self._returned:
+                self._free.append(self._returned.popleft())
+            if not self._free:
+                chunk = torch.zeros(self.chunk_slots * WORD_BYTES, dtype=torch.uint8)
+                self.chunks.append(chunk)
+                base = chunk.data_ptr()
+                self._free = [base + i * WORD_BYTES for i in reversed(range(self.chunk_slots))]
+            addr = self._free.pop()
+            return addr, self.chunk_of(addr)
+
+    def give(self, addr: int) -> None:
+        """Return a slot (its tag is zeroed first, so stale readers see it is not theirs)."""
+        ctypes.memset(addr, 0, WORD_BYTES)
+        self._returned.append(addr)
+
+    def chunk_of(self, addr: int) -> int:
+        for i, c in enumerate(self.chunks):
+            if c.data_ptr() <= addr < c.data_ptr() + c.numel():
+                return i
+        raise InvalidArgument(f"address {addr:#x} is not in the progress-words arena")
+
+
+#: The process's progress words (see the module docstring).
+WORDS = WordsArena()
+
+
+def read_words(raw: bytes | memoryview) -> tuple[int, int, int | None, int]:
+    """``(tag, generation, version, verified)`` from a copy of a counter's 32 words bytes."""
+    tag, gen, ver, verified = (int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, 32, 8))
+    return tag, gen, (ver - 1 if ver > 0 else None), verified
+
+
+class ProgressCounter:
+    """``(generation, verified)`` of one holding, safe to read and wait on from any thread, and
+    mirrored into progress words for one-sided readers (see the module docstring).
+
+    Attributes:
+        tag: this counter's nonzero random tag (first of its words).
+        words_address: where its words are (in :data:`WORDS`).
+        words_chunk: the index of the arena chunk that holds them.
+    """
+
+    __slots__ = ("__weakref__", "_cond", "_words", "generation", "tag", "verified", "version", "words_address", "words_chunk")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self.generation = 1
+        self.verified = 0
+        self.version: int | None = None
+        self.tag = secrets.randbits(62) + 1
+        self.words_address, self.words_chunk = WORDS.take()
+        self._words = (ctypes.c_int64 * 4).from_address(self.words_address)
+        self._words[1] = 1
+        self._words[0] = self.tag  # last: a reader that sees the tag sees the rest
+        weakref.finalize(self, WORDS.give, self.words_address)
+
+    def retag(self) -> int:
+        """Give the words a new tag: one-sided readers that described these buffers before
+        fail their next read and must describe them again (a one-sided transport calls it when
+        it withdraws the buffers). Returns the new tag."""
+        with self._cond:
+            self.tag = secrets.randbits(62) + 1
+            self._words[0] = self.tag
+            return self.tag
+
+    def words(self) -> bytes:
+        """A copy of the 32 bytes of words (what a one-sided reader reads)."""
+        return ctypes.string_at(self.words_address, WORD_BYTES)
+
+    def _mirror(self) -> None:
+        """Write the words after a reset (under the lock): ``verified`` to 0 and the version
+        first, then the generation, then the real ``verified``, so that a reader that sees the
+        new generation never sees the old holding's progress with it."""
+        w = self._words
+        w[3] = 0
+        w[2] = 0 if self.version is None else self.version + 1
+        w[1] = self.generation
+        w[3] = self.verified
+
+    def snapshot(self) -> tuple[int, int | None, int]:
+        """``(generation, version, verified)`` read together."""
+        with self._cond:
+            return self.generation, self.version, self.verified
+
+    def reset(self, version: int | None, verified: int = 0) -> int:
+        """The buffers now hold ``version`` (None: nothing) with ``verified`` bytes valid; bumps
+        the generation so that reads across the change are discarded. Returns the new generation."""
+        with self._cond:
+            self.generation += 1
+            self.version = version
+            self.verified = verified
+            self._mirror()
+            self._cond.notify_all()
+            return self.generation
+
+    def advance(self, verified: int) -> None:
+        """Raise ``verified`` (never lowers it)."""
+        with self._cond:
+            if verified > self.verified:
+                self.verified = verified
+                self._words[3] = verified
+                self._cond.notify_all()
+
+    def wait_covered(self, version: int, end: int, generation: int | None, timeout: float) -> tuple[int, bool]:
+        """Block until ``verified >= end`` for ``version``, or until ``timeout`` passes, or the
+        holding changes: the generation differs from ``generation`` (if given), or the buffers
+        held ``version`` during the wait and then stopped. Buffers that do not hold ``version``
+        yet are waited for: a reader may be granted a partial holder before that holder's own
+        grant has reached it. Returns ``(generation, covered)``."""
+        deadline = time.monotonic() + timeout
+        seen = False
+        with self._cond:
+            while True:
+                if generation is not None and self.generation != generation:
+                    return self.generation, False
+                if self.version == version:
+                    seen = True
+                    if self.verified >= end:
+                        return self.generation, True
+                elif seen:
+                    return self.generation, False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return self.generation, False
+                self._cond.wait(left)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """``length`` bytes at shard offset ``offset``: part of tensor ``index``, from its byte
+    ``start``."""
+
+    index: int
+    start: int
+    offset: int
+    length: int
+
+
+class _Parts:
+    """An in-place pack's tiny tensors with bytes: where each starts in the pack, a view of its
+    memory and its address."""
+
+    __slots__ = ("addresses", "sizes", "starts", "views")
+
+    def __init__(self, starts: list[int], views: list[memoryview], addresses: list[int]) -> None:
+        self.starts, self.views, self.addresses = starts, views, addresses
+        self.sizes = [len(v) for v in views]
+
+    def cut(self, start: int, length: int) -> list[tuple[int, int, int]]:
+        return cut_parts(self.starts, self.sizes, start, length)
+
+
+def cut_parts(starts: Sequence[int], sizes: Sequence[int], start: int, length: int) -> list[tuple[int, int, int]]:
+    """``(part, from, to)``: the byte ranges of parts laid end to end (part ``k`` from
+    ``starts[k]``, ``sizes[k]`` bytes) that bytes ``[start, start + length)`` cover, in order.
+    The range must lie inside the parts."""
+    out = []
+    k = max(0, bisect.bisect_right(starts, start) - 1)
+    pos, end = start, start + length
+    while pos < end:
+        lo = pos - starts[k]
+        hi = min(sizes[k], end - starts[k])
+        if hi > lo:
+            out.append((k, lo, hi))
+            pos = starts[k] + hi
+        k += 1
+    return out
+
+
+def memory_of(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy). The caller keeps
+    ``t`` alive while the view is used."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def layout_of(
+    tensors: dict[str, torch.Tensor],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+    ctx: dict | None = None,
+) -> Layout:
+    """The layout of named tensors, in the dict's order.
+
+    Raises:
+        InvalidArgument: not a dict of contiguous tensors of a supported dtype.
+        InvalidName: a name that is not a non-empty string.
+    """
+    ctx = ctx or {}
+    if not isinstance(tensors, dict) or not tensors:
+        raise InvalidArgument(f"register takes a non-empty dict of name -> torch.Tensor, got {type(tensors).__name__}", **ctx)
+    specs = []
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or len(name) > 1024:
+            raise InvalidName(f"tensor names must be strings of 1 to 1024 characters, got {name!r}", **ctx)
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor", **ctx)
+        if not t.is_contiguous():
+            raise InvalidArgument(f"tensor {name!r} is not contiguous; register contiguous tensors", **ctx)
+        if t.device.type not in ("cpu", "cuda"):
+            raise InvalidArgument(f"tensor {name!r} is on {t.device}; CPU and CUDA tensors are supported", **ctx)
+        dtype = _dtype_name(t)
+        if dtype not in DTYPE_SIZES:
+            raise InvalidArgument(f"tensor {name!r} has dtype {dtype}, which layouts cannot name", **ctx)
+        specs.append(TensorSpec(name, dtype, tuple(int(d) for d in t.shape), t.numel() * t.element_size()))
+    return Layout(tuple(specs), CHECKSUM_ALGORITHM, chunk_bytes, pack_threshold)
+
+
+class ShardBuffers:
+    """The registered tensors of one shard handle, addressed as one transfer byte space.
+
+    The space is laid out by the layout's packing plan (:func:`~tensorhub.core.layout.plan_of`): pack
+    regions (the tiny tensors end to end) and then the large tensors, used in place. A pack is
+    either *copied* or *in place*:
+
+    - copied (the default): a pack buffer is allocated here, on the device of its first tiny
+      tensor; :meth:`pack` copies the tiny tensors into it (a publisher, before serving) and
+      :meth:`unpack` copies them back out (a reader, after its pull). Transports that register
+      memory (NIXL) need this: one registration and one transfer operation per pack.
+    - in place (``packs_in_place=True``, for packs whose tiny tensors are all in CPU memory): no
+      buffer; the pack region is a list of *parts*, the tiny tensors' own memory, and
+      :meth:`views`, :meth:`spans`, :meth:`copy_in` and :meth:`copy_out` cut a range of it
+      along the tensors. Publishing copies nothing and a pull lands straight in the tensors: no
+      second copy of the tiny tensors in memory, no pack or unpack pass. For transports that
+      gather (``Transport.gathers``): the engine asks for it when all of its transports do.
+
+    Both kinds give the same transfer space, units and checksums: a reader with copied packs
+    reads a holder with in-place ones and the other way round.
+
+    Attributes:
+        layout: the shard's layout (what the server compares across holders).
+        plan: its packing plan.
+        tensors: the caller's tensors, in layout order (empty for an offload copy).
+        regions: the packs and large tensors, in transfer order (flat byte tensors or the
+            caller's own tensors; None for a pack kept in place).
+        progress: the holding's :class:`ProgressCounter`.
+    """
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        layout: Layout,
+        *,
+        regions: list[torch.Tensor] | None = None,
+        packs_in_place: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.plan = plan = plan_of(layout)
+        self.tensors = list(tensors.values())
+        built: list[torch.Tensor | None] = []
+        if regions is None:
+            if len(self.tensors) != len(layout.tensors):
+                raise InvalidArgument(f"{len(self.tensors)} tensors for a layout of {len(layout.tensors)}")
+            for r in plan.regions:
+                if r.tensor is not None:
+                    built.append(self.tensors[r.tensor])
+                elif packs_in_place and all(self.tensors[i].device.type == "cpu" for i, _ in r.members):
+                    built.append(None)
+                else:
+                    device = self.tensors[r.members[0][0]].device
+                    built.append(torch.zeros(r.nbytes, dtype=torch.uint8, device=device))
+        elif len(regions) != len(plan.regions) or any(
+            t.numel() * t.element_size() != r.nbytes for t, r in zip(regions, plan.regions)
+        ):
+            raise InvalidArgument("regions do not match the layout's packing plan")
+        else:
+            built = list(regions)
+        self.regions = built
+        self.starts = [r.offset for r in plan.regions]
+        self.total_bytes = plan.total_bytes
+        self.on_cuda = any(t is not None and t.device.type == "cuda" for t in built)
+        # CPU memory, viewed once: serving, receiving and hashing slice these.
+        self._views = [memory_of(t) if t is not None and t.device.type == "cpu" else None for t in built]
+        # The in-place packs: region index -> its parts (start in the region, view, address).
+        self._parts: dict[int, _Parts] = {k: self._parts_of(k) for k, t in enumerate(built) if t is None}
+        self._member_views: dict[int, tuple[object, object]] | None = None
+        self.progress = ProgressCounter()
+
+    def _parts_of(self, k: int) -> _Parts:
+        starts: list[int] = []
+        views: list[memoryview] = []
+        addresses: list[int] = []
+        for i, off in self.plan.regions[k].members:
+            t = self.tensors[i]
+            if self.layout.tensors[i].nbytes:
+                starts.append(off)
+                views.append(memory_of(t))
+                addresses.append(t.data_ptr())
+        return _Parts(starts, views, addresses)
+
+    @property
+    def packed(self) -> bool:
+        """Whether tiny tensors go through copied pack buffers (:meth:`pack` before serving,
+        :meth:`unpack` after a pull); False when there are none, or all packs are in place."""
+        return any(t is not None and r.tensor is None for t, r in zip(self.regions, self.plan.regions))
+
+    @property
+    def packs_in_place(self) -> bool:
+        """Whether some pack is kept in place (a list of the tiny tensors' own memory)."""
+        return bool(self._parts)
+
+    def parts(self, region: int) -> list[tuple[int, int]] | None:
+        """An in-place pack's parts, ``(address, nbytes)`` of each tiny tensor with bytes in
+        pack order (what ``local`` describes to its readers); None for any other region."""
+        got = self._parts.get(region)
+        if got is None:
+            return None
+        return list(zip(got.addresses, got.sizes))
+
+    def segments(self, offset: int, length: int) -> list[Segment]:
+        """The pieces of regions that transfer bytes ``[offset, offset + length)`` cover
+        (``Segment.index`` is the region's index).
+
+        Raises:
+            InvalidArgument: the range is not inside the shard.
+        """
+        if offset < 0 or length < 0 or offset + length > self.total_bytes:
+            raise InvalidArgument(f"byte range [{offset}, {offset + length}) is outside the shard's {self.total_bytes} bytes")
+        out = []
+        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        pos, end = offset, offset + length
+        regions = self.plan.regions
+        while pos < end:
+            while regions[i].offset + regions[i].nbytes <= pos:
+                i += 1
+            start = pos - regions[i].offset
+            n = min(end, regions[i].offset + regions[i].nbytes) - pos
+            out.append(Segment(i, start, pos, n))
+            pos += n
+        return out
+
+    def views(self, offset: int, length: int) -> list[memoryview]:
+        """Writable views of CPU memory covering ``[offset, offset + length)`` (no copy).
+
+        Raises:
+            InvalidArgument: the range is outside the shard, or covers CUDA memory (use
+                :meth:`copy_out` / :meth:`copy_in` and a staging buffer for those).
+        """
+        out: list[memoryview] = []
+        for seg in self.segments(offset, length):
+            if not self._cpu_views(seg, out):
+                raise InvalidArgument(f"{self._describe(seg.index)} is on CUDA; stage it")
+        return out
+
+    def spans(self, offset: int, length: int) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of the CPU memory covering ``[offset, offset + length)``, in
+        order (an in-place pack gives one span per tiny tensor it crosses).
+
+        Raises:
+            InvalidArgument: the range is outside the shard, or covers CUDA memory.
+        """
+        out: list[tuple[int, int]] = []
+        for seg in self.segments(offset, length):
+            parts = self._parts.get(seg.index)
+            if parts is not None:
+                for k, lo, hi in parts.cut(seg.start, seg.length):
+                    out.append((parts.addresses[k] + lo, hi - lo))
+                continue
+            t = self.regions[seg.index]
+            assert t is not None
+            if t.device.type != "cpu":
+                raise InvalidArgument(f"{self._describe(seg.index)} is on CUDA; stage it")
+            out.append((t.data_ptr() + seg.start, seg.length))
+        return out
+
+    def _cpu_views(self, seg: Segment, out: list[memoryview]) -> bool:
+        """Append views of ``seg``'s bytes to ``out``; False (nothing appended) if they are in
+        CUDA memory."""
+        parts = self._parts.get(seg.index)
+        if parts is not None:
+            out.extend(parts.views[k][lo:hi] for k, lo, hi in parts.cut(seg.start, seg.length))
+            return True
+        v = self._views[seg.index]
+        if v is None:
+            return False
+        out.append(v[seg.start : seg.start + seg.length])
+        return True
+
+    def _describe(self, region: int) -> str:
+        r = self.plan.regions[region]
+        return f"tensor {self.layout.tensors[r.tensor].name!r}" if r.tensor is not None else f"pack {region}"
+
+    def _flat(self, region: int) -> torch.Tensor:
+        t = self.regions[region]
+        assert t is not None, "an in-place pack has no buffer"
+        return t.reshape(-1).view(torch.uint8)
+
+    def copy_out(self, offset: int, dest: memoryview) -> None:
+        """Copy transfer bytes starting at ``offset`` into ``dest`` (used for CUDA staging)."""
+        pos = 0
+        for seg in self.segments(offset, len(dest)):
+            views: list[memoryview] = []
+            if self._cpu_views(seg, views):
+                for v in views:
+                    dest[pos : pos + len(v)] = v
+                    pos += len(v)
+                continue
+            staged = torch.frombuffer(dest[pos : pos + seg.length], dtype=torch.uint8)
+            staged.copy_(self._flat(seg.index)[seg.start : seg.start + seg.length])
+            pos += seg.length
+
+    def copy_in(self, offset: int, src: memoryview) -> None:
+        """Copy ``src`` into transfer bytes starting at ``offset`` (used for CUDA staging)."""
+        pos = 0
+        for seg in self.segments(offset, len(src)):
+            views: list[memoryview] = []
+            if self._cpu_views(seg, views):
+                for v in views:
+                    v[:] = src[pos : pos + len(v)]
+                    pos += len(v)
+                continue
+            flat = self._flat(seg.index)[seg.start : seg.start + seg.length]
+            flat.copy_(torch.frombuffer(src[pos : pos + seg.length], dtype=torch.uint8))
+            pos += seg.length
+        if self.on_cuda:
+            torch.cuda.synchronize()
+
+    def _members(self) -> dict[int, tuple[object, object]]:
+        """For every packed tensor with bytes, by layout index: ``(its bytes, its slice of the
+        pack)``, as memoryviews when both are in CPU memory (a plain memcpy, no torch dispatch
+        per tiny tensor), else as flat uint8 tensors. Built once."""
+        got = self._member_views
+        if got is not None:
+            return got
+        got = {}
+        for k, r in enumerate(self.plan.regions):
+            if r.tensor is not None or self.regions[k] is None:  # a large tensor, or in place
+                continue
+            pack = self._flat(k)
+            pv = self._views[k]
+            for i, off in r.members:
+                t = self.tensors[i]
+                n = self.layout.tensors[i].nbytes
+                if not n:
+                    continue
+                if pv is not None and t.device.type == "cpu":
+                    got[i] = (memory_of(t), pv[off : off + n])
+                else:
+                    got[i] = (t.reshape(-1).view(torch.uint8), pack[off : off + n])
+        self._member_views = got
+        return got
+
+    def pack(self) -> None:
+        """Copy the tiny tensors into their packs (before the buffers are served)."""
+        if not self.tensors:
+            return
+        for t, slot in self._members().values():
+            if isinstance(slot, memoryview):
+                slot[:] = t
+            else:
+                slot.copy_(t)
+        if self.on_cuda:
+            torch.cuda.synchronize()
+
+    def unpack(self, tensors: Iterable[int] | None = None) -> None:
+        """Copy packs out into the tiny tensors (after a pull landed them): those with layout
+        indices ``tensors`` (the others are skipped), or all."""
+        if not self.tensors:
+            return
+        members = self._members()
+        picked = members.values() if tensors is None else [members[i] for i in tensors if i in members]
+        for t, slot in picked:
+            if isinstance(t, memoryview):
+                t[:] = slot
+            else:
+                t.copy_(slot)
+        if self.on_cuda:
+            torch.cuda.synchronize()
+
+    def clone_cpu(self) -> ShardBuffers:
+        """A CPU copy of these buffers' transfer space (an offload copy: it only serves). Copies
+        of CUDA memory go to pinned memory (faster to fill, and what a NIC or a CUDA copy
+        reads best)."""
+        copies = []
+        for k, t in enumerate(self.regions):
+            if t is None:  # an in-place pack: the copy is a pack buffer
+                pack = torch.empty(self.plan.regions[k].nbytes, dtype=torch.uint8)
+                self.copy_out(self.plan.regions[k].offset, memory_of(pack))
+                copies.append(pack)
+                continue
+            flat = t.detach().reshape(-1).view(torch.uint8)
+            if flat.device.type == "cuda":
+                pinned = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+                pinned.copy_(flat)
+                copies.append(pinned)
+            else:
+                copies.append(flat.to("cpu", copy=True))
+        if self.on_cuda:
+            torch.cuda.synchronize()
+        return ShardBuffers({}, self.layout, regions=copies)
