@@ -148,6 +148,8 @@ def _worker(cmds: Any, results: Any, open_kw: dict) -> None:
                 value = list(h.last_pull.transports) if h.last_pull else []
             elif cmd == "server_address":  # the server the handle is on now (None: failing over)
                 value = h.server_address
+            elif cmd == "state":  # (version held, empty)
+                value = (h.version, h.empty)
             else:
                 value = getattr(h, cmd)(*args)
                 if cmd == "list" and isinstance(value, dict):

@@ -6,7 +6,7 @@ import pytest
 
 from tensorhub.core import errors as e
 from tensorhub.core import messages as m
-from tensorhub.core.invariants import assert_invariants
+from tensorhub.core.invariants import assert_invariants, check_invariants
 from tensorhub.core.table import TableConfig
 
 from .table_driver import LAYOUT, Driver, complete_all, make_layout
@@ -434,6 +434,82 @@ def test_newer_version_releases_offload_copies(d):
     assert t.take(m.FreeOffload) == [m.FreeOffload(t.session, 1)]
 
 
+def _unpublish_with_offload(t, version: int) -> int:
+    """The trainer shard unpublishes ``version``, the last copy of it: it is asked to offload
+    first and does. Returns the unpublish request (answered once its readers drained)."""
+    req = t.unpublish()
+    (o,) = t.take(m.OffloadRequest)
+    assert o.version == version
+    t.expect_ok(t.request(m.PublishOffload, t.session, version, True))
+    return req
+
+
+def _race(d):
+    """A rollout of 2 shards updates while a 2-shard trainer (retaining the latest version)
+    moves from v1 to v2: shard 0 pulls v1 from the trainer, shard 1 comes late."""
+    t0, t1 = published(d, num_shards=2, retain=0)
+    r0, r1 = d.replica("r", 2)
+    q0 = r0.update("latest")
+    g0 = r0.grant()
+    r0.progress(g0, 4096)
+    t1.expect_ok(_unpublish_with_offload(t1, 1))
+    req0 = _unpublish_with_offload(t0, 1)  # drains r0's read first
+    r0.complete(g0)
+    t0.expect_ok(req0)
+    for t in (t0, t1):
+        t.expect_ok(t.publish(2))  # v1 is no longer retained
+    return t0, t1, r0, r1, q0
+
+
+def test_an_update_in_flight_keeps_its_version_when_the_trainer_moves_on(d):
+    """The pin keeps v1's shard-1 offload copy until the late shard has it: no abort."""
+    t0, t1, r0, r1, q0 = _race(d)
+    assert t1.take(m.FreeOffload) == []  # pinned: not released
+    assert set(d.table.models["actor"].pins) == {1}
+    q1 = r1.update("latest")
+    g1 = r1.grant()
+    assert g1.version == 1 and g1.source.kind == "offload"
+    r1.complete(g1)
+    assert r0.expect_ok(q0) == m.Updated(q0, True, 1)
+    assert r1.expect_ok(q1) == m.Updated(q1, True, 1)
+    assert t1.take(m.FreeOffload) == [m.FreeOffload(t1.session, 1)]  # unpinned: released now
+    assert d.table.models["actor"].pins == {}
+    assert d.table.stats["pins"] == 1 and d.table.stats["redecided"] == 0
+    assert check_invariants(d.table) == []
+
+
+def test_without_the_pin_the_same_race_aborts(d):
+    """The baseline the pin fixes: once the pin has expired, v1's shard-1 copy goes when v2 is
+    published, and the late shard's update fails for the whole replica."""
+    d.table.config = TableConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0, drain_timeout=30.0, pin_timeout=0.5)
+    t0, t1, r0, r1, q0 = _race(d)
+    d.run_for(1)
+    assert d.table.stats["pins_expired"] == 1 and d.table.models["actor"].pins == {}
+    assert t1.take(m.FreeOffload) == [m.FreeOffload(t1.session, 1)]
+    q1 = r1.update("latest")
+    r0.expect_error(q0, e.UpdateAborted)
+    r1.expect_error(q1, e.UpdateAborted)
+
+
+def test_a_pin_in_a_model_without_retention_makes_no_copy(d):
+    """No replica declared retention: the trainer's unpublish is not turned into an offload by a
+    pin; it drains the active grant, as before."""
+    (t,) = published(d)
+    r = d.shard("r")
+    q = r.replicate(1)
+    g = r.grant()
+    req = t.unpublish()
+    assert t.take(m.OffloadRequest) == [] and t.reply(req) is None
+    r.complete(g)
+    r.expect_ok(q)
+    t.expect_ok(req)
+
+
+def test_pin_timeout_must_be_positive():
+    with pytest.raises(e.InvalidArgument, match="pin_timeout"):
+        TableConfig(pin_timeout=0)
+
+
 def test_spot_holders_do_not_count_for_retention(d):
     (t,) = published(d, retain=0)
     s = d.shard("spot", spot=True)
@@ -516,14 +592,38 @@ def test_update_aborted_leaves_the_handle_empty(d):
 
 
 def test_shards_see_one_latest(d):
-    """The paper's Figure 6: shard 0 resolves latest=12; 13 is published; shard 1 gets 12."""
+    """The paper's Figure 6: shard 0 resolves latest=12 and starts pulling; 13 is published;
+    shard 1 gets 12 too."""
     published(d, "t12", version=12, num_shards=2)
     r0, r1 = d.replica("r", 2)
     q0 = r0.replicate("latest")
+    g0 = r0.grant()
+    r0.progress(g0, 4096)  # bytes of 12 landed: the call stays on 12
     published(d, "t13", version=13, num_shards=2)
     q1 = r1.replicate("latest")
-    complete_all([r0, r1])
+    r0.complete(g0)
+    r1.complete(r1.grant())
     assert r0.expect_ok(q0).version == r1.expect_ok(q1).version == 12
+    assert d.table.stats["redecided"] == 0
+
+
+def test_a_call_that_landed_nothing_moves_to_the_newer_latest(d):
+    """Shard 0 resolves latest=12 but nothing lands before 13 is published: the whole replica
+    re-decides to 13 (one version for every shard), and 12's grant is cancelled."""
+    published(d, "t12", version=12, num_shards=2)
+    r0, r1 = d.replica("r", 2)
+    q0 = r0.replicate("latest")
+    g12 = r0.grant()
+    assert g12.version == 12
+    published(d, "t13", version=13, num_shards=2)
+    q1 = r1.replicate("latest")
+    g = r0.grant()
+    assert g.version == 13 and g.grant != g12.grant
+    r0.complete(g)
+    r1.complete(r1.grant())
+    assert r0.expect_ok(q0).version == r1.expect_ok(q1).version == 13
+    assert d.table.stats["redecided"] == 1
+    assert check_invariants(d.table) == []
 
 
 def test_replicate_answers_only_when_every_shard_is_done(d):

@@ -37,7 +37,7 @@ NUM_SHARDS = 2
 TRAINERS = ("trainer-0", "trainer-1")
 ROLLOUTS = ("rollout-0", "rollout-1", "rollout-2", "spot-0", "spot-1")
 NAMES = TRAINERS + ROLLOUTS
-CONFIG = TableConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0, drain_timeout=30.0)
+CONFIG = TableConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0, drain_timeout=30.0, pin_timeout=40.0)
 SPECS = ("latest", "latest-1", 0, 1, 2, 3, 5)
 STEPS = [0]  # hypothesis state-machine steps run in this process (reported at the end of the session)
 N_CHECKSUMS = LAYOUT.checksum_count()
@@ -95,6 +95,7 @@ class TableMachine(RuleBasedStateMachine):
         self.unpublishing: dict[int, tuple[ShardClient, int]] = {}  # req -> (shard, session)
         self.step_removed = False  # a crash/expiry/close/quarantine happened in this step
         self.retained_available: set[int] = set()
+        self.pinned_available: set[int] = set()
         self.trace: list[str] = []
 
     # ---- plumbing -----------------------------------------------------------------------------
@@ -461,6 +462,20 @@ class TableMachine(RuleBasedStateMachine):
             lost = {v for v in self.retained_available - now if model.retained(v) and v not in model.available}
             assert not lost or self.step_removed, f"retained versions {lost} lost without a holder dying"
         self.retained_available = now
+        # Pinned by a replicate/update in flight, in a model that keeps CPU copies, with a
+        # non-spot copy of every shard: it stays available while the pin lasts.
+        pinned = set()
+        if model is not None and model.declarations:
+            pinned = {
+                v for v in model.available
+                if v in model.pins and all(
+                    any(h.state in (HolderState.COMPLETE, HolderState.OFFLOAD) and not h.spot for h in hs.values())
+                    for hs in model.versions[v].holders
+                )
+            }
+            lost = {v for v in self.pinned_available - pinned if v in model.pins and v not in model.available}
+            assert not lost or self.step_removed, f"pinned versions {lost} lost without a holder dying"
+        self.pinned_available = pinned
         self.step_removed = False
 
     def teardown(self) -> None:

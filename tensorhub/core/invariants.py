@@ -81,6 +81,33 @@ def check_invariants(table: ReferenceTable) -> list[str]:
             if ver.available != (v in model.available):
                 bad.append(f"model {model.name} v{v}: availability index disagrees")
 
+    # Pins: each belongs to a live, decided, moving replicate/update with no error, on the version
+    # it decided; a transaction pins one version at most, and an offload copy of a version that is
+    # neither retained nor pinned is being released.
+    for model in table.models.values():
+        pinning: dict[int, int] = {}
+        for v, txns in model.pins.items():
+            if not txns:
+                bad.append(f"model {model.name} v{v}: an empty pin set")
+            for txn in txns:
+                where = f"model {model.name} v{v}: pin of {txn.replica.name} call {txn.n}"
+                if txn.replica.txns.get(txn.n) is not txn or txn.replica.model is not model:
+                    bad.append(f"{where} belongs to no live transaction")
+                if txn.kind not in ("replicate", "update") or not (txn.decided and txn.moved) or txn.error is not None:
+                    bad.append(f"{where}: not a decided, moving, unfailed replicate/update")
+                if txn.version != v or txn.pinned_until is None:
+                    bad.append(f"{where}: pins v{txn.version} until {txn.pinned_until}")
+                pinning[id(txn)] = pinning.get(id(txn), 0) + 1
+        if any(n > 1 for n in pinning.values()):
+            bad.append(f"model {model.name}: a transaction pins several versions")
+        for replica in model.replicas.values():
+            for txn in replica.txns.values():
+                if txn.pinned_until is not None and txn not in model.pins.get(txn.version, ()):
+                    bad.append(f"model {model.name}: {replica.name} call {txn.n} thinks it pins v{txn.version}")
+        for h in model.offload_holders.values():
+            if h.state is O and not model.kept(h.version) and not table._dirty_models.get(model.name):
+                bad.append(f"model {model.name} v{h.version}: an offload copy neither retained nor pinned is not released")
+
     # No cycle in the upstream graph.
     for h in holders.values():
         seen = set()

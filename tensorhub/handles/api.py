@@ -336,6 +336,14 @@ class AsyncShardHandle:
         return self
 
     @property
+    def empty(self) -> bool:
+        """True when the registered tensors hold no version: nothing was published or pulled
+        into them yet, or a replicate/update that had begun moving failed (``version`` is then
+        None). Do not serve from an empty handle; pull again (or keep serving from a second set
+        of buffers, once replicate-then-flip exists)."""
+        return self.version is None
+
+    @property
     def server_address(self) -> str | None:
         """The address of the server this handle's session is on now (None: none connected)."""
         client = self._client
@@ -571,9 +579,14 @@ class AsyncShardHandle:
         version is available. While the client fails over to another server it returns False
         (the tensors keep what they hold).
 
+        A call that has decided its version keeps it available until it is done (a *pin*: the
+        trainer publishing newer versions meanwhile does not take it away), and one that has
+        landed nothing yet moves to the newer version instead.
+
         Raises:
-            UpdateAborted: it had started moving and failed (the server was lost mid-pull, too);
-                the handle now holds nothing.
+            UpdateAborted: it had started moving and failed for a real cause, named in the message
+                (every source died, the server was lost mid-pull, a timeout): the handle now
+                holds nothing (``empty`` is True, ``version`` None).
             ServerUnavailable: the client gave up looking for a server.
         """
         with self._call("update"):
@@ -674,10 +687,10 @@ class AsyncShardHandle:
         except asyncio.CancelledError:
             await asyncio.shield(self._abandon())
             raise
-        except TensorHubError:
+        except TensorHubError as err:
             await self._engine.ask(AbortPull(self.session))
-            if self._engine.pull_stats(self.session) is not before:
-                self.version = None  # a pull began: the old holding was unpublished
+            if isinstance(err, UpdateAborted) or self._engine.pull_stats(self.session) is not before:
+                self.version = None  # it had begun moving: the server unpublished the old holding
             raise
         if isinstance(reply, m.Replicated) or (isinstance(reply, m.Updated) and reply.moved):
             self.version = reply.version

@@ -30,6 +30,7 @@ def _server(args: argparse.Namespace) -> int:
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
             drain_timeout=args.drain_timeout,
+            pin_timeout=args.pin_timeout,
             pipeline=not args.no_pipeline,
             smart_skipping=not args.no_smart_skipping,
         ),
@@ -161,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between client heartbeats")
     s.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before a client is dead")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds an unpublish waits for readers")
+    s.add_argument("--pin-timeout", type=float, default=300.0,
+                   help="seconds a replicate/update in flight keeps the version it decided (its pin)")
     s.add_argument("--no-pipeline", action="store_true", help="only complete holders serve (no pipeline replication)")
     s.add_argument("--no-smart-skipping", action="store_true",
                    help="update() moves even while its datacenter is seeding the version across datacenters")

@@ -62,6 +62,8 @@ own; the mixins share the records of :mod:`.records` and import nothing else of 
 - :mod:`.transactions`: the model-parallel calls, and the consistent list and wait built on them;
 - :mod:`.pulls`: replicate and update: version resolution, the replica's decision, the
   cross-datacenter policy, moving each shard;
+- :mod:`.pins`: a replicate/update in flight keeps the version it decided (a pin), and moves to a
+  newer one while nothing of it has landed;
 - :mod:`.failover`: the grace period and re-announcements;
 - :mod:`.settling`: the consequences applied after every event, and garbage collection;
 - :mod:`.views`: the listing, status, and the replication history.
@@ -81,6 +83,7 @@ from ..topology import LINK_CLASSES
 from .failover import FailoverMixin
 from .grants import GrantMixin
 from .holders import HolderMixin
+from .pins import PinMixin
 from .publishing import PublishMixin
 from .pulls import PullMixin
 
@@ -104,6 +107,7 @@ class ReferenceTable(
     GrantMixin,
     TransactionMixin,
     PullMixin,
+    PinMixin,
     FailoverMixin,
     SettleMixin,
     ViewMixin,
@@ -153,7 +157,7 @@ class ReferenceTable(
         self._dirty_models: dict[str, _Model] = {}
         self.stats = {
             "grants": 0, "grants_ended": 0, "revoked": 0, "expired": 0, "quarantined": 0, "offloads": 0,
-            "updates_skipped": 0, "offload_seeds": 0,
+            "updates_skipped": 0, "offload_seeds": 0, "pins": 0, "pins_expired": 0, "redecided": 0,
         }  # fmt: skip
         #: bytes moved under ended grants, per link class (:data:`tensorhub.core.topology.LINK_CLASSES`)
         self.bytes_by_link = dict.fromkeys(LINK_CLASSES, 0)
@@ -214,6 +218,8 @@ class ReferenceTable(
                 self._drain_expired(obj, now)
             elif what == "txn":
                 self._txn_expired(obj, now)
+            elif what == "pin":
+                self._pin_expired(obj, now)
             elif what == "announce":
                 obj.announce_until = None  # its shards had their time: decide without the rest
                 obj.model.availability_changed = True

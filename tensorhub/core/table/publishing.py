@@ -11,9 +11,11 @@ them; the highest published version, from which retention counts.
 
 Invariants: the checksums of a (version, shard) are declared once; a publish with other ones is
 refused, and a holding declaring other ones is quarantined. An unpublishing holder gets no new
-grants and is freed only when drained. The last non-spot complete copy of a retained version is
-offloaded before it unpublishes; an offload copy is released only once its version is not
-retained or another non-spot holder has completed it. An unpublish is answered only when the
+grants and is freed only when drained. The last non-spot complete copy of a retained version (or
+of a pinned one, in a model that keeps CPU copies: :meth:`_Model.offloads`) is offloaded before
+it unpublishes; an offload copy is released only once its version is not
+kept (retained, or pinned by a replicate/update in flight) or another non-spot holder has
+completed it. An unpublish is answered only when the
 holding is gone.
 
 What it must never do: free a holder that has active grants, or answer an unpublish early.
@@ -170,7 +172,7 @@ class PublishMixin:
         self._begin_drain(h)
 
     def _last_retained(self, h: _Holder) -> bool:
-        if h.spot or h.kind != m.KIND_NORMAL or not h.session.model.retained(h.version):
+        if h.spot or h.kind != m.KIND_NORMAL or not h.session.model.offloads(h.version):
             return False
         holders = self._holder_set(h.session.model, h.version, h.shard_idx)
         return not any(o is not h and o.state in SERVING and not o.spot for o in holders.values())
@@ -202,10 +204,10 @@ class PublishMixin:
             self._regrant(r)
 
     def _maybe_release(self, h: _Holder, holders: dict[int, _Holder]) -> None:
-        """Release an offload copy once the version is no longer retained or another non-spot
-        holder has completed it. Its readers drain first; then its owner frees it."""
+        """Release an offload copy once the version is no longer kept (retained or pinned) or
+        another non-spot holder has completed it. Its readers drain first; then its owner frees it."""
         model = h.session.model
-        if model.retained(h.version) and not any(
+        if model.kept(h.version) and not any(
             o.state is C and not o.spot and not o.offload_pending for o in holders.values()
         ):
             return

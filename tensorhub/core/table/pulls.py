@@ -96,6 +96,8 @@ class PullMixin:
             txn.version, txn.moved = (v if moves else held), moves
         txn.waiting = False
         txn.decided = True
+        if txn.moved:
+            self._pin(txn)  # its sources stay until it is answered (see .pins)
 
     def _seeding_allows(self, txn: _Txn, s: _Session, v: int) -> bool:
         """Cross-datacenter policy for an ``update`` that would move to ``v`` (DESIGN §5.6).
@@ -197,6 +199,7 @@ class PullMixin:
     def _maybe_answer(self, txn: _Txn) -> None:
         if txn.error is not None or not _all_done(txn):
             return
+        self._unpin(txn)
         for call in list(txn.shards.values()):
             reply = m.Replicated(call.req, txn.version) if txn.kind == "replicate" else m.Updated(call.req, True, txn.version)
             self._finish_call(txn, call, reply)

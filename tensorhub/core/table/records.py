@@ -60,6 +60,8 @@ class TableConfig:
         smart_skipping: while a replica of a datacenter is seeding a version (pulling it across
             datacenters), ``update()`` elsewhere in that datacenter answers "not yet" instead of
             queueing behind the slow link (DESIGN §5.6). Only with ``pipeline``.
+        pin_timeout: how long a replicate/update that has decided its version keeps that version's
+            sources for itself (a *pin*, see :mod:`tensorhub.core.table.pins`) after it decided.
     """
 
     heartbeat_interval: float = 1.0
@@ -67,10 +69,11 @@ class TableConfig:
     drain_timeout: float = 30.0
     pipeline: bool = True
     smart_skipping: bool = True
+    pin_timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.heartbeat_interval <= 0 or self.drain_timeout <= 0:
-            raise InvalidArgument("heartbeat_interval and drain_timeout must be > 0")
+        if self.heartbeat_interval <= 0 or self.drain_timeout <= 0 or self.pin_timeout <= 0:
+            raise InvalidArgument("heartbeat_interval, drain_timeout and pin_timeout must be > 0")
         if self.heartbeat_timeout < 10 * self.heartbeat_interval:
             raise InvalidArgument(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must be at least 10x "
@@ -177,7 +180,7 @@ class _Txn:
 
     __slots__ = (
         "n", "kind", "args", "replica", "decided", "version", "moved", "answer", "error", "deadline",
-        "shards", "consumed", "source_replica", "offered", "waiting", "offload_seed", "skipped", "seed",
+        "shards", "consumed", "source_replica", "offered", "waiting", "offload_seed", "skipped", "seed", "pinned_until",
     )  # fmt: skip
 
     def __init__(self, n: int, kind: str, args: Any, replica: "_Replica") -> None:
@@ -199,6 +202,7 @@ class _Txn:
         self.offload_seed = False  # update: the replica seeds into a CPU copy rather than stall
         self.skipped: int | None = None  # update: the newer version it skipped (being seeded here)
         self.seed: int | None = None  # update: the version the replica is to offload-seed
+        self.pinned_until: float | None = None  # replicate/update: its version is pinned until then
 
 
 class _Replica:
@@ -251,7 +255,7 @@ class _Model:
     __slots__ = (
         "name", "num_shards", "layouts", "versions", "highest_published", "replicas", "declarations",
         "epoch", "listing", "available", "listing_stale", "changed", "availability_changed", "waits", "parked",
-        "offload_holders", "dirty_shards", "retention_changed", "waiting_readers", "gc_needed", "seeds",
+        "offload_holders", "dirty_shards", "retention_changed", "waiting_readers", "gc_needed", "seeds", "pins",
     )  # fmt: skip
 
     def __init__(self, name: str, num_shards: int) -> None:
@@ -275,6 +279,7 @@ class _Model:
         self.retention_changed = False
         self.gc_needed = False  # a holder or replica went away: forget what is no longer needed
         self.waiting_readers: dict[_Holder, None] = {}  # partial holders parked without a source (grace)
+        self.pins: dict[int, dict[_Txn, None]] = {}  # version -> the replicate/update calls pinning it
         #: (version, datacenter) -> (replica told to offload-seed it there, until when the
         #: datacenter counts as seeding before its seed replica's pull shows up)
         self.seeds: dict[tuple[int, str], tuple[str, float]] = {}
@@ -286,6 +291,17 @@ class _Model:
     def retained(self, version: int) -> bool:
         back = self.retain_back()
         return back is not None and self.highest_published is not None and version >= self.highest_published - back
+
+    def kept(self, version: int) -> bool:
+        """Retained, or pinned by a replicate/update in flight: an offload copy of it is not
+        released (while no other non-spot holder has it whole)."""
+        return version in self.pins or self.retained(version)
+
+    def offloads(self, version: int) -> bool:
+        """Whether the last non-spot copy of ``version`` is offloaded before it is unpublished:
+        it is retained, or it is pinned and the model keeps CPU copies at all (some replica
+        declared retention). A pin never makes a copy where retention would make none."""
+        return self.retained(version) or (version in self.pins and bool(self.declarations))
 
 
 class SourcePolicy(Protocol):

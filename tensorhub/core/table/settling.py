@@ -6,7 +6,8 @@ What it owns: the work that transitions mark as due (``_mark_dirty``, the model'
 ``dirty_shards`` and its ``changed``, ``availability_changed``, ``retention_changed`` and
 ``gc_needed`` flags): failing partial holders that can no longer finish, re-granting readers
 parked without a source, releasing offload copies no longer needed, bumping the listing epoch
-and answering wait long-polls, waking calls parked for a version, and forgetting the versions
+and answering wait long-polls, waking calls parked for a version, moving pinned calls that
+landed nothing to a newer version (:mod:`.pins`), and forgetting the versions
 and models nothing refers to any more.
 
 Invariants: settling repeats until no model is dirty (a bound turns a livelock into an error);
@@ -70,6 +71,7 @@ class SettleMixin:
         if model.availability_changed:
             model.availability_changed = False
             self._wake_parked(model)
+            self._redecide(model)
         if model.gc_needed:
             model.gc_needed = False
             self._gc_versions(model)

@@ -68,6 +68,7 @@ class TransactionMixin:
             self._drop_txn(txn)
 
     def _drop_txn(self, txn: _Txn) -> None:
+        self._unpin(txn)
         if txn.replica.txns.get(txn.n) is txn:
             del txn.replica.txns[txn.n]
         for call in txn.shards.values():
@@ -84,6 +85,7 @@ class TransactionMixin:
             err = UpdateAborted(f"update to version {txn.version} aborted: {err.message}", **err.context())
         txn.error = err
         txn.decided = True
+        self._unpin(txn)
         if txn.kind == "wait":
             model = txn.replica.model
             model.waits = [w for w in model.waits if w[0] is not txn]
