@@ -201,3 +201,28 @@ def test_the_first_try_benchmark_runs_and_checks_its_bytes(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_first_try.py"), "--size-mib", "0"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "--size-mib" in bad.stderr
+
+
+@pytest.mark.integration
+def test_a_second_handle_asking_for_other_transports_is_refused_not_ignored(inproc_server, monkeypatch):
+    """One transfer engine per process: a second handle gets the transports it asks for (the
+    same as the running ones) or a typed error naming both, never silently others."""
+    import tensorhub
+    from tensorhub.core.errors import InvalidArgument
+
+    monkeypatch.delenv("TENSORHUB_TRANSPORTS", raising=False)
+    first = tensorhub.open("two", "a", server=inproc_server.address, transports={"tcp": {}})
+    try:
+        same = tensorhub.open("two", "b", server=inproc_server.address, transports={"tcp": {}})
+        same.close()
+        inherit = tensorhub.open("two", "c", server=inproc_server.address)  # None: the process's
+        inherit.close()
+        with pytest.raises(InvalidArgument, match=r"already runs transports \['tcp'\].*asking for \{'local': \{\}\}"):
+            tensorhub.open("two", "d", server=inproc_server.address, transports={"local": {}})
+        with pytest.raises(InvalidArgument, match="must ask for the same ones"):
+            tensorhub.open("two", "e", server=inproc_server.address, transports={"tcp": {"streams": 2}})
+    finally:
+        first.close()
+    # every handle closed: the engine stopped, and a new one may start with another set
+    again = tensorhub.open("two", "f", server=inproc_server.address, transports={"memory": {}, "tcp": {}})
+    again.close()

@@ -242,3 +242,32 @@ def test_model_parallel_replicas_move_together(servers, handles):
         h.send("update", "latest", 30.0)
     assert [h.result() for h in rollout] == [True, True]
     assert all(h.call("holds", 2) for h in rollout)
+
+
+def test_a_pull_under_way_resumes_on_the_backup_from_what_it_verified(servers, handles):
+    """The primary is SIGKILLed while a reader is a few reads into a slowed pull: the replicate
+    call waits for the move, the reader re-announces its partial pull, and the backup grants it
+    a source for the same version: it resumes from its verified ranges (far less than a second
+    whole shard is pulled) and ends byte-exact."""
+    from .test_integrity import MANY, SCALE, shard_bytes
+
+    primary, backup = servers(), servers()
+    addresses = f"{primary.address},{backup.address}"
+    trainer = handles("trainer", server=addresses, scale=2 * SCALE, env=MANY)
+    slow = [{"op": "delay", "seconds": 3.0, "after": 1, "times": 0}]  # every read but the first
+    reader = handles("rollout", server=addresses, scale=2 * SCALE, env=MANY, transports={"tcp": {"faults": slow}})
+    for h in (trainer, reader):
+        h.call("register")
+    trainer.call("fill", 1)
+    trainer.call("publish", 1)
+    reader.send("replicate", 1, 60.0)
+    time.sleep(1.0)  # the first read (one of three checksum units) landed; the others are slowed
+    kill(primary)
+    assert reader.result(60.0) == 1
+    assert reader.call("holds", 1)
+    assert reader.call("server_address") == backup.address
+    # Bytes landed under the pull's current grants (reads of the lost server's grant that were in
+    # flight at the loss, verified against the checksums like any other, are not counted).
+    pulled, total = reader.call("pulled"), shard_bytes(2 * SCALE)
+    assert 0 < pulled < 1.2 * total, f"pulled {pulled} bytes for a {total}-byte shard"
+    assert reader.call("last_sources") == ["trainer/0", "trainer/0"]  # one grant from each server, one pull

@@ -98,6 +98,7 @@ Versions = dict[int, dict[str, m.ReplicaEntry]]
 
 DEFAULT_FAILOVER_TIMEOUT = 120.0
 _ANSWERS_KEPT = 16  # model-parallel answers re-announced after a failover
+_RESUMES = 3  # failovers one replicate/update call survives mid-pull
 
 
 def _failover_timeout() -> float:
@@ -150,6 +151,7 @@ class Runtime:
     def __init__(self) -> None:
         self.ctx: zmq.asyncio.Context | None = None
         self.engine: EngineActor | None = None
+        self.transports: dict[str, dict] | None = None  # what the first handle asked for (None: defaults)
         self.clients: dict[str, ClientActor] = {}
         self.handles = 0
         self._lock = asyncio.Lock()
@@ -174,6 +176,14 @@ class Runtime:
                 failover_timeout = _failover_timeout()
                 if self.engine is None:
                     self.engine = await self._start_engine(transports)
+                    self.transports = {n: dict(o or {}) for n, o in (transports or {}).items()} if transports else None
+                elif transports is not None and self._differs(transports):
+                    raise InvalidArgument(
+                        f"this process's transfer engine already runs transports {sorted(self.engine.transports)} "
+                        f"(started by its first handle{' with ' + repr(self.transports) if self.transports else ''}); "
+                        f"a handle asking for {transports!r} must ask for the same ones, or pass transports=None to "
+                        "use the process's (one engine per process; close every handle to start another set)"
+                    )
                 key = ",".join(addresses)
                 client = self.clients.get(key)
                 if client is None or client.stopped or client.gave_up is not None:
@@ -186,6 +196,14 @@ class Runtime:
                 self.handles -= 1
                 await self._maybe_stop()
                 raise
+
+    def _differs(self, transports: dict[str, dict]) -> bool:
+        """Whether ``transports`` (a handle's explicit request) is not what the engine runs."""
+        assert self.engine is not None
+        want = {n: dict(o or {}) for n, o in transports.items()} if isinstance(transports, dict) else transports
+        if self.transports is not None:
+            return want != self.transports
+        return not isinstance(want, dict) or set(want) != set(self.engine.transports) or any(want.values())
 
     async def _start_engine(self, transports: dict[str, dict] | None) -> EngineActor:
         from tensorhub.transports.registry import get_transport
@@ -237,6 +255,7 @@ class Runtime:
         if self.engine is not None:
             await self.engine.stop()
             self.engine = None
+            self.transports = None
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
@@ -379,16 +398,20 @@ class AsyncShardHandle:
         if live is not None:
             holdings.append(m.Held(live, m.KIND_NORMAL, sums.get(live)))
         holdings.extend(m.Held(v, m.KIND_OFFLOAD, sums.get(v)) for v in offloads)
+        partial = None
+        if live is None and held is not None and verified < buffers.total_bytes and self._busy in ("replicate", "update"):
+            partial = m.PartialHeld(held, verified)  # a pull the loss suspended: its call comes again
         answered, answers = self._answered, tuple(self._answers)
         try:
-            await send(lambda req: m.Announce(req, sid, tuple(holdings), None, answered, answers))
+            await send(lambda req: m.Announce(req, sid, tuple(holdings), partial, answered, answers))
         except VersionConflict as err:
             # The server dropped holdings whose checksums disagree with what others declared.
             self.log.error("failover: a re-announced holding conflicts with other holders; dropped", error=str(err))
             if live is not None and err.version == live:
                 buffers.progress.reset(None)
                 self.version = None
-        self.log.info("re-announced after failover", held=live, offloads=offloads, answered=answered)
+        self.log.info("re-announced after failover", held=live, offloads=offloads, answered=answered,
+                      partial=None if partial is None else (partial.version, partial.verified))  # fmt: skip
 
     async def _release(self) -> None:
         rt, self._runtime = self._runtime, None
@@ -681,20 +704,47 @@ class AsyncShardHandle:
         assert self._engine is not None and self.session is not None
         before = self._engine.pull_stats(self.session)
         extra = (self.offload_seeding,) if cls is m.Update else ()
-        n = self._next_call()
-        try:
-            reply = await self._numbered(n, cls.__name__.lower(), lambda req: cls(req, self.session, n, spec, timeout, *extra))
-        except asyncio.CancelledError:
-            await asyncio.shield(self._abandon())
-            raise
-        except TensorHubError as err:
-            await self._engine.ask(AbortPull(self.session))
-            if isinstance(err, UpdateAborted) or self._engine.pull_stats(self.session) is not before:
-                self.version = None  # it had begun moving: the server unpublished the old holding
-            raise
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        for attempt in range(_RESUMES + 1):
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            n = self._next_call()
+            try:
+                reply = await self._numbered(n, cls.__name__.lower(), lambda req, n=n, left=left: cls(req, self.session, n, spec, left, *extra))
+                break
+            except asyncio.CancelledError:
+                await asyncio.shield(self._abandon())
+                raise
+            except TensorHubError as err:
+                if isinstance(err, ServerUnavailable) and attempt < _RESUMES and await self._resume(before, deadline):
+                    continue  # the same call (its number given back) on the next server, which resumes the pull
+                await self._engine.ask(AbortPull(self.session))
+                if isinstance(err, UpdateAborted) or self._engine.pull_stats(self.session) is not before:
+                    self.version = None  # it had begun moving: the server unpublished the old holding
+                raise
         if isinstance(reply, m.Replicated) or (isinstance(reply, m.Updated) and reply.moved):
             self.version = reply.version
         return reply
+
+    async def _resume(self, before: PullStats | None, deadline: float | None) -> bool:
+        """The server was lost during a replicate/update whose pull had begun: wait (within the
+        call's time and the client's failover bound) for the client to move; the handle's
+        restore re-announced the pull as a partial holding. True: make the call again."""
+        assert self._engine is not None and self.session is not None
+        client = self._client
+        if client is None or self._engine.pull_stats(self.session) is before:
+            return False
+        wait = client.failover_timeout
+        if deadline is not None:
+            wait = min(wait, deadline - asyncio.get_running_loop().time())
+        if wait <= 0:
+            return False
+        try:
+            await client.ready(wait)
+        except ServerUnavailable:
+            return False
+        self.log.info("server lost mid-pull; resuming on the next one", server=client.address)
+        return True
 
     async def _abandon(self) -> None:
         """A cancelled replicate/update: unpublish the partial holding (which fails the call

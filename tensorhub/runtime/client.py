@@ -22,10 +22,10 @@ open sessions in one message. When nothing at all has come from the server for
 ``heartbeat_timeout``, the server is taken as gone (``lost``):
 
 1. every request waiting for an answer fails with :class:`~tensorhub.errors.ServerUnavailable`
-   (none is re-sent: a handle gives the call number back, so that a call made again after the
-   move gets the answer its sibling shards were given), and the engine aborts its pulls (their
-   calls just failed); the registered tensors and complete holdings are untouched and stay
-   servable to peers that were already granted them;
+   (none is re-sent by this actor: a handle gives the call number back, so that a call made
+   again after the move gets the answer its sibling shards were given), and the engine suspends
+   its pulls (their grants are void; what they verified stays); the registered tensors and
+   complete holdings are untouched and stay servable to peers that were already granted them;
 2. the actor looks for a server: the next addresses of the list in order, wrapping around, so
    that the lost one is tried last; each probe is bounded by ``attempt_timeout``; after a full
    round with no answer it backs off (doubling, at most ``_MAX_BACKOFF`` s), and gives up after
@@ -40,8 +40,11 @@ open sessions in one message. When nothing at all has come from the server for
 If it gives up, the sessions are removed (the engine stops serving them) and every later
 request fails with ``ServerUnavailable``; a new handle gets a new client.
 
-A partial pull is never re-announced: its call failed at the loss and the pull was aborted
-(the handle is empty), so the ``partial`` of ``Announce`` stays None.
+A pull under way at the loss survives it: its handle waits for the move (within the call's
+timeout), re-announces the pull as a partial holding with what it verified (``partial`` of
+``Announce``), and makes the same call again (same number); the next server decides it for the
+announced version while that is still available, grants a source, and the pull resumes from its
+verified ranges. A handle that cannot wait (no server within its timeout) aborts it.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from tensorhub.core.errors import (
 from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
 
 from .actor import Actor
-from .engine import AbortPull
+from .engine import SuspendPull
 from .security import ClientKeys, apply_client, client_keys
 
 if TYPE_CHECKING:
@@ -410,7 +413,9 @@ class ClientActor(Actor):
         self._connected.clear()
         self.log.error("server lost; failing over", address=self.address, others=len(self.addresses) - 1)
         for local in self.sessions:
-            self.engine.tell(AbortPull(local))  # before the calls fail: nothing partial survives the move
+            # Before the calls fail: a pull keeps what it verified and waits for the next
+            # server's grant (its handle re-announces it); a handle that gives up aborts it.
+            self.engine.tell(SuspendPull(local))
         self._fail_all(err)
         self.spawn(self._find_and_move(self.index + 1), "client-failover")
 

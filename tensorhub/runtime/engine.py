@@ -82,6 +82,9 @@ __all__ = ["EngineActor", "PullStats"]
 #: the answer are logged (``unanswered``: the server answers only an error, as for progress).
 Report = Callable[[Callable[[int], Any], bool], None]
 
+#: How a slot's pull knows a grant: ``(term, grant id)`` (ids restart with each server start).
+GrantKey = tuple[int, int]
+
 
 @dataclass
 class PullStats:
@@ -156,7 +159,7 @@ class _Slot:
 class _Span:
     """A transfer under one grant, as the reader saw it (reported to the server when it ends)."""
 
-    grant: int
+    grant: GrantKey
     version: int
     source: str
     source_shard: int
@@ -200,6 +203,15 @@ class Holdings:
 
 
 @dataclass(frozen=True, slots=True)
+class SuspendPull:
+    """The server was lost: the slot's grant is void (its term is gone), but what the pull
+    verified stays. Reads stop; the pull waits for a grant from the server the client moves to
+    (the handle re-announces it as a partial holding) and resumes from its verified ranges."""
+
+    session: int
+
+
+@dataclass(frozen=True, slots=True)
 class AbortPull:
     """The slot's pull ended without success: answer once no read can write its buffers."""
 
@@ -225,7 +237,7 @@ class WaitPublished:
 class _ReadDone:
     session: int
     pull: ReplicationSession
-    grant: int
+    grant: GrantKey
     offset: int
     length: int
     generation: int | None
@@ -236,7 +248,7 @@ class _ReadDone:
 class _Verified:
     session: int
     pull: ReplicationSession
-    grant: int
+    grant: GrantKey
     offset: int
     bad_unit: int | None
 
@@ -245,7 +257,7 @@ class _Verified:
 class _Unpacked:
     session: int
     pull: ReplicationSession
-    grant: int
+    grant: GrantKey
     error: str | None
 
 
@@ -253,7 +265,7 @@ class _Unpacked:
 class _ReadFailed:
     session: int
     pull: ReplicationSession
-    grant: int
+    grant: GrantKey
     offset: int
     reason: str
     retryable: bool
@@ -368,8 +380,13 @@ class EngineActor(Actor):
             if pull is not None and not pull.done:
                 self._abort(slot)
             pull = slot.pull = self._new_pull(slot, g.version)
+        self.log.debug("grant", grant=g.grant, version=g.version, source=g.source.replica, verified=pull.verified,
+                       inflight=len(pull.inflight), **slot.ctx)  # fmt: skip
         if g.checksums is not None:
             self._learn_checksums(slot, g.version, g.checksums)
+        # The pull knows a grant by (term, id): ids restart with each server start, so a grant of
+        # the server failed over to may reuse the id of one of the lost server's (now void).
+        key = (g.term, g.grant)
         slot.grant = g
         slot.term = g.term
         slot.peer_generation = None
@@ -384,9 +401,9 @@ class EngineActor(Actor):
         slot.stats.sources.append(f"{g.source.replica}/{g.source.shard_idx}")
         slot.stats.transports.append(slot.peer[0].name)
         self._end_span(slot, "failed")  # a grant that was replaced without a word (normally reported already)
-        slot.span = _Span(g.grant, g.version, g.source.replica, g.source.shard_idx, slot.peer[0].name, time.time(),
+        slot.span = _Span(key, g.version, g.source.replica, g.source.shard_idx, slot.peer[0].name, time.time(),
                           slot.stats.bytes, slot.stats.reads)  # fmt: skip
-        self._run(slot, pull, pull.on_grant(g.grant, g.source))
+        self._run(slot, pull, pull.on_grant(key, g.source))
 
     def _new_pull(self, slot: _Slot, version: int) -> ReplicationSession:
         b = slot.buffers
@@ -440,7 +457,7 @@ class EngineActor(Actor):
                 (self.log.warning if expected else self.log.info)(choice.describe(), **slot.ctx)
         return self.transports[choice.name], endpoint[choice.name], endpoint["region"]
 
-    def _end_span(self, slot: _Slot, outcome: str, grant: int | None = None) -> None:
+    def _end_span(self, slot: _Slot, outcome: str, grant: GrantKey | None = None) -> None:
         """Report the transfer under the slot's current grant (if it is ``grant``, when given)."""
         span = slot.span
         if span is None or (grant is not None and span.grant != grant):
@@ -452,15 +469,27 @@ class EngineActor(Actor):
         moved = max(0, stats.bytes - span.bytes0) if stats is not None else 0
         reads = max(0, stats.reads - span.reads0) if stats is not None else 0
         end = max(time.time(), span.start)
-        self._report(slot, lambda req: m.TransferSpan(req, slot.session, span.grant, span.version, span.source, span.source_shard,
+        self._report(slot, lambda req: m.TransferSpan(req, slot.session, span.grant[1], span.version, span.source, span.source_shard,
                                                       span.transport, moved, reads, span.start, end, outcome), True)  # fmt: skip
 
     def on_Revoke(self, msg: m.Revoke) -> None:
         slot = self.slots.get(msg.session)
         if slot is not None and slot.pull is not None:
-            self._end_span(slot, "revoked", msg.grant)
+            key = (msg.term, msg.grant)
+            self._end_span(slot, "revoked", key)
             self.log.info("grant revoked", grant=msg.grant, reason=msg.reason, version=slot.pull.version, **slot.ctx)
-            self._run(slot, slot.pull, slot.pull.on_revoked(msg.grant))
+            self._run(slot, slot.pull, slot.pull.on_revoked(key))
+
+    def on_SuspendPull(self, msg: SuspendPull) -> None:
+        slot = self.slots.get(msg.session)
+        pull = slot.pull if slot is not None else None
+        if slot is None or pull is None or pull.done or slot.grant is None:
+            return
+        key = (slot.grant.term, slot.grant.grant)
+        self._end_span(slot, "suspended", key)
+        self.log.info("server lost mid-pull; suspended until the next grant", version=pull.version,
+                      verified=pull.verified, **slot.ctx)  # fmt: skip
+        self._run(slot, pull, pull.on_revoked(key))
 
     def on_AbortPull(self, msg: AbortPull) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
@@ -499,23 +528,23 @@ class EngineActor(Actor):
             elif isinstance(a, Advance):
                 slot.buffers.progress.advance(a.verified)
             elif isinstance(a, ReportProgress):
-                self._report(slot, lambda req, a=a: m.Progress(req, slot.session, a.grant, slot.term, a.verified), True)
+                self._report(slot, lambda req, a=a: m.Progress(req, slot.session, a.grant[1], a.grant[0], a.verified), True)
             elif isinstance(a, ReportComplete):
                 self.spawn(self._unpack(slot, pull, a.grant), "unpack")
             elif isinstance(a, ReportChecksumFailed):
                 src = pull.sources[-1] if pull.sources else None
                 where = f"{src.replica}/{src.shard_idx} ({src.kind})" if src is not None else "?"
                 self._end_span(slot, "checksum_failed", a.grant)
-                self.log.error("bytes from a source failed verification", grant=a.grant, source=where, unit=a.unit,
+                self.log.error("bytes from a source failed verification", grant=a.grant[1], source=where, unit=a.unit,
                                version=pull.version, **slot.ctx)  # fmt: skip
-                self._report(slot, lambda req, a=a: m.ChecksumFailed(req, slot.session, a.grant, slot.term, a.verified, a.unit))
+                self._report(slot, lambda req, a=a: m.ChecksumFailed(req, slot.session, a.grant[1], a.grant[0], a.verified, a.unit))
             elif isinstance(a, ReportSourceFailed):
                 src = pull.sources[-1] if pull.sources else None
                 where = f"{src.replica}/{src.shard_idx} ({src.kind})" if src is not None else "?"
                 self._end_span(slot, "failed", a.grant)
-                self.log.warning("source failed", grant=a.grant, source=where, verified=a.verified, reason=a.reason,
+                self.log.warning("source failed", grant=a.grant[1], source=where, verified=a.verified, reason=a.reason,
                                  version=pull.version, **slot.ctx)  # fmt: skip
-                self._report(slot, lambda req, a=a: m.SourceFailed(req, slot.session, a.grant, slot.term, a.verified, a.reason[:1000]))
+                self._report(slot, lambda req, a=a: m.SourceFailed(req, slot.session, a.grant[1], a.grant[0], a.verified, a.reason[:1000]))
 
     def _verify(self, slot: _Slot, pull: ReplicationSession, a: Verify) -> None:
         expected = slot.checksums.get(pull.version)
@@ -575,7 +604,7 @@ class EngineActor(Actor):
         task = slot.unpacking = self.spawn(run(), "unpack")
         return task
 
-    async def _unpack(self, slot: _Slot, pull: ReplicationSession, grant: int) -> None:
+    async def _unpack(self, slot: _Slot, pull: ReplicationSession, grant: GrantKey) -> None:
         error = None
         if slot.buffers.packed and slot.unpacking is not None:
             last = slot.unpacking
@@ -591,9 +620,9 @@ class EngineActor(Actor):
             self._end_span(slot, "failed", msg.grant)
             self.log.error("unpacking the pulled tiny tensors failed", error=msg.error, version=msg.pull.version, **slot.ctx)
             reason = f"unpacking failed locally: {msg.error}"[:1000]
-            self._report(slot, lambda req: m.SourceFailed(req, slot.session, msg.grant, slot.term, 0, reason))
+            self._report(slot, lambda req: m.SourceFailed(req, slot.session, msg.grant[1], msg.grant[0], 0, reason))
             return
-        self._report(slot, lambda req: m.Complete(req, slot.session, msg.grant, slot.term))
+        self._report(slot, lambda req: m.Complete(req, slot.session, msg.grant[1], msg.grant[0]))
         self._end_span(slot, "completed", msg.grant)
 
     def _report(self, slot: _Slot, build: Any, unanswered: bool = False) -> None:
@@ -630,7 +659,7 @@ class EngineActor(Actor):
         if msg.digests is not None and msg.pull is slot.pull:
             slot.landed[(msg.grant, msg.offset)] = msg.digests
         actions = msg.pull.on_read_done(msg.grant, msg.offset)
-        if msg.pull is slot.pull and slot.stats is not None and msg.grant == (slot.grant.grant if slot.grant else None):
+        if msg.pull is slot.pull and slot.stats is not None and msg.grant == ((slot.grant.term, slot.grant.grant) if slot.grant else None):
             slot.stats.bytes += msg.length
             slot.stats.reads += 1
             slot.stats.segments += len(slot.buffers.segments(msg.offset, msg.length))

@@ -164,6 +164,7 @@ class ServerActor(Actor):
         self.m_latency = r.histogram("tensorhub_request_seconds", "Time from receiving a request to sending its replies", ["kind"])
         self.m_dropped = r.counter("tensorhub_replies_dropped_total",
                                    "Replies not sent: the client's queue was full, or its connection is gone", ["reason"])  # fmt: skip
+        self._drop_logged: collections.OrderedDict[tuple[bytes, str], None] = collections.OrderedDict()
         self.m_conn = r.counter("tensorhub_connections_total", "Connection events on the server socket (monitor)", ["event"])
         self.m_xfer = r.histogram("tensorhub_transfer_seconds", "Transfer durations reported by readers (one per grant)",
                                   ["transport", "outcome"], DURATION_BUCKETS)  # fmt: skip
@@ -484,18 +485,37 @@ class ServerActor(Actor):
                 self.spawn(self.stop(), "server-idle-exit")
 
     def _send(self, out: list[tuple[Any, Any]]) -> None:
+        """Send replies without ever waiting. On the asyncio socket a non-blocking send reports
+        its outcome in the future it returns (resolved at once unless an earlier send is still
+        queued), not by raising: every future is read here, so a reply to a slow or vanished
+        client is counted and logged, never left as an unretrieved future error."""
         sock = self.sock
         assert sock is not None
         for peer, reply in out:
-            try:
-                sock.send_multipart([peer, encode(reply)], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                self.m_dropped.inc("queue full")
-                self.log.warning("client not keeping up; reply dropped", peer=peer.hex(), kind=type(reply).__name__)
-            except zmq.ZMQError as err:
-                if err.errno != zmq.EHOSTUNREACH:
-                    raise
-                self.m_dropped.inc("peer gone")  # it reconnected under another routing id, or left
+            fut = sock.send_multipart([peer, encode(reply)], flags=zmq.NOBLOCK)
+            kind = type(reply).__name__
+            if fut.done():
+                self._sent(fut, peer, kind)
+            else:
+                fut.add_done_callback(lambda f, peer=peer, kind=kind: self._sent(f, peer, kind))
+
+    def _sent(self, fut: Any, peer: bytes, kind: str) -> None:
+        err = None if fut.cancelled() else fut.exception()
+        if err is None:
+            return
+        if isinstance(err, zmq.Again):
+            reason, what = "queue full", "client not keeping up; reply dropped"
+        elif isinstance(err, zmq.ZMQError) and err.errno == zmq.EHOSTUNREACH:
+            reason, what = "peer gone", "client gone; reply dropped"  # it reconnected under another routing id, or left
+        else:
+            reason, what = "error", f"reply not sent: {type(err).__name__}: {err}"
+        self.m_dropped.inc(reason)
+        key = (peer, reason)
+        if key not in self._drop_logged:  # once per client and reason (bounded memory)
+            self._drop_logged[key] = None
+            while len(self._drop_logged) > 1024:
+                self._drop_logged.popitem(last=False)
+            self.log.warning(what, peer=peer.hex(), kind=kind, reason=reason)
 
     def _schedule(self) -> None:
         """Wake the table at its next deadline (the periodic tick covers the rest)."""

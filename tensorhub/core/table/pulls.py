@@ -10,7 +10,9 @@ and advancing each shard: unpublish what it holds, start a partial holder and ha
 source, answer once every shard holds the version.
 
 Invariants: a call is decided once, and after a failover only when the replica's shards have
-all re-announced (or the grace period ended). ``Replicated`` and a moving ``Updated`` are sent
+all re-announced (or the grace period ended); a call made again after a failover, whose shards
+re-announced a partial pull of a version still available, is decided for that version (the
+pull resumes from what it verified). ``Replicated`` and a moving ``Updated`` are sent
 only when every shard of the replica holds the version completely; an update that does not move
 answers at once with what is held, and with what it skipped or is to seed.
 
@@ -72,6 +74,11 @@ class PullMixin:
         model = s.model
         spec = parse_version_spec(txn.args)
         ctx = s.ctx()
+        resumed = self._resumed(txn, spec)
+        if resumed is not None:  # made again after a failover: go on with the pull it announced
+            txn.version, txn.moved, txn.waiting, txn.decided = resumed, True, False, True
+            self._pin(txn)
+            return
         if txn.kind == "replicate":
             v = self._resolve(model, spec, ctx)
             if v is None:
@@ -98,6 +105,21 @@ class PullMixin:
         txn.decided = True
         if txn.moved:
             self._pin(txn)  # its sources stay until it is answered (see .pins)
+
+    def _resumed(self, txn: _Txn, spec: VersionSpec) -> int | None:
+        """The version a replica's shards re-announced as a partial pull (after a failover),
+        if they agree on one, it is still available and ``spec`` allows it."""
+        found = {
+            sh.holder.version for sh in txn.replica.shards.values()
+            if sh.holder is not None and sh.holder.state is P and sh.holder.call is None
+        }  # fmt: skip
+        if len(found) != 1:
+            return None
+        (v,) = found
+        ver = txn.replica.model.versions.get(v)
+        if ver is None or not ver.available or not (spec.relative or spec.version == v):
+            return None
+        return v
 
     def _seeding_allows(self, txn: _Txn, s: _Session, v: int) -> bool:
         """Cross-datacenter policy for an ``update`` that would move to ``v`` (DESIGN §5.6).

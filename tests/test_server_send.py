@@ -1,0 +1,81 @@
+"""The server never waits on a client and never loses track of a reply it could not send.
+
+Its socket is an asyncio socket, on which a non-blocking send reports failure in the future it
+returns, not by raising. Each such reply must be counted (``tensorhub_replies_dropped_total``)
+and logged once per client and reason, and no future may be left with an unretrieved error
+(asyncio would log "Future exception was never retrieved" when it is collected).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import pytest
+import zmq
+
+from tensorhub.core import messages as m
+
+from .procs import InprocServer
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def srv():
+    s = InprocServer()
+    yield s
+    s.close()
+
+
+def _dropped(srv: InprocServer, reason: str) -> float:
+    async def get() -> float:
+        return srv.actor.m_dropped.value(reason)
+
+    return srv.loop.run(get())
+
+
+def _send(srv: InprocServer, out: list) -> None:
+    async def go() -> None:
+        srv.actor._send(out)
+
+    srv.loop.run(go())
+
+
+def test_a_reply_to_a_client_that_is_gone_is_counted_and_logged_once(srv, caplog):
+    caplog.set_level(logging.WARNING)
+    gone = b"\x00no-such-client"
+    _send(srv, [(gone, m.Ack(1)), (gone, m.Ack(2))])
+    assert _dropped(srv, "peer gone") == 2
+    gc.collect()
+    text = caplog.text
+    assert "Future exception was never retrieved" not in text
+    assert text.count("client gone; reply dropped") <= 1  # once per client and reason
+
+
+def test_a_client_that_does_not_read_gets_its_replies_dropped_not_awaited(srv, caplog):
+    caplog.set_level(logging.WARNING)
+
+    async def small_queue() -> None:
+        srv.actor.sock.setsockopt(zmq.SNDHWM, 1)  # applies to connections made from now on
+
+    srv.loop.run(small_queue())
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVHWM, 1)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.IDENTITY, b"slow-client")
+    try:
+        dealer.connect(srv.address)
+        dealer.send(b"not a frame")  # the server learns the routing id (and answers an error)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _dropped(srv, "queue full") == 0:
+            _send(srv, [(b"slow-client", m.Ack(i)) for i in range(2000)])
+        assert _dropped(srv, "queue full") > 0
+        assert _dropped(srv, "error") == 0
+    finally:
+        dealer.close(0)
+        ctx.term()
+    gc.collect()
+    assert "Future exception was never retrieved" not in caplog.text
