@@ -91,10 +91,10 @@ class PinMixin:
             for txn in list(model.pins.get(v, ())):
                 if txn.error is not None or txn.replica.txns.get(txn.n) is not txn:
                     continue
-                spec = parse_version_spec(txn.args)
-                if not spec.relative or self._landed(txn):
-                    continue
                 try:
+                    spec = parse_version_spec(txn.args)
+                    if not spec.relative or self._landed(txn):
+                        continue
                     target = self._resolve(model, spec, {"model": model.name, "replica": txn.replica.name})
                 except TensorHubError:
                     continue
