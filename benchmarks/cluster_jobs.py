@@ -51,8 +51,11 @@ the shard's verified prefix moves (read from the handle's progress counter).
 
 Options for ``open(...)`` go through unchanged with ``--open-kw JSON`` (``retain``, ``spot``,
 ...); a ``transports`` entry there is merged into the default ``{"tcp": {"host": <address>}}``
-(``{"transports": {"tcp": {"streams": 1}}}`` adds to it). Environment variables
-(``TENSORHUB_CHUNK_BYTES``...) go in ``env=``.
+(``{"transports": {"tcp": {"streams": 1}}}`` adds to it); ``--default-transports`` passes no
+``transports=`` at all, as a user who configures nothing (each transport then binds and
+advertises by :func:`tensorhub.transports.nic.choose_address`: the interface that routes to the
+server). ``ready`` carries ``advertised``: each transport's address in the registered endpoint.
+Environment variables (``TENSORHUB_CHUNK_BYTES``...) go in ``env=``.
 
 Invariants: every wait is bounded (a timeout names what did not happen, and the tail of the
 process's log); the worker exits by itself after ``--max-seconds`` or when its stdin closes;
@@ -169,9 +172,11 @@ class _Worker:
         kw: dict[str, Any] = json.loads(a.open_kw) if a.open_kw else {}
         if not isinstance(kw, dict):
             raise SystemExit("--open-kw must be a JSON object")
-        transports: dict[str, dict] = {"tcp": {"host": a.addr}}
+        transports: dict[str, dict] | None = {"tcp": {"host": a.addr}}
         for name, options in (kw.pop("transports", None) or {}).items():
             transports.setdefault(name, {}).update(options or {})
+        if a.default_transports:  # what a user who configures nothing gets (addresses by the default rule)
+            transports = None
         kw.setdefault("num_shards", a.num_shards)
         kw.setdefault("shard_idx", a.shard_idx)
         kw.setdefault("location", Location(datacenter=a.datacenter, host=a.host, nic=a.nic))
@@ -186,7 +191,10 @@ class _Worker:
                 self.base[name] = torch.randint(0, 256, (t.numel() * 4,), dtype=torch.uint8, generator=g)
         self.total = sum(t.numel() * 4 for t in self.tensors.values())
         self.h.register(self.tensors)
-        self.emit("ready", bytes=self.total, tensors=len(self.tensors), open_s=t1 - t0,
+        endpoint = getattr(self.h, "_endpoint", None) or {}
+        advertised = {name: f"{ep['host']}:{ep['port']}" if "host" in ep else ep.get("side")
+                      for name, ep in endpoint.items() if isinstance(ep, dict)}  # fmt: skip
+        self.emit("ready", bytes=self.total, tensors=len(self.tensors), open_s=t1 - t0, advertised=advertised,
                   register_s=time.monotonic() - t1, startup_s=time.monotonic() - self.t_start)  # fmt: skip
         if a.progress_ms > 0:
             threading.Thread(target=self._progress, daemon=True, name="progress").start()
@@ -388,6 +396,8 @@ def worker_main(argv: Sequence[str]) -> int:
     p.add_argument("--tensor-bytes", type=int, default=16 * MIB, help="size of each large tensor")
     p.add_argument("--tiny", type=int, default=8, help="4 KiB tensors (packed together)")
     p.add_argument("--open-kw", default=None, help="more open() keyword arguments, as a JSON object")
+    p.add_argument("--default-transports", action="store_true",
+                   help="open with no transports= at all (the defaults, or $TENSORHUB_TRANSPORTS; no host/advertise)")
     p.add_argument("--poll-ms", type=float, default=100.0, help="'inference' between update() calls in poll mode")
     p.add_argument("--call-timeout", type=float, default=300.0, help="timeout of each replicate/update/wait call")
     p.add_argument("--progress-ms", type=float, default=0.0, help="print the verified prefix this often (0: never)")

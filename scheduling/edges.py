@@ -199,17 +199,18 @@ def parse_preference(spec: str | Mapping[str, Sequence[str]]) -> dict[str, list[
             list, a repeated name, or a name that is not an identifier; the message names the
             bad part.
     """
+    items: list[tuple[str, Sequence[str]]]
     if isinstance(spec, str):
         items = []
         for segment in spec.split(";"):
             if not segment.strip():
                 continue
-            kind, eq, names = segment.partition("=")
+            kind, eq, listed = segment.partition("=")
             if not eq:
                 raise InvalidArgument(
                     f"transport preference segment {segment.strip()!r} is not 'kind=name,name'"
                 )
-            items.append((kind.strip(), [n.strip() for n in names.split(",")] if names.strip() else []))
+            items.append((kind.strip(), [n.strip() for n in listed.split(",")] if listed.strip() else []))
     elif isinstance(spec, Mapping):
         items = list(spec.items())
     else:

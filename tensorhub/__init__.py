@@ -13,11 +13,17 @@ loaded on first use::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorhub.core.errors import TensorHubError
 
 from .core import errors
+
+if TYPE_CHECKING:  # for type checkers only: importing the handle API at run time imports torch
+    from collections.abc import Sequence
+
+    from tensorhub.core.topology import Location
+    from tensorhub.handles.api import ShardHandle
 
 __version__ = "0.1.0"
 
@@ -43,13 +49,60 @@ _LAZY = {
 }
 
 
-def open(model: str, replica: str, **kw: Any) -> Any:
-    """Open a shard handle (synchronous facade). See :class:`tensorhub.handles.api.AsyncShardHandle`
-    for the arguments: ``num_shards``, ``shard_idx``, ``retain``, ``server``, ``location``,
-    ``spot``, ``transports``, ``connect_timeout``, ``offload_seeding``."""
+def open(
+    model: str,
+    replica: str,
+    *,
+    num_shards: int = 1,
+    shard_idx: int = 0,
+    retain: str | None = "latest",
+    server: str | Sequence[str] | None = None,
+    location: Location | None = None,
+    spot: bool = False,
+    transports: dict[str, dict[str, Any]] | None = None,
+    connect_timeout: float = 10.0,
+    offload_seeding: bool = False,
+) -> ShardHandle:
+    """Open a shard handle (the synchronous facade of :class:`tensorhub.handles.api.AsyncShardHandle`,
+    whose calls block; it runs on the process's background event loop).
+
+    Args:
+        model: the model's name.
+        replica: this replica's name (its shards share it).
+        num_shards: the replica's model-parallel shards (its world size).
+        shard_idx: which of them this handle is (its rank), in ``[0, num_shards)``.
+        retain: the versions that must stay available, counted from the highest version
+            published: ``"latest"``, ``"latest-k"``, or None for no declaration.
+        server: the reference server's address, or an ordered list of them (a list/tuple, or one
+            comma-separated string; the first is the primary). None: ``$TENSORHUB_SERVER``, else
+            the embedded default server on ``tcp://127.0.0.1:5557``.
+        location: where the shard is (:class:`tensorhub.core.topology.Location`); None: this
+            host (``platform.node()``) in the datacenter ``"local"``.
+        spot: a spot replica serves reads and makes a version available, but never counts for
+            retention.
+        transports: the transports this process starts, ``{name: options}``. None: those the
+            process's engine already runs, else ``$TENSORHUB_TRANSPORTS``, else every built-in
+            transport that works here. One engine serves a process's handles: asking for other
+            transports than it runs is refused while it runs.
+        connect_timeout: seconds to wait for the server when opening.
+        offload_seeding: when this replica would seed a version into its datacenter, pull it
+            into a CPU copy in the background instead of stalling ``update()``.
+
+    Returns:
+        the open :class:`~tensorhub.handles.api.ShardHandle`.
+
+    Raises:
+        InvalidArgument, InvalidName: a bad argument, or transports the running engine does
+            not run (the message names it).
+        ServerUnavailable: no server answered in ``connect_timeout`` seconds.
+    """
     from tensorhub.handles.api import open_sync
 
-    return open_sync(model, replica, **kw)
+    return open_sync(
+        model, replica, num_shards=num_shards, shard_idx=shard_idx, retain=retain, server=server,
+        location=location, spot=spot, transports=transports, connect_timeout=connect_timeout,
+        offload_seeding=offload_seeding,
+    )  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

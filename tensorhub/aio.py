@@ -12,13 +12,44 @@ loop; uvloop is used if the application installed it as the loop.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Generator, Sequence
+from typing import Any, Protocol
 
+from tensorhub.core.topology import Location
 from tensorhub.handles.api import AsyncShardHandle, ReplicaInfo, _AsyncOpen
 
-__all__ = ["AsyncShardHandle", "ReplicaInfo", "open"]
+__all__ = ["AsyncOpen", "AsyncShardHandle", "ReplicaInfo", "open"]
 
 
-def open(model: str, replica: str, **kw: Any) -> _AsyncOpen:
-    """Open a shard handle on the running loop. Arguments as :func:`tensorhub.open`."""
+class AsyncOpen(Protocol):
+    """What :func:`open` returns: await it for the handle (close it yourself), or enter it with
+    ``async with`` (the handle is closed on exit)."""
+
+    def __await__(self) -> Generator[Any, None, AsyncShardHandle]: ...
+
+    async def __aenter__(self) -> AsyncShardHandle: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
+
+
+def open(
+    model: str,
+    replica: str,
+    *,
+    num_shards: int = 1,
+    shard_idx: int = 0,
+    retain: str | None = "latest",
+    server: str | Sequence[str] | None = None,
+    location: Location | None = None,
+    spot: bool = False,
+    transports: dict[str, dict[str, Any]] | None = None,
+    connect_timeout: float = 10.0,
+    offload_seeding: bool = False,
+) -> AsyncOpen:
+    """Open a shard handle on the running loop. Arguments as :func:`tensorhub.open`; the
+    handle is opened when awaited or entered."""
+    kw = {
+        "num_shards": num_shards, "shard_idx": shard_idx, "retain": retain, "server": server, "location": location,
+        "spot": spot, "transports": transports, "connect_timeout": connect_timeout, "offload_seeding": offload_seeding,
+    }  # fmt: skip
     return _AsyncOpen(model, replica, kw)

@@ -236,10 +236,11 @@ def test_the_checker_sees_a_planted_violation(tmp_path):
 
 @pytest.mark.slow
 def test_the_wheel_installs_only_tensorhub(tmp_path):
-    """A wheel built from the tree holds one top-level name, and every source module is in it."""
+    """A wheel built from the tree holds one top-level name, every source module, the ``py.typed``
+    marker (PEP 561) and the LICENSE (in its .dist-info)."""
     src = tmp_path / "src"  # a copy: an in-tree build would leave build/ and *.egg-info behind
     src.mkdir()
-    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+    for name in ("setup.cfg", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     for folder in FOLDERS.values():
         shutil.copytree(folder, src / folder.name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -255,3 +256,7 @@ def test_the_wheel_installs_only_tensorhub(tmp_path):
     expected = {name.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py") for name, path in MODULES.items()}
     assert sorted(expected - set(names)) == []
     assert "tensorhub/py.typed" in names
+    # .dist-info/LICENSE, or .dist-info/licenses/LICENSE (setuptools >= 77, PEP 639)
+    licenses = [n for n in names if n.split("/")[0].endswith(".dist-info") and n.rsplit("/", 1)[-1] == "LICENSE"]
+    assert licenses, sorted(n for n in names if ".dist-info/" in n)
+    assert "Apache License" in zipfile.ZipFile(wheel).read(licenses[0]).decode()

@@ -112,8 +112,9 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return out
 
 
-def request(region: int, version: int, offset: int, length: int, generation: int = 0, wait_ms: int = 0, magic: int = tcp._MAGIC) -> bytes:
-    return tcp._REQ.pack(magic, region, version, offset, length, generation, wait_ms)
+def request(region: int, version: int, offset: int, length: int, generation: int = 0, wait_ms: int = 0, magic: int = tcp._MAGIC,
+            token: bytes = b"") -> bytes:  # fmt: skip
+    return tcp._REQ.pack(magic, region, version, offset, length, generation, wait_ms, len(token)) + token
 
 
 # --- options and endpoint ------------------------------------------------------------------------
@@ -613,7 +614,7 @@ def test_a_bad_answer_from_the_peer_is_a_transport_error(seed: int) -> None:
 
         run(main())
     assert len(served) == 5
-    assert served[0] == (tcp._MAGIC, REGION, VERSION, 0, 10, 0, 5000)  # generation 0: "any"
+    assert served[0] == (tcp._MAGIC, REGION, VERSION, 0, 10, 0, 5000, 0)  # generation 0: "any"; no token
 
 
 # --- closing -------------------------------------------------------------------------------------

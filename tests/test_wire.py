@@ -1058,6 +1058,7 @@ BY_NAME: dict[str, st.SearchStrategy] = {
     "timeout": TIMEOUTS,
     "spec": SPECS,
     "call": st.integers(min_value=1, max_value=U64),
+    "grant_key": st.binary(min_size=16, max_size=64),
 }
 # ... and by (class, field name) where the name alone means different things.
 BY_FIELD: dict[tuple[type, str], st.SearchStrategy] = {

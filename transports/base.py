@@ -13,7 +13,11 @@ the user configured (a dict of msgpack-able values), then:
    here (a listener, its threads); a one-sided one creates its agent.
 2. ``endpoint()``: a msgpack-able dict that tells peers how to reach this process (host, port,
    agent metadata...). The server hands it, unread, to the readers it grants. Never put pickled
-   or otherwise executable bytes in it.
+   or otherwise executable bytes in it. An address in it must be one that readers on *other
+   hosts* can dial: take it from :func:`tensorhub.transports.nic.choose_address` (the rule, for
+   every built-in: an explicit ``host``/``advertise`` option, else ``$TENSORHUB_ADVERTISE_HOST``,
+   else loopback when the server is on loopback, else the address of the interface that routes
+   to the server), and bind what it says.
 3. Holder side: ``serve(resolver)`` is called once before any reader can come. For each read a
    peer asks for, call ``resolver(region, version)``: it returns the :class:`ShardBuffers` that
    hold (or are about to hold: a partial holder can be granted to a reader before its own grant
@@ -37,6 +41,25 @@ the user configured (a dict of msgpack-able values), then:
    :class:`TransportError`; reads started later fail with it too. A second ``close()``, or one
    after a ``start()`` that failed, does nothing.
 
+**Grant tokens** (optional, ``checks_grants = True``; every built-in that crosses a process
+boundary does). The server gives each reader, with each grant, a token that proves it was
+granted that version of that holder's shard (:mod:`tensorhub.core.tokens`). A transport that
+checks grants takes ``token`` (bytes or None, keyword-only) in ``read`` and carries it to the
+holder with the request (no extra round trip: in the request, or in the describe that hands out
+the memory description); the holder side calls ``self.admit(region, version, token, who)`` before it
+serves *anything* of the region (bytes, a memory description, a staging slot) and, if it returns
+a reason, answers with a refusal that carries nothing else, which the reader raises as
+:class:`Unauthorized`. ``admit`` asks the check the engine installed with ``guard()`` (it counts
+and logs refusals); with none installed (a transport used alone, as in the conformance suite's
+ordinary checks) everything is admitted. A plugin that leaves ``checks_grants`` False is never
+passed ``token`` and keeps working, but its data plane is open to whoever reaches its endpoint
+(the engine logs that once).
+
+**Reachability.** A read that cannot connect to the peer's advertised address raises
+:class:`PeerUnreachable` (a :class:`TransportError`) naming the address and the setting that
+chooses it on the holder (``$TENSORHUB_ADVERTISE_HOST``, or the transport's ``advertise``
+option); the engine adds the holder's name.
+
 **Partial holders.** A transport that waits for a holder's progress takes the option
 ``wait_timeout`` (seconds): how long a read waits for the range to be covered. When it is not
 covered by then, the read raises :class:`RangeNotReady`, a :class:`TransportError`: the holder
@@ -54,6 +77,7 @@ read across a generation change.
 **What must be overridden:** ``start``, ``endpoint``, ``read``, ``close``; two-sided transports
 also use ``serve``. **What may be:** ``available`` (a probe of optional libraries; import them
 only inside the plugin), ``probe`` (below), ``expose``/``withdraw``, and
+``guard`` (rarely: the base class stores the check ``admit`` asks), and
 ``reaches(peer_endpoint) -> bool`` (can
 this process read from that peer at all: ``local`` checks that the peer shares this host's
 kernel, ``memory`` this process; the engine skips a transport that does not reach).
@@ -69,7 +93,7 @@ holder runs, never pickled objects.
 **Capability flags** (class attributes): ``one_sided`` (reads need no holder CPU),
 ``cuda`` (reads and serves CUDA memory without staging), ``cross_host`` (works between hosts;
 ``local`` does not), ``reports_landing`` (``read`` takes a ``landed`` callback, below),
-``gathers`` (below). The engine picks a transport per (reader, holder) edge from these and both
+``gathers`` (below), ``checks_grants`` (``read`` takes ``token``; the holder side admits, above). The engine picks a transport per (reader, holder) edge from these and both
 sides' endpoints.
 
 **Gathering** (optional, ``gathers = True``). A transport that reaches a range's memory only
@@ -118,10 +142,14 @@ from tensorhub.core.errors import TransportError
 if TYPE_CHECKING:
     from .buffers import ShardBuffers
 
-__all__ = ["Landed", "Probe", "RangeNotReady", "Resolver", "Transport"]
+__all__ = ["Guard", "Landed", "PeerUnreachable", "Probe", "RangeNotReady", "Resolver", "Transport", "Unauthorized"]
 
 #: ``resolver(region, version)``: the buffers holding ``version`` under ``region``, or None.
 Resolver = Callable[[int, int], Optional["ShardBuffers"]]
+
+#: ``guard(region, version, token, who)``: None to serve the request, else why it is refused
+#: (:meth:`tensorhub.runtime.engine.EngineActor.admit`; ``who``: transport and peer, for the log).
+Guard = Callable[[int, int, Optional[bytes], str], Optional[str]]
 
 #: ``landed(offset, length)``: shard bytes that a read just wrote into the reader's CPU memory.
 Landed = Callable[[int, int], None]
@@ -132,6 +160,30 @@ class RangeNotReady(TransportError):
     read's ``wait_timeout``). The holder is not at fault: the engine retries the range."""
 
     code = "range_not_ready"
+
+
+class Unauthorized(TransportError):
+    """The holder refused the request: it carried no valid grant token for that version of that
+    region (missing, made for another holder or version, altered, or expired). Nothing was
+    served. The engine reports the source as failed; the server grants again, with a new token."""
+
+    code = "unauthorized"
+
+
+class PeerUnreachable(TransportError):
+    """The peer's advertised address could not be connected to. The message names the address
+    and the setting on the holder that chooses it (``$TENSORHUB_ADVERTISE_HOST`` or the
+    transport's ``advertise``/``host`` options); the engine adds the holder's name."""
+
+    code = "peer_unreachable"
+
+
+#: What a reader is told to change when a holder's address cannot be dialled.
+UNREACHABLE_HINT = (
+    "the holder advertised this address: either it went away, or it runs and this address does not reach it "
+    "from here; then set $TENSORHUB_ADVERTISE_HOST (an address of the holder's host that its peers can dial) in "
+    "the holder's environment, or give its transport the 'advertise' (and 'host') option"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +216,12 @@ class Transport:
     cross_host: ClassVar[bool] = True
     reports_landing: ClassVar[bool] = False
     gathers: ClassVar[bool] = False
+    checks_grants: ClassVar[bool] = False
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = dict(options or {})
         self._resolver: Resolver | None = None
+        self._guard: Guard | None = None
 
     @classmethod
     def available(cls) -> bool:
@@ -196,6 +250,22 @@ class Transport:
         r = self._resolver
         return r(region, version) if r is not None else None
 
+    def guard(self, check: Guard) -> None:
+        """Install the grant check :meth:`admit` asks (the engine's, once, beside ``serve``)."""
+        self._guard = check
+
+    def admit(self, region: int, version: int, token: bytes | None, who: str = "") -> str | None:
+        """Whether to serve a request for ``(region, version)`` that carried ``token``: None to
+        serve it, else why not (refuse it, serving nothing). Everything is admitted while no
+        check is installed. Never raises."""
+        check = getattr(self, "_guard", None)  # a plugin that skipped __init__ has none
+        if check is None:
+            return None
+        try:
+            return check(region, version, token, f"{self.name} {who}".strip())
+        except Exception as err:  # noqa: BLE001 - a broken check refuses, it does not serve
+            return f"refused: the grant check raised {type(err).__name__}: {err}"
+
     def expose(self, buffers: ShardBuffers) -> None:
         """``buffers`` may be served from now on (one-sided transports register them)."""
 
@@ -212,6 +282,8 @@ class Transport:
         into: ShardBuffers,
         generation: int | None,
         landed: Landed | None = None,
+        *,
+        token: bytes | None = None,
     ) -> int:
         raise NotImplementedError
 

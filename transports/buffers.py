@@ -44,6 +44,7 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -363,7 +364,7 @@ class ShardBuffers:
         self._views = [memory_of(t) if t is not None and t.device.type == "cpu" else None for t in built]
         # The in-place packs: region index -> its parts (start in the region, view, address).
         self._parts: dict[int, _Parts] = {k: self._parts_of(k) for k, t in enumerate(built) if t is None}
-        self._member_views: dict[int, tuple[object, object]] | None = None
+        self._member_views: dict[int, tuple[Any, Any]] | None = None
         self.progress = ProgressCounter()
 
     def _parts_of(self, k: int) -> _Parts:
@@ -505,7 +506,7 @@ class ShardBuffers:
         if self.on_cuda:
             torch.cuda.synchronize()
 
-    def _members(self) -> dict[int, tuple[object, object]]:
+    def _members(self) -> dict[int, tuple[Any, Any]]:
         """For every packed tensor with bytes, by layout index: ``(its bytes, its slice of the
         pack)``, as memoryviews when both are in CPU memory (a plain memcpy, no torch dispatch
         per tiny tensor), else as flat uint8 tensors. Built once."""

@@ -41,7 +41,7 @@ from typing import Any
 
 from tensorhub.core.errors import InvalidArgument, TransportError
 
-from .base import Landed, Resolver, Transport
+from .base import Guard, Landed, Resolver, Transport
 from .buffers import ShardBuffers
 
 __all__ = ["MAX_SECONDS", "FaultyTransport", "FiredFault", "wrap"]
@@ -119,12 +119,13 @@ class FaultyTransport(Transport):
             raise InvalidArgument(f"faults must be a list of dicts, got {type(faults).__name__}")
         super().__init__(inner.options)
         self.inner = inner
-        self.name = inner.name  # type: ignore[misc] - it stands in for the inner transport
+        self.name = inner.name  # type: ignore[misc]  # it stands in for the inner transport
         self.one_sided = inner.one_sided  # type: ignore[misc]
         self.cuda = inner.cuda  # type: ignore[misc]
         self.cross_host = inner.cross_host  # type: ignore[misc]
         self.reports_landing = inner.reports_landing  # type: ignore[misc]
         self.gathers = inner.gathers  # type: ignore[misc]
+        self.checks_grants = inner.checks_grants  # type: ignore[misc]
         self.faults = tuple(_validate(i, f) for i, f in enumerate(faults))
         self.fired: list[FiredFault] = []
         self._matched = [0] * len(self.faults)
@@ -149,6 +150,10 @@ class FaultyTransport(Transport):
     def serve(self, resolver: Resolver) -> None:
         super().serve(resolver)
         self.inner.serve(resolver)
+
+    def guard(self, check: Guard) -> None:
+        super().guard(check)
+        self.inner.guard(check)
 
     def resolve(self, region: int, version: int) -> ShardBuffers | None:
         return self.inner.resolve(region, version)
@@ -209,15 +214,19 @@ class FaultyTransport(Transport):
         into: ShardBuffers,
         generation: int | None,
         landed: Landed | None = None,
+        *,
+        token: bytes | None = None,
     ) -> int:
         """The inner transport's read, with the faults that fire on it. With ``landed`` (an
         inner transport that reports landing), a corruption is flipped into the piece that holds
-        its byte before the piece is reported, as a corruption on the wire would land.
+        its byte before the piece is reported, as a corruption on the wire would land. ``token``
+        goes to the inner read (when it checks grants).
 
         Raises:
             TransportError: an injected stall or failure, or the inner read's own errors.
         """
         where = f"region {region} version {version} bytes [{offset}, {offset + length}) from {peer!r}"
+        kw: dict[str, Any] = {"token": token} if self.checks_grants else {}
         delays = self._firing("delay", region, version, offset, length, first=False)
         if delays:
             await self._sleep(sum(self.faults[i]["seconds"] for i in delays), f"delay of the read of {where}")
@@ -228,10 +237,10 @@ class FaultyTransport(Transport):
         for i in self._firing("fail", region, version, offset, length, first=True):
             at = self.faults[i]["at"]
             if at > offset:
-                await self.inner.read(peer, region, version, offset, at - offset, into, generation, **_landing(landed))
+                await self.inner.read(peer, region, version, offset, at - offset, into, generation, **_landing(landed), **kw)
             raise TransportError(f"injected fault {i}: the peer died at shard byte {at} during the read of {where}")
         if landed is None:
-            gen = await self.inner.read(peer, region, version, offset, length, into, generation)
+            gen = await self.inner.read(peer, region, version, offset, length, into, generation, **kw)
             for i in self._firing("corrupt", region, version, offset, length, first=False):
                 _flip(into, self.faults[i]["at"])
             return gen
@@ -243,7 +252,7 @@ class FaultyTransport(Transport):
                     _flip(into, at)
             landed(pos, n)
 
-        return await self.inner.read(peer, region, version, offset, length, into, generation, landed=land)
+        return await self.inner.read(peer, region, version, offset, length, into, generation, landed=land, **kw)
 
 
 def _landing(landed: Landed | None) -> dict[str, Any]:

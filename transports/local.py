@@ -9,15 +9,20 @@ memory (a device-to-device copy over NVLink or PCIe). The holder's CPU takes par
 (:mod:`tensorhub.transports.sidechannel`); every read after that is one-sided.
 
 Holder side. :meth:`LocalTransport.start` starts a :class:`~tensorhub.transports.sidechannel.SideServer`
-(on ``host``, default 127.0.0.1) with one inline op, ``describe {region, version}``: it resolves
-the pair through the engine's resolver and answers ``{"pid", "tag", "words", "regions"}``: the
+(on ``host``, default 127.0.0.1: its readers are on this host, in this network namespace, which
+``reaches`` checks) with one inline op, ``describe {region, version, token}``: it admits the
+reader's grant token (``checks_grants``; a describe without a valid one is refused with
+``unauthorized`` and hands out no memory description), then resolves the pair through the
+engine's resolver and answers ``{"pid", "tag", "words", "regions"}``: the
 tag and address of the holding's progress words (:mod:`tensorhub.transports.buffers`), and for each region
 of the packing plan, in plan order, ``[address, nbytes, "cpu" | "cuda" | "parts", device index,
 extra]``. ``extra`` is None for CPU memory; for a CUDA region, ``ipc``: the fields of torch's
 ``_share_cuda_()`` as bytes and integers, the tensor's byte offset in its storage and the GPU's
 UUID; for a pack the holder keeps in place (``ShardBuffers.parts``), the ``[address, nbytes]``
 of each tiny tensor in pack order (address 0: the region is scattered). It refuses with
-``unknown`` (no such holding), ``not_exposed`` (buffers not exposed here) or ``closed``.
+``unauthorized``, ``unknown`` (no such holding), ``not_exposed`` (buffers not exposed here) or
+``closed``. (The token keeps the description from processes the server did not grant; a process
+of the same user that may ptrace the holder could read its memory anyway.)
 :meth:`~LocalTransport.withdraw` forgets the buffers and retags their progress words;
 :meth:`~LocalTransport.close` retags every exposed buffer and closes the side server. The
 holder also calls ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` once, so that hosts with Yama
@@ -107,7 +112,7 @@ import torch
 from tensorhub.core.errors import InvalidArgument, TransportError
 from tensorhub.core.layout import MAX_TENSORS
 
-from .base import Landed, Probe, RangeNotReady, Transport
+from .base import Landed, Probe, RangeNotReady, Transport, Unauthorized
 from .buffers import WORD_BYTES, ShardBuffers, cut_parts, read_words
 from .sidechannel import SideClient, SideError, SideServer, field
 
@@ -131,6 +136,7 @@ _DESCRIBED_MAX = 256  # cached descriptions per reader
 _CLOSE_WAIT = 2.0  # seconds close() waits for reads in flight to notice it
 
 _REFUSALS = {
+    "unauthorized": "the peer refused the request: no valid grant token for it",
     "unknown": "the peer does not hold that version under that region",
     "not_exposed": "the peer's buffers for it are not exposed",
     "closed": "the peer closed",
@@ -266,6 +272,14 @@ def _vm_why(err: _VmError, pid: int) -> str:
 
 def _address(buf: bytearray | ctypes.Array) -> int:
     return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if isinstance(buf, bytearray) else ctypes.addressof(buf)
+
+
+def _netns() -> str:
+    """This process's network namespace ("" when unknown)."""
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
 
 
 def _host_ids() -> tuple[str, str]:
@@ -422,6 +436,7 @@ class LocalTransport(Transport):
     cross_host = False
     reports_landing = True
     gathers = True
+    checks_grants = True
     streams: int = 4
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
@@ -452,6 +467,7 @@ class LocalTransport(Transport):
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._boot_id, self._pidns = _host_ids()
+        self._netns = _netns()
 
     @classmethod
     def available(cls) -> bool:
@@ -507,21 +523,23 @@ class LocalTransport(Transport):
         _HOLDERS[self._side.address] = self
 
     def endpoint(self) -> dict[str, Any]:
-        """``{"side", "pid", "boot_id", "pidns"}``: plain msgpack data.
+        """``{"side", "pid", "boot_id", "pidns", "netns"}``: plain msgpack data.
 
         Raises:
             TransportError: not started.
         """
         if self._side is None:
             raise TransportError(f"local transport {self.id} has no endpoint before start()")
-        return {"side": self._side.address, "pid": os.getpid(), "boot_id": self._boot_id, "pidns": self._pidns}
+        return {"side": self._side.address, "pid": os.getpid(), "boot_id": self._boot_id, "pidns": self._pidns,
+                "netns": self._netns}  # fmt: skip
 
     def reaches(self, peer: dict[str, Any]) -> bool:
         """Whether ``peer`` (an endpoint of this transport) is on this host and in this PID
-        namespace, so that its pid names the process it says."""
+        namespace, so that its pid names the process it says, and in this network namespace, so
+        that its side channel's loopback address is ours (containers, emulated hosts)."""
         if not isinstance(peer, dict) or not self._boot_id or not self._pidns:
             return False
-        return peer.get("boot_id") == self._boot_id and peer.get("pidns") == self._pidns
+        return peer.get("boot_id") == self._boot_id and peer.get("pidns") == self._pidns and peer.get("netns", self._netns) == self._netns
 
     def expose(self, buffers: ShardBuffers) -> None:
         with self._lock:
@@ -574,6 +592,9 @@ class LocalTransport(Transport):
         region = field(msg, "region", int)
         version = field(msg, "version", int, 0)
         share = msg.get("ipc") is True
+        refused = self.admit(region, version, msg.get("token"), msg.get("_from", ""))
+        if refused is not None:
+            raise SideError("unauthorized", refused)
         if self._closed:
             raise SideError("closed", f"local transport {self.id} closed")
         try:
@@ -605,10 +626,13 @@ class LocalTransport(Transport):
         into: ShardBuffers,
         generation: int | None,
         landed: Landed | None = None,
+        *,
+        token: bytes | None = None,
     ) -> int:
         """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into``; see the
         module docstring for the steps. ``landed(offset, length)`` is called from the copying
         thread after each piece copied into CPU memory (the engine hashes it while it is hot).
+        ``token`` (the grant's) goes with the describe.
 
         Returns:
             The holder's generation the bytes were read under.
@@ -628,7 +652,8 @@ class LocalTransport(Transport):
             raise TransportError(f"local transport {self.id} closed; read of {where} not started")
         loop = asyncio.get_running_loop()
         try:
-            fut = loop.run_in_executor(self._reads, self._read_blocking, side, pid, where, region, version, offset, length, into, generation, landed)
+            fut = loop.run_in_executor(self._reads, self._read_blocking, side, pid, where, region, version, offset, length, into, generation,
+                                       landed, token)  # fmt: skip
         except RuntimeError as err:  # the pool shut down: closed meanwhile
             raise TransportError(f"local transport {self.id} closed; read of {where} not started") from err
         return await fut
@@ -645,6 +670,7 @@ class LocalTransport(Transport):
         into: ShardBuffers,
         generation: int | None,
         landed: Landed | None = None,
+        token: bytes | None = None,
     ) -> int:
         with self._idle:
             self._inflight += 1
@@ -652,7 +678,7 @@ class LocalTransport(Transport):
         desc: _Described | None = None
         try:
             self._check_open(where)
-            desc = self._description(key, pid, where)
+            desc = self._description(key, pid, where, token)
             if offset < 0 or length < 0 or offset + length > desc.total:
                 raise TransportError(f"read of {where}: the range is outside the shard's {desc.total} bytes")
             mine = [r.nbytes for r in into.plan.regions]
@@ -681,7 +707,7 @@ class LocalTransport(Transport):
         if self._closed:
             raise TransportError(f"local transport {self.id} closed during the read of {where}")
 
-    def _description(self, key: tuple[str, int, int], pid: int, where: str) -> _Described:
+    def _description(self, key: tuple[str, int, int], pid: int, where: str, token: bytes | None = None) -> _Described:
         """The cached description of ``key``, or a new one (one describe at a time per key)."""
         with self._lock:
             desc = self._described.get(key)
@@ -695,7 +721,7 @@ class LocalTransport(Transport):
             if desc is not None and desc.pid == pid:
                 return desc
             try:
-                desc = self._describe(key, pid, where)
+                desc = self._describe(key, pid, where, token)
             finally:
                 with self._lock:
                     self._describing.pop(key, None)
@@ -715,17 +741,18 @@ class LocalTransport(Transport):
             if desc is not None and self._described.get(key) is desc:
                 del self._described[key]
 
-    def _describe(self, key: tuple[str, int, int], pid: int, where: str) -> _Described:
+    def _describe(self, key: tuple[str, int, int], pid: int, where: str, token: bytes | None = None) -> _Described:
         side, region, version = key
         in_process = pid == os.getpid()
-        request = {"region": region, "version": version, "ipc": not in_process and torch.cuda.is_available()}
+        request = {"region": region, "version": version, "ipc": not in_process and torch.cuda.is_available(), "token": token}
         try:
             reply = self._client.call(side, "describe", request, self.describe_timeout, closed=lambda: self._closed)
         except SideError as err:
             why = _REFUSALS.get(err.code, f"the peer refused to describe it ({err.code})")
-            raise TransportError(f"read of {where}: {why}: {err}") from None
+            cls = Unauthorized if err.code == "unauthorized" else TransportError
+            raise cls(f"read of {where}: {why}: {err}") from None
         except TransportError as err:
-            raise TransportError(f"read of {where}: {err}") from err
+            raise type(err)(f"read of {where}: {err}") from err  # keeps PeerUnreachable
         try:
             tag, words, raw = _checked_description(reply, pid)
             regions = []

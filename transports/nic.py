@@ -1,4 +1,5 @@
-"""NIC affinity: which network interface a GPU tensor's bytes should leave through (DESIGN.md §6).
+"""Network interfaces: which one a GPU tensor's bytes should leave through (NIC affinity,
+DESIGN.md §6), and which address a transport listens on and tells its peers to dial.
 
 Theory of operation
 -------------------
@@ -25,21 +26,52 @@ This module only reads sysfs (directory listings, symlinks and ``numa_node`` fil
 ``sysfs_root`` that tests point at a fake tree) and asks torch for a GPU's PCI address; it
 changes nothing. Names are returned without a port (``mlx5_0``); :func:`ucx_device_name` makes
 the ``mlx5_0:1`` form that ``UCX_NET_DEVICES`` takes.
+
+Addresses
+---------
+A holder's transports put an address in their endpoint; the server hands it to readers, which
+may be on other hosts. :func:`choose_address` is the rule every built-in transport follows (and
+``tensorhub doctor`` shows), the first that applies:
+
+1. explicit options: ``host`` (the interface to bind) and ``advertise`` (the address peers dial;
+   default ``host``). ``advertise`` alone binds every interface (``0.0.0.0``: the address may be
+   one the host does not own, behind NAT), or loopback if it is a loopback address;
+2. ``$TENSORHUB_ADVERTISE_HOST``: advertised, and bound as ``advertise`` alone is;
+3. the servers this process talks to (:func:`note_servers`; the runtime records them when a
+   handle resolves its server, before the transports start) are all on loopback (or ``ipc://``):
+   every process of the job reaches that server, so the job is on this host: ``127.0.0.1``,
+   bound and advertised, and nothing listens on the network;
+4. the address of the interface that routes to the first server (asked of the kernel's routing
+   table with an unconnected UDP socket's ``connect``, which sends nothing): the network the job's
+   control plane runs on, which its other hosts reach. Bound and advertised;
+5. (the server's route cannot be found: an IPv6 or unresolvable address) the interface of the
+   default route, else the host's only non-loopback IPv4 interface that is up;
+6. ``127.0.0.1``, when no server is known (a transport used alone: tests, benchmarks) or nothing
+   else was found: peers on other hosts cannot reach it, and the rule says so.
+
+Every choice carries the rule that made it (:class:`AddressChoice`), for the log and the doctor.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
-from collections.abc import Callable, Mapping
+import socket
+import struct
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tensorhub.core.errors import InvalidArgument
 
 __all__ = [
+    "ADVERTISE_ENV",
     "CROSS_ROOT_DISTANCE",
+    "AddressChoice",
     "NicChoice",
+    "choose_address",
     "choose_nic",
+    "note_servers",
     "gpu_bdf",
     "nearest_nic",
     "normalize_bdf",
@@ -316,3 +348,193 @@ def choose_nic(
     if found is None:
         return NicChoice(None, "no RDMA NIC found")
     return NicChoice(found[0], f"nearest to GPU {bdf} (distance {found[1]})")
+
+
+# ---- addresses ---------------------------------------------------------------------------------
+
+#: The environment variable that names the address a process's transports advertise.
+ADVERTISE_ENV = "TENSORHUB_ADVERTISE_HOST"
+LOOPBACK = "127.0.0.1"
+ANY = "0.0.0.0"
+_SIOCGIFADDR, _SIOCGIFFLAGS = 0x8915, 0x8913
+_IFF_UP, _IFF_LOOPBACK = 0x1, 0x8
+
+_servers: tuple[str, ...] = ()
+
+
+def note_servers(addresses: Sequence[str]) -> None:
+    """Record the control-plane servers this process talks to (ZeroMQ addresses, primary
+    first), for :func:`choose_address`. The runtime calls it whenever a handle resolves its
+    server list, before the process's transports start."""
+    global _servers
+    _servers = tuple(str(a) for a in addresses)
+
+
+def noted_servers() -> tuple[str, ...]:
+    """What :func:`note_servers` last recorded."""
+    return _servers
+
+
+@dataclass(frozen=True, slots=True)
+class AddressChoice:
+    """Where a transport listens and what it advertises.
+
+    Attributes:
+        bind: the interface to bind (``0.0.0.0``: all of them).
+        advertise: the address peers are told to dial.
+        rule: which rule of :func:`choose_address` chose them, in words.
+    """
+
+    bind: str
+    advertise: str
+    rule: str
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _server_host(address: str) -> str | None:
+    """The host of a ``tcp://host:port`` address; "" for ``ipc://``/``inproc://`` (this host);
+    None when it cannot be read."""
+    if address.startswith(("ipc://", "inproc://")):
+        return ""
+    if not address.startswith("tcp://"):
+        return None
+    rest = address[len("tcp://") :]
+    if rest.startswith("["):  # [v6]:port
+        end = rest.find("]")
+        return rest[1:end] if end > 0 else None
+    host, sep, _ = rest.rpartition(":")
+    return host if sep else rest
+
+
+def route_source(host: str) -> str | None:
+    """The local IPv4 address the kernel would send from to reach ``host`` (a name or an IPv4
+    address), or None. An unconnected UDP socket's ``connect`` asks the routing table; nothing
+    is sent."""
+    try:
+        infos = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for *_, sockaddr in infos:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.connect(sockaddr)
+            src = s.getsockname()[0]
+        except OSError:
+            continue
+        finally:
+            s.close()
+        if src and src != ANY:
+            return str(src)
+    return None
+
+
+def _ioctl_ipv4(name: str, request: int) -> bytes | None:
+    import fcntl
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        return fcntl.ioctl(s.fileno(), request, struct.pack("256s", name.encode()[:15]))
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of interface ``name`` if it is up and not loopback, else None."""
+    flags = _ioctl_ipv4(name, _SIOCGIFFLAGS)
+    if flags is None:
+        return None
+    bits = struct.unpack_from("H", flags, 16)[0]
+    if not bits & _IFF_UP or bits & _IFF_LOOPBACK:
+        return None
+    got = _ioctl_ipv4(name, _SIOCGIFADDR)
+    return socket.inet_ntoa(got[20:24]) if got is not None else None
+
+
+def default_route_interface(proc_route: str = "/proc/net/route") -> str | None:
+    """The interface of the IPv4 default route (``/proc/net/route``), or None."""
+    try:
+        with open(proc_route) as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return None
+    for line in lines:
+        cols = line.split()
+        if len(cols) >= 4 and cols[1] == "00000000" and int(cols[3], 16) & 0x1:  # RTF_UP
+            return cols[0]
+    return None
+
+
+def host_interfaces() -> dict[str, str]:
+    """The host's IPv4 interfaces that are up and not loopback: name -> address."""
+    found = {}
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return {}
+    for name in sorted(names):
+        addr = interface_address(name)
+        if addr is not None:
+            found[name] = addr
+    return found
+
+
+def choose_address(
+    host: str | None = None, advertise: str | None = None, servers: Sequence[str] | None = None
+) -> AddressChoice:
+    """Where a transport listens and what it advertises (the rule of the module docstring).
+
+    Args:
+        host: the transport's ``host`` option (None or "": not given).
+        advertise: its ``advertise`` option (None or "": not given).
+        servers: the control-plane servers (default: those :func:`note_servers` recorded).
+
+    Raises:
+        InvalidArgument: ``host`` or ``advertise`` is not a string.
+    """
+    for what, v in (("host", host), ("advertise", advertise)):
+        if v is not None and not isinstance(v, str):
+            raise InvalidArgument(f"transport option {what!r} must be a string (an address), got {v!r}")
+    if host:
+        return AddressChoice(host, advertise or (host if host != ANY else _fallback(servers)[0]),
+                             "the transport's host/advertise options")  # fmt: skip
+    if advertise:
+        return AddressChoice(LOOPBACK if _is_loopback(advertise) else ANY, advertise, "the transport's advertise option")
+    env = os.environ.get(ADVERTISE_ENV, "").strip()
+    if env:
+        return AddressChoice(LOOPBACK if _is_loopback(env) else ANY, env, f"${ADVERTISE_ENV}")
+    addr, rule = _fallback(servers)
+    return AddressChoice(addr, addr, rule)
+
+
+def _fallback(servers: Sequence[str] | None) -> tuple[str, str]:
+    """Rules 3 to 6: ``(address, rule)``."""
+    servers = tuple(servers) if servers is not None else _servers
+    if not servers:
+        return LOOPBACK, "no server known (a transport used alone): loopback, unreachable from other hosts"
+    hosts = [_server_host(a) for a in servers]
+    if all(h is not None and (h == "" or _is_loopback(h)) for h in hosts):
+        return LOOPBACK, f"the server ({servers[0]}) is on loopback, so the job is on this host"
+    first = next((h for h in hosts if h and not _is_loopback(h)), None)
+    if first is not None:
+        src = route_source(first)
+        if src is not None:
+            return src, f"the interface that routes to the server {first}"
+    name = default_route_interface()
+    addr = interface_address(name) if name else None
+    if addr is not None:
+        return addr, f"the default route's interface {name} (no IPv4 route to the server found)"
+    ifaces = host_interfaces()
+    if len(ifaces) == 1:
+        name, addr = next(iter(ifaces.items()))
+        return addr, f"the host's only network interface {name} (no IPv4 route to the server found)"
+    return LOOPBACK, f"no interface found that reaches the server ({servers[0]}): loopback, unreachable from other hosts"

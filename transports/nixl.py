@@ -9,8 +9,12 @@ never register anything. ``withdraw`` deregisters them and re-tags the progress 
 reader holding an old description fails its next read.
 
 The holder's CPU takes part once per pull, not per read. Its endpoint is ``{"agent": name,
-"side": address}``; a reader first asks the holder's side channel to *describe* ``(region,
-version)``: the answer is plain msgpack data, the base address, size and device of every
+"side": address}`` (the side channel binds and advertises the address
+:func:`tensorhub.transports.nic.choose_address` gives: options ``host``/``advertise``, else
+``$TENSORHUB_ADVERTISE_HOST``, else loopback for a server on loopback, else the interface that
+routes to the server); a reader first asks the holder's side channel to *describe* ``(region,
+version)``, showing its grant token (``checks_grants``: a describe without a valid one is
+refused, ``unauthorized``, and hands out no memory description): the answer is plain msgpack data, the base address, size and device of every
 region, the address and tag of the progress words, and NIXL's partial agent metadata for those
 registrations (connection info and memory keys, NIXL's own serialization; never a pickled
 descriptor list), which the reader loads with ``add_remote_agent``. The reader keeps the
@@ -68,8 +72,9 @@ import torch
 from tensorhub.core.errors import InvalidArgument, TransportError
 from tensorhub.core.log import get_logger
 
-from .base import Probe, RangeNotReady, Transport
+from .base import Probe, RangeNotReady, Transport, Unauthorized
 from .buffers import WORD_BYTES, WORDS, ShardBuffers, read_words
+from .nic import choose_address
 from .sidechannel import SideClient, SideError, SideServer
 from .sidechannel import field as req_field
 
@@ -476,7 +481,8 @@ def default_agent(name: str, ucx_devices: str | None, progress_delay_us: int = 1
 
 _OPTIONS = {
     # name: (default, minimum, kind)
-    "host": ("127.0.0.1", None, str),
+    "host": ("", None, str),
+    "advertise": ("", None, str),
     "wait_timeout": (5.0, 0.0, float),
     "xfer_timeout": (30.0, 0.001, float),
     "describe_timeout": (15.0, 0.001, float),
@@ -554,7 +560,8 @@ class _Described:
 class NixlTransport(Transport):
     """RDMA direct over NIXL. See the module docstring.
 
-    Options: ``host`` (the side channel's interface, default 127.0.0.1), ``wait_timeout``
+    Options: ``host`` (the side channel's interface) and ``advertise`` (the address peers dial;
+    both default to :func:`~tensorhub.transports.nic.choose_address`'s rule), ``wait_timeout``
     (seconds a read waits for a partial holder, default 5), ``xfer_timeout`` (one transfer,
     default 30), ``describe_timeout`` (default 15), ``peer_idle_s`` (drop a remote agent unused
     this long, default 300), ``threads`` (reads at once, default 8), ``streams`` (concurrent
@@ -572,11 +579,13 @@ class NixlTransport(Transport):
     one_sided = True
     cuda = True
     cross_host = True
+    checks_grants = True
 
     def __init__(self, options: dict[str, Any] | None = None, agent_factory: Callable[[str, str | None], Any] | None = None) -> None:
         super().__init__(options)
         o = options_of(self.name, self.options, _OPTIONS)
         self.host = o["host"]
+        self.advertise = o["advertise"]
         self.wait_timeout = o["wait_timeout"]
         self.xfer_timeout = o["xfer_timeout"]
         self.describe_timeout = o["describe_timeout"]
@@ -625,7 +634,9 @@ class NixlTransport(Transport):
         self._scratch_dlists, _ = self.io.register([self._scratch])
         self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="nixl-read")
         self._client = SideClient(f"nixl reader {self.agent_name}")
-        self._side = SideServer(f"nixl-{os.getpid()}", {"describe": (self._describe, True)}, self.host)
+        where = choose_address(self.host or None, self.advertise or None)
+        self._side = SideServer(f"nixl-{os.getpid()}", {"describe": (self._describe, True)}, where.bind, advertise=where.advertise)
+        self.log.info("nixl side channel listening", address=self._side.address, bind=where.bind, rule=where.rule)
 
     def endpoint(self) -> dict[str, Any]:
         if self._side is None:
@@ -690,6 +701,9 @@ class NixlTransport(Transport):
     def _describe(self, msg: dict[str, Any]) -> dict[str, Any]:
         region = req_field(msg, "region", int, 0)
         version = req_field(msg, "version", int, 0)
+        refused = self.admit(region, version, msg.get("token"), msg.get("_from", ""))
+        if refused is not None:
+            raise SideError("unauthorized", refused)
         io = self.io
         if io is None or self._closed:
             raise SideError("closed", "the holder's nixl transport is closed")
@@ -720,12 +734,17 @@ class NixlTransport(Transport):
         length: int,
         into: ShardBuffers,
         generation: int | None,
+        *,
+        token: bytes | None = None,
     ) -> int:
         """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into`` (see the
-        module docstring). Returns the holder's generation.
+        module docstring), showing ``token`` (the grant's) when it asks for the description.
+        Returns the holder's generation.
 
         Raises:
             RangeNotReady: a partial holder's progress did not cover the range in time.
+            Unauthorized: the holder refused the token.
+            PeerUnreachable: the side channel's address could not be connected to.
             TransportError: anything else that kept the read from completing.
         """
         where = f"nixl peer {peer.get('agent') if isinstance(peer, dict) else peer!r} region {region} version {version} bytes [{offset}, {offset + length})"
@@ -735,13 +754,15 @@ class NixlTransport(Transport):
             raise TransportError(f"read of {where}: the nixl transport is {'closed' if self._closed else 'not started'}")
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, self._read_blocking, peer, where, region, version, offset, length, into, generation)
+            return await loop.run_in_executor(self._executor, self._read_blocking, peer, where, region, version, offset, length, into,
+                                              generation, token)  # fmt: skip
         except RuntimeError as err:  # the executor shut down under us
             raise TransportError(f"read of {where}: the nixl transport closed") from err
 
     def _read_blocking(
-        self, peer: dict, where: str, region: int, version: int, offset: int, length: int, into: ShardBuffers, generation: int | None
-    ) -> int:
+        self, peer: dict, where: str, region: int, version: int, offset: int, length: int, into: ShardBuffers, generation: int | None,
+        token: bytes | None = None,
+    ) -> int:  # fmt: skip
         io = self._require()
         agent = peer["agent"]
         key = (peer["side"], region, version)
@@ -751,7 +772,7 @@ class NixlTransport(Transport):
             if id(into) not in self._exposed:
                 raise TransportError(f"read of {where}: the destination buffers are not exposed on this transport (expose() them first)")
         try:
-            d = self._described.get(key) or self._describe_peer(io, peer, key, where, into)
+            d = self._described.get(key) or self._describe_peer(io, peer, key, where, into, token)
             if length == 0:
                 return self._covered(io, d, where, version, 0, generation)[0]
             gen = self._wait_covered(io, d, where, version, offset + length, generation)
@@ -767,20 +788,22 @@ class NixlTransport(Transport):
             raise
         except TransportError as err:
             self._described.pop(key, None)
-            raise TransportError(f"read of {where}: {err}") from err
+            raise type(err)(f"read of {where}: {err}") from err  # keeps Unauthorized, PeerUnreachable
         except Exception as err:
             self._described.pop(key, None)
             io.drop_peer(agent)
             raise TransportError(f"read of {where}: NIXL raised {type(err).__name__}: {err}") from err
 
-    def _describe_peer(self, io: NixlIO, peer: dict, key: tuple, where: str, into: ShardBuffers) -> _Described:
+    def _describe_peer(self, io: NixlIO, peer: dict, key: tuple, where: str, into: ShardBuffers, token: bytes | None = None) -> _Described:
         for dropped in io.drop_idle(self.peer_idle_s):
             self.log.info("dropped idle remote agent", agent=dropped)
         assert self._client is not None
+        request = {"region": key[1], "version": key[2], "token": token}
         try:
-            reply = self._client.call(peer["side"], "describe", {"region": key[1], "version": key[2]}, self.describe_timeout, lambda: self._closed)
+            reply = self._client.call(peer["side"], "describe", request, self.describe_timeout, lambda: self._closed)
         except SideError as err:
-            raise TransportError(f"the holder refused to describe it ({err.code}: {err})") from err
+            cls = Unauthorized if err.code == "unauthorized" else TransportError
+            raise cls(f"the holder refused to describe it ({err.code}: {err})") from err
         regions, words, tag, md = reply.get("regions"), reply.get("words"), reply.get("tag"), reply.get("md")
         ok = (
             isinstance(regions, list)

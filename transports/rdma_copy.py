@@ -27,6 +27,13 @@ piece, in one of the reader's threads:
 
 Every piece of a read must come from one generation, and the caller's if it gave one.
 
+Grant tokens (``checks_grants``): every stage request carries the reader's grant token, and
+the holder admits it (:meth:`~tensorhub.transports.base.Transport.admit`) before it resolves
+anything, takes a slot or hands out the pool's metadata; a refusal (``unauthorized``) carries
+nothing else. Lease tokens are random, so only the reader a slot was staged for can release it.
+The side channel binds and advertises what :func:`tensorhub.transports.nic.choose_address` says
+(options ``host``/``advertise`` first).
+
 What it must never do: register or pin user tensors, hold more staging than configured, keep a
 holder slot leased without a bound, or unpickle anything from a peer.
 """
@@ -37,6 +44,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -49,8 +57,9 @@ import torch
 from tensorhub.core.errors import InvalidArgument, TransportError
 from tensorhub.core.log import get_logger
 
-from .base import Probe, RangeNotReady, Transport
+from .base import Probe, RangeNotReady, Transport, Unauthorized
 from .buffers import ShardBuffers, memory_of
+from .nic import choose_address
 from .nixl import NixlIO, default_agent, load_nixl, options_of, probe_nixl, start_agent
 from .sidechannel import SideClient, SideError, SideServer
 from .sidechannel import field as req_field
@@ -60,7 +69,8 @@ __all__ = ["RdmaCopyTransport", "StagingPool"]
 _SLICE = 0.02  # seconds between looks at "closed?" while a holder waits
 
 _OPTIONS = {
-    "host": ("127.0.0.1", None, str),
+    "host": ("", None, str),
+    "advertise": ("", None, str),
     "wait_timeout": (5.0, 0.0, float),
     "xfer_timeout": (30.0, 0.001, float),
     "lease_s": (10.0, 0.01, float),
@@ -91,7 +101,6 @@ class StagingPool:
         self._view = memory_of(self.tensor)
         self._cond = threading.Condition()
         self._leases: dict[int, tuple[int, float]] = {}  # slot -> (token, expiry)
-        self._tokens = 0
 
     def take(self, timeout: float, lease_s: float, closed: Callable[[], bool]) -> tuple[int, int] | None:
         """A free slot ``(slot, token)``, waiting up to ``timeout``; expired leases are
@@ -105,9 +114,9 @@ class StagingPool:
                         del self._leases[slot]
                 free = next((s for s in range(self.count) if s not in self._leases), None)
                 if free is not None:
-                    self._tokens += 1
-                    self._leases[free] = (self._tokens, now + lease_s)
-                    return free, self._tokens
+                    token = secrets.randbits(62) | 1  # unguessable: a lease is released only by its reader
+                    self._leases[free] = (token, now + lease_s)
+                    return free, token
                 left = deadline - now
                 if left <= 0 or closed():
                     return None
@@ -138,7 +147,8 @@ class StagingPool:
 class RdmaCopyTransport(Transport):
     """RDMA through staging buffers. See the module docstring.
 
-    Options: ``host`` (side channel interface), ``wait_timeout`` (default 5 s),
+    Options: ``host``/``advertise`` (the side channel's interface and the address peers dial;
+    default: :func:`~tensorhub.transports.nic.choose_address`'s rule), ``wait_timeout`` (default 5 s),
     ``xfer_timeout`` (default 30 s), ``lease_s`` (a holder slot's lease, default 10 s),
     ``staging_bytes`` (per side, default 64 MiB), ``slot_bytes`` (default 8 MiB),
     ``copy_threads`` (holder copies at once, default 4), ``threads`` (reads at once, default 8),
@@ -154,6 +164,7 @@ class RdmaCopyTransport(Transport):
     cuda = True
     cross_host = True
     gathers = True
+    checks_grants = True
 
     def __init__(self, options: dict[str, Any] | None = None, agent_factory: Callable[[str, str | None], Any] | None = None) -> None:
         super().__init__(options)
@@ -200,7 +211,9 @@ class RdmaCopyTransport(Transport):
         self._executor = ThreadPoolExecutor(max_workers=self.o["threads"], thread_name_prefix="rdma-copy-read")
         self._client = SideClient(f"rdma_copy reader {self.agent_name}")
         handlers = {"stage": (self._stage, False), "release": (self._release, True)}
-        self._side = SideServer(f"rdma-copy-{os.getpid()}", handlers, self.o["host"], workers=self.o["copy_threads"])
+        where = choose_address(self.o["host"] or None, self.o["advertise"] or None)
+        self._side = SideServer(f"rdma-copy-{os.getpid()}", handlers, where.bind, workers=self.o["copy_threads"], advertise=where.advertise)
+        self.log.info("rdma_copy side channel listening", address=self._side.address, bind=where.bind, rule=where.rule)
 
     def endpoint(self) -> dict[str, Any]:
         if self._side is None:
@@ -236,6 +249,9 @@ class RdmaCopyTransport(Transport):
         want = msg.get("generation")
         if want is not None and type(want) is not int:
             raise SideError("malformed", f"field 'generation' must be an int or nil, got {want!r}")
+        refused = self.admit(region, version, msg.get("token"), msg.get("_from", ""))
+        if refused is not None:
+            raise SideError("unauthorized", refused)
         pool, io = self.pool, self.io
         if pool is None or io is None or self._closed:
             raise SideError("closed", "the holder's rdma_copy transport is closed")
@@ -322,12 +338,17 @@ class RdmaCopyTransport(Transport):
         length: int,
         into: ShardBuffers,
         generation: int | None,
+        *,
+        token: bytes | None = None,
     ) -> int:
         """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into`` through
-        staging. Returns the holder's generation.
+        staging, showing ``token`` (the grant's) with every stage request. Returns the holder's
+        generation.
 
         Raises:
             RangeNotReady: a partial holder's progress did not cover a piece in time.
+            Unauthorized: the holder refused the token.
+            PeerUnreachable: the side channel's address could not be connected to.
             TransportError: anything else that kept the read from completing.
         """
         name = peer.get("agent") if isinstance(peer, dict) else peer
@@ -340,13 +361,15 @@ class RdmaCopyTransport(Transport):
             raise TransportError(f"read of {where}: the range is outside the destination's {into.total_bytes} bytes")
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, self._read_blocking, peer, where, region, version, offset, length, into, generation)
+            return await loop.run_in_executor(self._executor, self._read_blocking, peer, where, region, version, offset, length, into,
+                                              generation, token)  # fmt: skip
         except RuntimeError as err:
             raise TransportError(f"read of {where}: the rdma_copy transport closed") from err
 
     def _read_blocking(
-        self, peer: dict, where: str, region: int, version: int, offset: int, length: int, into: ShardBuffers, generation: int | None
-    ) -> int:
+        self, peer: dict, where: str, region: int, version: int, offset: int, length: int, into: ShardBuffers, generation: int | None,
+        token: bytes | None = None,
+    ) -> int:  # fmt: skip
         pool, io, client = self.pool, self.io, self._client
         if pool is None or io is None or client is None:
             raise TransportError(f"read of {where}: the rdma_copy transport closed")
@@ -354,7 +377,7 @@ class RdmaCopyTransport(Transport):
         pos, end = offset, offset + length
         for _ in range(max(1, -(-length // pool.slot_bytes))):
             n = min(pool.slot_bytes, end - pos)
-            got = self._piece(io, pool, client, peer, where, region, version, pos, n, into, gen)
+            got = self._piece(io, pool, client, peer, where, region, version, pos, n, into, gen, token)
             if gen is not None and got != gen:
                 raise TransportError(f"read of {where}: the holder's generation moved from {gen} to {got} between pieces")
             gen = got
@@ -364,14 +387,14 @@ class RdmaCopyTransport(Transport):
 
     def _piece(
         self, io: NixlIO, pool: StagingPool, client: SideClient, peer: dict, where: str,
-        region: int, version: int, offset: int, n: int, into: ShardBuffers, generation: int | None,
+        region: int, version: int, offset: int, n: int, into: ShardBuffers, generation: int | None, token: bytes | None = None,
     ) -> int:  # fmt: skip
         agent, side = peer["agent"], peer["side"]
         local = pool.take(self.o["xfer_timeout"], self.o["xfer_timeout"] * 2, self._is_closed)
         if local is None:
             raise TransportError(f"read of {where}: no local staging slot freed up in time" + (" (closed)" if self._closed else ""))
         try:
-            fields = {"region": region, "version": version, "offset": offset, "length": n, "generation": generation}
+            fields = {"region": region, "version": version, "offset": offset, "length": n, "generation": generation, "token": token}
             if agent not in self._known:
                 fields["metadata"] = True
             timeout = self.wait_timeout + self.o["xfer_timeout"]
@@ -380,9 +403,10 @@ class RdmaCopyTransport(Transport):
             except SideError as err:
                 if err.code == "not_ready":
                     raise RangeNotReady(f"read of {where}: {err}") from err
-                raise TransportError(f"read of {where}: the holder refused to stage bytes [{offset}, {offset + n}) ({err.code}: {err})") from err
+                cls = Unauthorized if err.code == "unauthorized" else TransportError
+                raise cls(f"read of {where}: the holder refused to stage bytes [{offset}, {offset + n}) ({err.code}: {err})") from err
             except TransportError as err:
-                raise TransportError(f"read of {where}: {err}") from err
+                raise type(err)(f"read of {where}: {err}") from err  # keeps PeerUnreachable
             slot, token, address, gen = (reply.get(k) for k in ("slot", "token", "address", "generation"))
             if not all(type(v) is int for v in (slot, token, address, gen)):
                 raise TransportError(f"read of {where}: the holder's stage reply is malformed")

@@ -9,10 +9,13 @@ registered staging slot and to *release* the slot after the bulk READ. None of i
 bytes.
 
 :class:`SideServer` is the holder's half: a ZeroMQ ROUTER bound to ``host:port`` (port 0: any
-free port) and one thread that owns it. Each request is one frame, a msgpack map
+free port; ``host`` and the ``advertise``d address as :func:`tensorhub.transports.nic.choose_address`
+says for the transports that cross hosts) and one thread that owns it. Each request is one frame, a msgpack map
 ``{"op": str, "id": int, ...fields}``; the thread decodes it (size-limited, no extension types,
 never pickle), finds the handler for ``op`` and runs it either inline (cheap lookups) or on a
-small worker pool (handlers that wait, such as staging behind a partial holder's progress). The
+small worker pool (handlers that wait, such as staging behind a partial holder's progress).
+The server adds ``"_from"``: the peer's address as ZeroMQ saw it (for the holder's log of a
+refused request; whatever the peer sent under that name is replaced). The
 reply ``{"id": ..., "ok": True, ...result}`` or ``{"id": ..., "ok": False, "code": ..., "error":
 ...}`` goes back through the owning thread (workers hand replies over an inproc PUSH/PULL pair,
 because ZeroMQ sockets belong to one thread). A handler signals a refusal with
@@ -21,7 +24,12 @@ because ZeroMQ sockets belong to one thread). A handler signals a refusal with
 :class:`SideClient` is the reader's half: one DEALER per (thread, holder address), created on
 first use and kept, so a request costs one round trip. A call waits in slices (so that a closed
 client notices), up to its timeout; replies to earlier calls that timed out are recognised by
-their id and dropped.
+their id and dropped. A call to an address that never accepted the connection (refused, or
+nothing answered within the timeout) raises :class:`~tensorhub.transports.base.PeerUnreachable`
+naming the address and the setting that chooses it on the holder.
+
+Grant tokens are the handlers' business: a request that needs one carries it as the field
+``token`` (bytes), and the handler asks ``Transport.admit`` before it looks anything up.
 
 What it must never do: unpickle or eval anything from the socket, block the holder's ROUTER
 thread on a slow handler, or wait without a bound.
@@ -41,6 +49,8 @@ import zmq
 import zmq.utils.monitor
 
 from tensorhub.core.errors import TransportError
+
+from .base import UNREACHABLE_HINT, PeerUnreachable
 
 __all__ = ["SideClient", "SideError", "SideServer", "decode", "encode"]
 
@@ -98,12 +108,16 @@ class SideServer:
         name: for thread names and errors.
         handlers: what each op does; a handler takes the request map and returns the reply's
             fields, or raises :class:`SideError`.
-        host: the interface to bind (an address peers can reach).
+        host: the interface to bind (an address peers can reach, or ``0.0.0.0``).
         port: the port (0: any free one).
         workers: threads for handlers that are not inline.
+        advertise: the address peers dial (default ``host``): :attr:`address` names it.
     """
 
-    def __init__(self, name: str, handlers: dict[str, tuple[Handler, bool]], host: str, port: int = 0, workers: int = 4) -> None:
+    def __init__(
+        self, name: str, handlers: dict[str, tuple[Handler, bool]], host: str, port: int = 0, workers: int = 4,
+        advertise: str | None = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.handlers = handlers
         self._ctx = zmq.Context()
@@ -119,7 +133,7 @@ class SideServer:
         except zmq.ZMQError as err:
             self._ctx.destroy(linger=0)
             raise TransportError(f"{name}: cannot bind the side channel on {host}:{port}: {err}") from err
-        self.address = f"tcp://{host}:{port}"
+        self.address = f"tcp://{advertise or host}:{port}"
         self._inproc = f"inproc://{name}-replies-{id(self)}"
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self._inproc)
@@ -168,10 +182,14 @@ class SideServer:
             if self._router in ready:
                 for _ in range(1024):
                     try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK)
+                        parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._dispatch(frames)
+                    try:
+                        peer = parts[-1].get("Peer-Address")
+                    except (zmq.ZMQError, AttributeError):
+                        peer = ""
+                    self._dispatch([p.bytes for p in parts], f"from {peer}" if peer else "")
         self._router.close(linger=0)
         self._pull.close(linger=0)
 
@@ -181,7 +199,7 @@ class SideServer:
         except zmq.ZMQError:
             pass  # the peer went away; it will time out or has closed
 
-    def _dispatch(self, frames: list[bytes]) -> None:
+    def _dispatch(self, frames: list[bytes], who: str = "") -> None:
         if len(frames) != 2:
             return  # not a DEALER of ours: nothing to answer to
         ident, frame = frames
@@ -190,6 +208,7 @@ class SideServer:
         except SideError as err:
             self._send(ident, encode({"id": None, "ok": False, "code": err.code, "error": str(err)}))
             return
+        msg["_from"] = who
         rid = msg.get("id")
         op = msg.get("op")
         entry = self.handlers.get(op) if isinstance(op, str) else None
@@ -243,6 +262,7 @@ class SideClient:
         self._lock = threading.Lock()
         self._sockets: list[zmq.Socket] = []
         self._monitors: dict[int, zmq.Socket] = {}
+        self._connected: set[int] = set()  # sockets whose connection was made once
         self._ids = itertools.count(1)
         self._closed = False
 
@@ -251,6 +271,7 @@ class SideClient:
 
         Raises:
             SideError: the holder refused (its code and message), or the reply was malformed.
+            PeerUnreachable: the connection to ``address`` was refused or not made in time.
             TransportError: no reply within ``timeout``, or this client (or ``closed()``) closed.
         """
         sock = self._socket(address)
@@ -270,11 +291,19 @@ class SideClient:
                 raise TransportError(f"{self.name}: closed while waiting for {op!r} from {address}")
             left = deadline - time.monotonic()
             if left <= 0:
+                never = id(sock) not in self._connected
                 self._drop(address)  # a late reply must not be taken for the next call's
+                if never:
+                    raise PeerUnreachable(f"{self.name}: cannot connect to the side channel at {address} within "
+                                          f"{timeout:g} s ({op!r}); {UNREACHABLE_HINT}")  # fmt: skip
                 raise TransportError(f"{self.name}: no reply to {op!r} from {address} within {timeout:g} s")
             ready = dict(poller.poll(min(_SLICE_MS, max(1, int(left * 1000)))))
-            if monitor in ready and self._lost(monitor):
+            if monitor in ready and self._lost(monitor, sock):
+                never = id(sock) not in self._connected
                 self._drop(address)
+                if never:
+                    raise PeerUnreachable(f"{self.name}: cannot connect to the side channel at {address} (refused or "
+                                          f"unreachable; {op!r}); {UNREACHABLE_HINT}")  # fmt: skip
                 raise TransportError(f"{self.name}: the holder at {address} went away while answering {op!r}")
             if sock not in ready:
                 continue
@@ -295,16 +324,18 @@ class SideClient:
         except zmq.ZMQError:
             self._drop(address)
 
-    @staticmethod
-    def _lost(monitor: zmq.Socket) -> bool:
+    def _lost(self, monitor: zmq.Socket, sock: zmq.Socket) -> bool:
         """Whether the monitor reports the connection dropped (the holder closed or died) or
-        could not be made (nothing listens there: with reconnection off, the socket closes)."""
+        could not be made (nothing listens there: with reconnection off, the socket closes).
+        Notes a connection made (see ``_connected``)."""
         lost = False
         for _ in range(64):
             try:
                 event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return lost
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._connected.add(id(sock))
             lost = lost or event["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED)
         return lost
 
@@ -331,7 +362,7 @@ class SideClient:
                 # A holder that goes away must fail the call now, not at its timeout: watch
                 # for the connection dropping, and do not reconnect behind our back.
                 sock.setsockopt(zmq.RECONNECT_IVL, -1)
-                self._monitors[id(sock)] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+                self._monitors[id(sock)] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_CONNECTED)
                 sock.connect(address)
                 self._sockets.append(sock)
             socks[address] = sock
@@ -345,6 +376,7 @@ class SideClient:
                 if sock in self._sockets:
                     self._sockets.remove(sock)
                 monitor = self._monitors.pop(id(sock), None)
+                self._connected.discard(id(sock))
             try:
                 sock.disable_monitor()
                 if monitor is not None:

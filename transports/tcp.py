@@ -10,8 +10,24 @@ thread, in pieces of at most ``staging_bytes``.
 Wire format of one read (all integers big-endian)::
 
     request  = magic:u32 region:u64 version:u64 offset:u64 length:u64 generation:u64 wait_ms:u32
+               token_len:u16 [token_len bytes: the grant token]
     response = status:u8 generation:u64 length:u64  [length bytes]  trailer
     trailer  = status:u8 generation:u64              (only after the bytes)
+
+**Grant tokens** (``checks_grants``). Every request carries the reader's grant token (61 bytes,
+:mod:`tensorhub.core.tokens`), so authentication costs no round trip: the holder checks it
+(:meth:`~tensorhub.transports.base.Transport.admit`: an HMAC-SHA256 the first time a pull shows
+its token, a lookup after that; about a microsecond against milliseconds of payload) before it
+resolves the region. A request that is
+refused gets ``UNAUTHORIZED`` with no payload, and the connection is closed. The bytes
+themselves are not encrypted: run the data network on a trusted fabric or under IPsec/WireGuard
+where that matters (see the README's "Security").
+
+**Addresses.** The listener binds and advertises what
+:func:`tensorhub.transports.nic.choose_address` says: the ``host``/``advertise`` options, else
+``$TENSORHUB_ADVERTISE_HOST``, else loopback when the server is on loopback (a one-host job),
+else the address of the interface that routes to the server. A reader that cannot connect
+raises :class:`~tensorhub.transports.base.PeerUnreachable` naming the address and that setting.
 
 Throughput choices
 ------------------
@@ -58,24 +74,29 @@ from typing import Any
 import torch
 
 from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.core.log import get_logger
 
-from .base import Probe, RangeNotReady, Transport
+from .base import UNREACHABLE_HINT, PeerUnreachable, Probe, RangeNotReady, Transport, Unauthorized
 from .buffers import ShardBuffers, memory_of
+from .nic import choose_address
 
 __all__ = ["RangeNotReady", "TcpTransport"]
 
-_MAGIC = 0x54485231  # "THR1"
-_REQ = struct.Struct("!IQQQQQI")
+_MAGIC = 0x54485232  # "THR2": requests carry a grant token
+_REQ = struct.Struct("!IQQQQQIH")
 _RESP = struct.Struct("!BQQ")
 _TRAILER = struct.Struct("!BQ")
+MAX_TOKEN = 1024  # a request's token is at most this long
 
-OK, NO_HOLDING, BAD_RANGE, NOT_READY, CHANGED, BAD_REQUEST = range(6)
+OK, NO_HOLDING, BAD_RANGE, NOT_READY, CHANGED, BAD_REQUEST, UNAUTHORIZED = range(7)
 _STATUS_TEXT = {
     NO_HOLDING: "the peer does not hold that version under that region",
     BAD_RANGE: "the range is outside the shard",
     NOT_READY: "the peer's progress did not cover the range in time",
     CHANGED: "the peer's holding changed during the read",
     BAD_REQUEST: "the peer refused a malformed request",
+    UNAUTHORIZED: "the peer refused the request: no valid grant token for that version of that region "
+    "(missing, made for another holder or version, or expired)",
 }
 MAX_READ = 256 << 20  # one request moves at most this many bytes
 _MIN_STRIPE = 1 << 20  # a read is striped over connections in pieces of at least this
@@ -117,8 +138,9 @@ class _Staging(threading.local):
 
 
 class TcpTransport(Transport):
-    """Raw-socket transport. Options: ``host`` (address to listen on and advertise, default
-    127.0.0.1), ``port`` (0: any), ``advertise`` (address peers should dial, default ``host``),
+    """Raw-socket transport. Options: ``host`` (address to listen on; default: by
+    :func:`~tensorhub.transports.nic.choose_address`), ``port`` (0: any), ``advertise`` (address
+    peers should dial, default ``host``, else by the same rule),
     ``streams`` (connections one read is striped over, default 4), ``io_timeout`` (seconds, default 30),
     ``wait_timeout`` (how long a holder waits for its progress to cover a range, default 5),
     ``staging_bytes`` (CUDA staging piece, default 8 MiB), ``max_connections`` (default 512),
@@ -131,18 +153,22 @@ class TcpTransport(Transport):
     cuda = False
     cross_host = True
     gathers = True
+    checks_grants = True
 
     @classmethod
     def probe(cls) -> Probe:
         """Always usable, and the fallback of every edge."""
-        return Probe(True, True, "raw sockets; serves every edge no faster transport serves", (("listens on", "127.0.0.1 unless host= is given"),))
+        return Probe(True, True, "raw sockets; serves every edge no faster transport serves",
+                     (("address", "host/advertise options, else $TENSORHUB_ADVERTISE_HOST, else loopback for a server on "
+                       "loopback, else the interface that routes to the server"),))  # fmt: skip
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
         o = self.options
-        self.host = str(o.get("host", "127.0.0.1"))
+        self.host: str | None = o.get("host") or None  # None: chosen at start()
         self.port = int(o.get("port", 0))
-        self.advertise = str(o.get("advertise", self.host))
+        self.advertise: str | None = o.get("advertise") or None
+        self.address_rule = ""
         self.streams = int(o.get("streams", 4))
         self.reads_in_flight = 2  # reads of one pull the engine keeps going (each striped)
         self.io_timeout = float(o.get("io_timeout", 30.0))
@@ -168,18 +194,22 @@ class TcpTransport(Transport):
     # ---- holder side ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        where = choose_address(self.host, self.advertise)
+        self.host, self.advertise, self.address_rule = where.bind, where.advertise, where.rule
         lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             lst.bind((self.host, self.port))
         except OSError as err:
             lst.close()
-            raise TransportError(f"tcp transport cannot listen on {self.host}:{self.port}: {err}") from err
+            raise TransportError(f"tcp transport cannot listen on {self.host}:{self.port} ({where.rule}): {err}") from err
         lst.listen(128)
         self._listener = lst
         self.port = lst.getsockname()[1]
         self._accepting = threading.Thread(target=self._accept_loop, name=f"tcp-accept-{self.port}", daemon=True)
         self._accepting.start()
+        get_logger(transport=self.name).info("tcp transport listening", bind=f"{self.host}:{self.port}",
+                                             advertise=self.advertise, rule=where.rule)  # fmt: skip
 
     def endpoint(self) -> dict[str, Any]:
         return {"host": self.advertise, "port": self.port}
@@ -189,7 +219,7 @@ class TcpTransport(Transport):
         assert lst is not None
         while not self._closed:
             try:
-                conn, _ = lst.accept()
+                conn, addr = lst.accept()
             except OSError:
                 return  # closed
             with self._lock:
@@ -198,9 +228,10 @@ class TcpTransport(Transport):
                     continue
                 self._served.add(conn)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve_conn, args=(conn,), name="tcp-serve", daemon=True).start()
+            who = f"from {addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else ""
+            threading.Thread(target=self._serve_conn, args=(conn, who), name="tcp-serve", daemon=True).start()
 
-    def _serve_conn(self, conn: socket.socket) -> None:
+    def _serve_conn(self, conn: socket.socket, who: str = "") -> None:
         try:
             # An idle pooled connection may wait long for its next request; not forever.
             conn.settimeout(self.idle_timeout)
@@ -208,10 +239,18 @@ class TcpTransport(Transport):
                 hdr = _recv_exact(conn, _REQ.size)
                 if hdr is None:
                     return
-                magic, region, version, offset, length, generation, wait_ms = _REQ.unpack(hdr)
-                if magic != _MAGIC or length > MAX_READ:
+                magic, region, version, offset, length, generation, wait_ms, token_len = _REQ.unpack(hdr)
+                if magic != _MAGIC or length > MAX_READ or token_len > MAX_TOKEN:
                     conn.sendall(_RESP.pack(BAD_REQUEST, 0, 0))
                     return  # the stream is not ours to parse any further
+                token = _recv_exact(conn, token_len) if token_len else None
+                if token_len and token is None:
+                    return
+                if self.admit(region, version, token, who) is not None:
+                    # Nothing of the region is served, not even whether it exists; the
+                    # connection goes (a prober pays a connection per try).
+                    conn.sendall(_RESP.pack(UNAUTHORIZED, 0, 0))
+                    return
                 self._serve_one(conn, region, version, offset, length, generation, wait_ms)
         except OSError:
             return  # the reader went away; nothing of ours is left inconsistent
@@ -266,7 +305,18 @@ class TcpTransport(Transport):
         length: int,
         into: ShardBuffers,
         generation: int | None,
+        *,
+        token: bytes | None = None,
     ) -> int:
+        """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into``, showing
+        ``token`` (the grant's) with every request. Returns the holder's generation.
+
+        Raises:
+            RangeNotReady: the holder's progress did not cover the range in time.
+            Unauthorized: the holder refused the token.
+            PeerUnreachable: the peer's address could not be connected to.
+            TransportError: anything else that kept the read from completing.
+        """
         try:
             key = (str(peer["host"]), int(peer["port"]))
         except (KeyError, TypeError, ValueError) as err:
@@ -275,17 +325,19 @@ class TcpTransport(Transport):
             raise InvalidArgument(f"bad tcp read: offset {offset}, length {length}, generation {generation}")
         if length > MAX_READ:
             raise InvalidArgument(f"a tcp read moves at most {MAX_READ} bytes, asked {length}")
+        if token is not None and (not isinstance(token, bytes) or len(token) > MAX_TOKEN):
+            raise InvalidArgument(f"a grant token is bytes of at most {MAX_TOKEN}, got {type(token).__name__}")
         if self._closed:
             raise TransportError(f"tcp transport closed; read from {key[0]}:{key[1]} not started")
         loop = asyncio.get_running_loop()
         k = max(1, min(self.streams, length // _MIN_STRIPE))
         if k == 1:
             return await loop.run_in_executor(
-                self._executor, self._read_blocking, key, region, version, offset, length, into, generation
+                self._executor, self._read_blocking, key, region, version, offset, length, into, generation, token
             )
         step = -(-length // k)
         parts = [(o, min(step, offset + length - o)) for o in range(offset, offset + length, step)]
-        futs = [loop.run_in_executor(self._executor, self._read_blocking, key, region, version, o, n, into, generation)
+        futs = [loop.run_in_executor(self._executor, self._read_blocking, key, region, version, o, n, into, generation, token)
                 for o, n in parts]  # fmt: skip
         results = await asyncio.gather(*futs, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -336,6 +388,7 @@ class TcpTransport(Transport):
         length: int,
         into: ShardBuffers,
         generation: int | None,
+        token: bytes | None = None,
     ) -> int:
         where = f"{key[0]}:{key[1]} region {region} version {version} bytes [{offset}, {offset + length})"
         if self._closed:
@@ -346,14 +399,16 @@ class TcpTransport(Transport):
                 end = max(now, self._rate_next) + length / self.max_rate
                 self._rate_next = end
             time.sleep(min(end - now, 3600.0))
-        request = _REQ.pack(_MAGIC, region, version, offset, length, generation or 0, int(self.wait_timeout * 1000))
+        request = _REQ.pack(_MAGIC, region, version, offset, length, generation or 0, int(self.wait_timeout * 1000),
+                            len(token or b"")) + (token or b"")  # fmt: skip
         sock: socket.socket | None = None
         try:
             for attempt in range(2):
                 try:
                     sock, pooled = self._connect(key, fresh=attempt > 0)
                 except OSError as err:
-                    raise TransportError(f"cannot connect for {where}: {err}") from err
+                    raise PeerUnreachable(f"cannot connect to {key[0]}:{key[1]} for the read of {where} ({err}); "
+                                          f"{UNREACHABLE_HINT}") from err  # fmt: skip
                 try:
                     sock.sendall(request)
                     hdr = _recv_exact(sock, _RESP.size)
@@ -370,10 +425,10 @@ class TcpTransport(Transport):
                 raise ConnectionError("peer closed the connection")
             status, gen, n = _RESP.unpack(hdr)
             if status != OK:
-                if status in _STATUS_TEXT and status != BAD_REQUEST:  # known, payload-free answers
+                if status in _STATUS_TEXT and status not in (BAD_REQUEST, UNAUTHORIZED):  # known, payload-free answers
                     self._release(key, sock)
                     sock = None
-                cls = RangeNotReady if status == NOT_READY else TransportError
+                cls = RangeNotReady if status == NOT_READY else Unauthorized if status == UNAUTHORIZED else TransportError
                 raise cls(f"read of {where}: {_STATUS_TEXT.get(status, f'unknown status {status}')}")
             if n != length:
                 raise ConnectionError(f"peer announced {n} bytes")

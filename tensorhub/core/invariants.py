@@ -44,7 +44,7 @@ def check_invariants(table: ReferenceTable) -> list[str]:
         if h.state is None:
             bad.append(f"holder {h.id} is indexed with no state")
         if h.state is not P and h.upstream is not None:
-            bad.append(f"holder {h.id} is {h.state.value} but still has an upstream grant")
+            bad.append(f"holder {h.id} is {h.state.value if h.state else None} but still has an upstream grant")
         if h.state is P and h.upstream is None and not h.waiting and h.call is not None:
             bad.append(f"partial holder {h.id} has a call in flight but neither a source nor a place in line")
         if h.state is U and not h.grants and not h.offload_pending:
@@ -62,9 +62,9 @@ def check_invariants(table: ReferenceTable) -> list[str]:
         for replica in model.replicas.values():
             counted: dict[str, int] = {}
             for s in replica.shards.values():
-                for h in [s.holder, *s.offloads.values()]:
-                    if h is not None:
-                        for g in h.grants.values():
+                for held in [s.holder, *s.offloads.values()]:
+                    if held is not None:
+                        for g in held.grants.values():
                             counted[g.reader.session.replica.name] = counted.get(g.reader.session.replica.name, 0) + 1
             if counted != replica.serving:
                 bad.append(f"replica {replica.name}: serving counts {replica.serving} != active grants {counted}")
@@ -102,7 +102,9 @@ def check_invariants(table: ReferenceTable) -> list[str]:
             bad.append(f"model {model.name}: a transaction pins several versions")
         for replica in model.replicas.values():
             for txn in replica.txns.values():
-                if txn.pinned_until is not None and txn not in model.pins.get(txn.version, ()):
+                # (a pinning transaction with no version finds no pins: reported too)
+                pins = model.pins.get(txn.version, ())  # type: ignore[arg-type]
+                if txn.pinned_until is not None and txn not in pins:
                     bad.append(f"model {model.name}: {replica.name} call {txn.n} thinks it pins v{txn.version}")
         for h in model.offload_holders.values():
             if h.state is O and not model.kept(h.version) and not table._dirty_models.get(model.name):

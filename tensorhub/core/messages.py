@@ -21,6 +21,7 @@ from typing import Any
 from .errors import TensorHubError
 from .layout import Layout
 from .naming import parse_version_spec, validate_model, validate_replica, validate_shard, validate_version
+from .tokens import valid_key
 from .topology import Location
 from .wire import Opaque, message, struct
 
@@ -160,12 +161,34 @@ class OpenShard:
             _nonneg("retain", self.retain)
 
 
+#: Where an engine's endpoint carries the holder slot's grant key until :class:`Register` takes it out.
+GRANT_KEY = "grant_key"
+
+
 @message("register")
 class Register:
+    """Register a shard's layout and its transports' ``endpoint`` (which the server hands, as it
+    is, to the readers it grants from this shard). ``grant_key``: the key the server signs this
+    holder's grant tokens with (:mod:`tensorhub.core.tokens`); readers never see it. An endpoint
+    made by the engine carries it under :data:`GRANT_KEY`: building the message moves it out of
+    the endpoint into this field, so the endpoint the server keeps and hands out never holds it.
+    None: a holder that checks no tokens (its grants carry none)."""
+
     req: int
     session: int
     layout: Layout
     endpoint: Opaque
+    grant_key: bytes | None = field(default=None, metadata={"max_len": 64})
+
+    def __post_init__(self) -> None:
+        ep = self.endpoint
+        if isinstance(ep, dict) and GRANT_KEY in ep:
+            if self.grant_key is not None:
+                raise ValueError(f"the grant key is given twice (the field and the endpoint's {GRANT_KEY!r})")
+            object.__setattr__(self, "grant_key", ep[GRANT_KEY])
+            object.__setattr__(self, "endpoint", {k: v for k, v in ep.items() if k != GRANT_KEY})
+        if self.grant_key is not None and not valid_key(self.grant_key):
+            raise ValueError("grant_key must be None or 16 to 64 bytes")
 
 
 @message("unregister")
@@ -398,7 +421,9 @@ class Failed:
 
 @message("grant")
 class Grant:
-    """Pull ``shard_idx`` of ``version`` from ``source``. Echoes the replicate/update ``req``."""
+    """Pull ``shard_idx`` of ``version`` from ``source``. Echoes the replicate/update ``req``.
+    ``token``: the grant token the reader shows the source's transports
+    (:mod:`tensorhub.core.tokens`), None when the source registered no grant key."""
 
     req: int
     session: int
@@ -408,6 +433,7 @@ class Grant:
     shard_idx: int
     source: SourceInfo
     checksums: tuple[int, ...] | None
+    token: bytes | None = field(default=None, metadata={"max_len": 256})  #: to show the source (None: it checks none)
 
 
 @message("revoke")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from .errors import InvalidName
 
@@ -88,7 +89,7 @@ def seed_owner(replica: str) -> str | None:
     return replica[: -len(SEED_SUFFIX)] or None if replica.endswith(SEED_SUFFIX) else None
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

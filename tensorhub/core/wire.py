@@ -26,7 +26,7 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import msgpack
 
@@ -54,16 +54,27 @@ MAX_BYTES = 4 * 1024 * 1024
 MAX_OPAQUE_DEPTH = 6
 
 
-class Opaque:
-    """Annotation for nested plain msgpack data (None, bool, int, float, str, bytes, lists and
-    str-keyed maps) of bounded depth. Used for transport descriptors the control plane carries
-    without interpreting."""
+if TYPE_CHECKING:  # to a type checker, any value: the decoder checks what it is
+    Opaque = Any
+else:
+
+    class Opaque:
+        """Annotation for nested plain msgpack data (None, bool, int, float, str, bytes, lists
+        and str-keyed maps) of bounded depth. Used for transport descriptors the control plane
+        carries without interpreting."""
 
 
 T = TypeVar("T")
 
 _Conv = Callable[[Any, str], Any]
 _KINDS: dict[str, type] = {}
+
+if TYPE_CHECKING:  # tells type checkers that struct/message make frozen dataclasses (PEP 681)
+    from typing_extensions import dataclass_transform
+else:
+
+    def dataclass_transform(**_: Any) -> Callable[[T], T]:
+        return lambda f: f
 
 
 class _Schema:
@@ -85,16 +96,19 @@ class _Schema:
 
 
 def _dataclass(cls: type[T]) -> type[T]:
-    return dataclasses.dataclass(frozen=True, slots=True)(cls)  # type: ignore[return-value]
+    return dataclasses.dataclass(frozen=True, slots=True)(cls)
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
 def struct(cls: type[T]) -> type[T]:
     """Make ``cls`` a frozen, slotted dataclass usable as a nested wire value."""
     cls = _dataclass(cls)
-    cls.__wire_schema__ = None  # compiled lazily: annotations may name classes defined later
+    # compiled lazily: annotations may name classes defined later
+    cls.__wire_schema__ = None  # type: ignore[attr-defined]
     return cls
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
 def message(kind: str) -> Callable[[type[T]], type[T]]:
     """Make ``cls`` a frozen, slotted dataclass sent on the wire under ``kind``."""
 
@@ -115,10 +129,10 @@ def message_kinds() -> dict[str, type]:
 
 
 def _schema(cls: type) -> _Schema:
-    s = cls.__wire_schema__
+    s: _Schema | None = cls.__wire_schema__  # type: ignore[attr-defined]
     if s is None:
         s = _Schema(cls, getattr(cls, "KIND", None))
-        cls.__wire_schema__ = s
+        cls.__wire_schema__ = s  # type: ignore[attr-defined]
     return s
 
 

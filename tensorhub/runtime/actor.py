@@ -37,7 +37,7 @@ __all__ = ["Actor", "LoopThread", "TaskCrashed", "new_event_loop"]
 try:  # uvloop when installed; the standard loop otherwise
     import uvloop as _uvloop
 except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-    _uvloop = None
+    _uvloop = None  # type: ignore[assignment]
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -231,7 +231,7 @@ class Actor:
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
         """Run ``coro`` as a supervised task of this actor."""
         assert self.loop is not None
-        task = self.loop.create_task(coro, name=name)  # type: ignore[arg-type]
+        task: asyncio.Task = self.loop.create_task(coro, name=name)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task

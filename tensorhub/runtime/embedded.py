@@ -111,11 +111,22 @@ async def resolve_server(ctx: zmq.asyncio.Context, server: str | list[str] | tup
 
 async def resolve_servers(ctx: zmq.asyncio.Context, server: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
     """The addresses a handle should use, in order (starting the embedded server if none is given).
+    They are recorded for the transports, which choose the address they advertise by them
+    (:func:`tensorhub.transports.nic.choose_address`: loopback for a server on loopback, else the
+    interface that routes to the server).
 
     Raises:
         InvalidArgument: ``server=None`` in a multi-node job, or a malformed address list.
         ServerUnavailable: the embedded server could not be started.
     """
+    from tensorhub.transports.nic import note_servers
+
+    addresses = await _resolve_servers(ctx, server)
+    note_servers(addresses)
+    return addresses
+
+
+async def _resolve_servers(ctx: zmq.asyncio.Context, server: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
     if server is not None:
         return parse_servers(server)
     env = os.environ.get("TENSORHUB_SERVER") or None

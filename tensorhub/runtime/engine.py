@@ -39,6 +39,15 @@ write into the buffers.
 Self-check: when a reader reports a mismatch against this holder's copy, the server asks it to
 re-verify (``VerifyRequest``); the engine re-hashes the held copy and answers.
 
+Grant tokens (the authenticated data plane, :mod:`tensorhub.core.tokens`): each slot draws a
+random key, which goes to the server inside the slot's endpoint (``Register`` moves it out of the
+endpoint before anything else sees it). Transports that check grants (``checks_grants``) ask
+:meth:`EngineActor.admit` from their threads before they serve anything of a region, bytes or a
+memory description: the token must verify under the region's key, be for the version asked for
+and not have expired. A refusal is counted (:attr:`EngineActor.refusals`, by reason) and
+logged (the first of each reason, then at most one line per reason every 10 s with the count).
+As a reader, the engine passes each grant's token to the transport it reads with.
+
 What it must never do: serve a version the buffers do not hold (the progress counter's version
 and generation are set before a publish is sent and bumped when an unpublish returns), or run
 two pulls' reads into one set of buffers at once.
@@ -49,13 +58,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import secrets
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from tensorhub.core import messages as m
 from tensorhub.core.errors import InvalidArgument, TransportError
 from tensorhub.core.layout import Read
+from tensorhub.core.messages import GRANT_KEY
 from tensorhub.core.session import (
     Advance,
     ReadRange,
@@ -66,6 +79,7 @@ from tensorhub.core.session import (
     ReportSourceFailed,
     Verify,
 )
+from tensorhub.core.tokens import KEY_BYTES, InvalidToken, TokenChecker
 from tensorhub.core.topology import Location
 from tensorhub.scheduling.edges import choose_transport
 from tensorhub.transports.buffers import ShardBuffers
@@ -112,6 +126,7 @@ class _Slot:
         "deferred",
         "grant",
         "idle_waiters",
+        "key",
         "landed",
         "location",
         "offloads",
@@ -126,6 +141,7 @@ class _Slot:
         "span",
         "stats",
         "term",
+        "token",
         "unpacking",
     )  # fmt: skip
 
@@ -153,6 +169,8 @@ class _Slot:
         self.publishing: asyncio.Task | None = None  # the publish job (pack, hash, declare)
         self.unpacking: asyncio.Task | None = None  # the last of the slot's unpacks (they run in order)
         self.span: _Span | None = None  # the transfer under the current grant, reported when it ends
+        self.key = secrets.token_bytes(KEY_BYTES)  # grant tokens for this slot's region are sealed with it
+        self.token: bytes | None = None  # the current grant's token, shown to its source
 
 
 @dataclass(slots=True)
@@ -303,8 +321,17 @@ class EngineActor(Actor):
         self.slots: dict[int, _Slot] = {}
         self.regions: dict[int, _Slot] = {}
         self._regions = itertools.count(1)
+        #: data-plane requests refused for want of a valid grant token, by reason (thread-safe reads)
+        self.refusals: Counter[str] = Counter()
+        self._tokens = TokenChecker(time.monotonic)
+        self._admit_lock = threading.Lock()
+        self._refusal_logged: dict[str, float] = {}
         for t in transports.values():
             t.serve(self.resolve)
+            t.guard(self.admit)
+            if not getattr(t, "checks_grants", False) and t.cross_host:
+                self.log.warning("this transport checks no grant tokens: whoever reaches its endpoint can read what "
+                                 "it serves", transport=t.name)  # fmt: skip
 
     async def on_stop(self) -> None:
         for t in self.transports.values():
@@ -312,6 +339,44 @@ class EngineActor(Actor):
 
     def endpoint(self, region: int) -> dict[str, Any]:
         return {"region": region, **{name: t.endpoint() for name, t in self.transports.items()}}
+
+    @property
+    def refused_total(self) -> int:
+        """Data-plane requests refused for want of a valid grant token, all reasons."""
+        with self._admit_lock:
+            return sum(self.refusals.values())
+
+    def admit(self, region: int, version: int, token: bytes | None, who: str) -> str | None:
+        """The grant check transports run (from their threads) before serving anything of
+        ``(region, version)``: None to serve, else why not (the refusal is counted and logged).
+
+        Args:
+            region: the region asked for (names a slot, and so its key).
+            version: the version asked for (the token must be for it).
+            token: what the request carried (None: nothing).
+            who: the transport and the peer's address, for the log.
+        """
+        slot = self.regions.get(region)
+        with self._admit_lock:
+            try:
+                if slot is None:
+                    raise InvalidToken("unknown_region", f"no registered shard has region {region}")
+                self._tokens.check(slot.key, token, version)
+                return None
+            except InvalidToken as err:
+                self.refusals[err.reason] += 1
+                count = self.refusals[err.reason]
+                now = time.monotonic()
+                last = self._refusal_logged.get(err.reason)
+                log = last is None or now - last >= 10.0
+                if log:
+                    self._refusal_logged[err.reason] = now
+                why = str(err)
+        if log:
+            ctx = {k: v for k, v in (slot.ctx if slot is not None else {}).items() if k in ("model", "replica", "shard")}
+            self.log.warning("data-plane request without a valid grant token refused", who=who, region=region,
+                             version=version, reason=why, refused=count, **ctx)  # fmt: skip
+        return f"refused: {why}"
 
     def resolve(self, region: int, version: int) -> ShardBuffers | None:
         """Called from transport threads: the buffers that hold (or are about to hold)
@@ -340,7 +405,9 @@ class EngineActor(Actor):
         self.regions[region] = slot
         for t in self.transports.values():
             t.expose(msg.buffers)
-        return self.endpoint(region)
+        # The key rides in the endpoint to the handle's Register, which moves it into its own
+        # field: the server keeps it, and the endpoint it hands to readers never holds it.
+        return {**self.endpoint(region), GRANT_KEY: slot.key}
 
     def on_Holdings(self, msg: Holdings) -> tuple[dict[int, tuple[int, ...]], list[int]]:
         slot = self.slots.get(msg.session)
@@ -389,6 +456,7 @@ class EngineActor(Actor):
         key = (g.term, g.grant)
         slot.grant = g
         slot.term = g.term
+        slot.token = g.token
         slot.peer_generation = None
         try:
             slot.peer = self._pick(slot, g.source)
@@ -639,12 +707,16 @@ class EngineActor(Actor):
             units = slot.buffers.plan.units
             hasher = checksum.LandingHasher(slot.buffers, [units[u] for u in slot.reads[a.offset].units])
             kw["landed"] = hasher.landed
+        if getattr(transport, "checks_grants", False):
+            kw["token"] = slot.token  # a plugin that predates tokens is not given the argument
         try:
             gen = await transport.read(peer, region, pull.version, a.offset, a.length, slot.buffers, generation, **kw)
         except RangeNotReady as err:
             self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), True))
         except (TransportError, InvalidArgument) as err:
-            self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), False))
+            src = slot.grant.source if slot.grant is not None else None
+            holder = f"holder {src.replica}/{src.shard_idx}: " if src is not None else ""
+            self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, f"{holder}{err}", False))
         except Exception as err:  # noqa: BLE001 - a transport's bug fails this source, not the engine
             self.log.exception("transport read raised", transport=transport.name, **slot.ctx)
             self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, f"{type(err).__name__}: {err}", False))

@@ -69,6 +69,9 @@ class _Family:
     def header(self) -> list[str]:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
 
+    def render(self) -> list[str]:
+        raise NotImplementedError
+
 
 class Counter(_Family):
     """A monotonically increasing count, per label set."""

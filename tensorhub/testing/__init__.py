@@ -13,8 +13,9 @@ hangs fails the suite instead of hanging it.
 A check never touches the holder directly: it asks its *pair* (``p.hold(shard)``,
 ``p.reset(shard, version, verified)``, ``p.advance(shard, n)``, ``p.generation(shard)``,
 ``p.write(shard, offset, data)``, ``p.expose/withdraw(shard)``, ``p.feed(...)``,
-``p.close_holder()``...), and the pair runs that on the holder's side, wherever it is: in this
-process, or in the holder process (below). The holder's side is :class:`_HolderSide`, the same
+``p.close_holder()``, ``p.guard(token)`` and ``p.refusals()`` (a grant check that admits one
+token, and what it refused)...), and the pair runs that on the holder's side, wherever it is:
+in this process, or in the holder process (below). The holder's side is :class:`_HolderSide`, the same
 code in both places.
 
 What the checks compare is the shard's *transfer byte space*: the holder's space is filled with
@@ -73,8 +74,8 @@ transport and the seed.
 Where things are
 ----------------
 :mod:`~tensorhub.testing.conformance` has the entry points and :data:`CHECKS`; the checks are
-in ``endpoint_checks``, ``read_checks``, ``seqlock_checks``, ``closing_checks`` and
-``cuda_checks`` (registered with :mod:`~tensorhub.testing.registry`, run in that order). A check
+in ``endpoint_checks``, ``read_checks``, ``seqlock_checks``, ``closing_checks``,
+``cuda_checks`` and ``grant_checks`` (registered with :mod:`~tensorhub.testing.registry`, run in that order). A check
 gets a :class:`~tensorhub.testing.pairs._Ctx` and its pairs (``pairs``); the holder's side is in
 ``holders``, the holder process in ``holder_process``, the shards in ``shards``, what checks
 assert in ``assertions``, how the transport under test is made in ``under_test``, and the

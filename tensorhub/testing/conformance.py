@@ -26,7 +26,7 @@ from tensorhub.testing.under_test import TransportFactory, _checked, _factory, _
 
 # The checks register as their modules load, and run in that order (see CHECKS): keep this one.
 # isort: off
-from tensorhub.testing import endpoint_checks, read_checks, seqlock_checks, closing_checks, cuda_checks  # noqa: F401
+from tensorhub.testing import endpoint_checks, read_checks, seqlock_checks, closing_checks, cuda_checks, grant_checks  # noqa: F401
 # isort: on
 
 #: The seed when none is given: ``$TENSORHUB_SEED``, as in the project's tests.

@@ -134,9 +134,11 @@ class FrameFuzzer:
         if kind == 6:
             return m.PublishOffload(req, sid, version, rng.random() < 0.5)
         if kind == 7:
-            return m.Replicate(req, sid, rng.randrange(1, 5), rng.choice(["latest", "latest-1", version]), rng.choice([0.0, 0.05, None]))
+            specs: list[int | str] = ["latest", "latest-1", version]
+            return m.Replicate(req, sid, rng.randrange(1, 5), rng.choice(specs), rng.choice([0.0, 0.05, None]))
         if kind == 8:
-            return m.Update(req, sid, rng.randrange(1, 5), rng.choice(["latest", version]), rng.choice([0.0, 0.05]), rng.random() < 0.3)
+            specs = ["latest", version]
+            return m.Update(req, sid, rng.randrange(1, 5), rng.choice(specs), rng.choice([0.0, 0.05]), rng.random() < 0.3)
         if kind == 9:
             return m.ListVersions(req, sid, rng.choice([None, 1, 2]))
         if kind == 10:
@@ -558,11 +560,11 @@ def run_fuzz(
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait(5)
-        err = server.stderr.read() if server.stderr else ""
-        if err.strip():
-            log("server stderr (last lines):\n" + "\n".join(err.strip().splitlines()[-15:]))
-        for f in (server.stdout, server.stderr):
-            if f is not None:
-                f.close()
+        err_text = server.stderr.read() if server.stderr else ""
+        if err_text.strip():
+            log("server stderr (last lines):\n" + "\n".join(err_text.strip().splitlines()[-15:]))
+        for pipe in (server.stdout, server.stderr):
+            if pipe is not None:
+                pipe.close()
         tmp.cleanup()
     return report

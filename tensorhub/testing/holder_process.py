@@ -97,6 +97,7 @@ async def _answer(holders: dict[int, _HolderSide], msg: Any) -> Any:
     op, hid, args = msg["op"], msg["holder"], dict(msg.get("args") or {})
     if "shard" in args:
         args["shard"] = _ShardSpec.from_wire(args["shard"])
+    side: _HolderSide | None
     if op == "start":
         if hid in holders:
             raise InvalidArgument(f"holder {hid} exists already")

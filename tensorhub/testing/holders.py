@@ -32,6 +32,7 @@ class _HolderSide:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._errors: list[str] = []  # of background threads, raised by quiet()
+        self.refused: list[tuple[int, int, str]] = []  # requests the installed grant check refused
 
     async def start(self) -> None:
         await _bounded(self.transport.start(), "holder start()")
@@ -43,6 +44,23 @@ class _HolderSide:
 
     def check_endpoint(self) -> None:
         _check_endpoint(self.transport.endpoint(), "holder")
+
+    def guard(self, token: bytes) -> None:
+        """Install a grant check (as the engine does) that admits requests showing ``token`` and
+        refuses, counting them, every other (no token included)."""
+        refused = self.refused
+
+        def check(region: int, version: int, shown: bytes | None, who: str) -> str | None:
+            if shown == token:
+                return None
+            refused.append((region, version, who))
+            return "refused: not the token the conformance suite granted"
+
+        self.transport.guard(check)
+
+    def refusals(self) -> int:
+        """How many requests the grant check refused."""
+        return len(self.refused)
 
     def buffers(self, shard: _ShardSpec) -> _HookedBuffers:
         """The buffers of ``shard`` on this side (made on first use)."""
@@ -170,7 +188,7 @@ class _HolderSide:
 #: The holder's methods the pipe may call (``start`` and ``forget`` are the holder process's).
 _HOLDER_COMMANDS = frozenset(
     {"endpoint", "check_endpoint", "hold", "reset", "advance", "generation", "write", "expose", "withdraw",
-     "feed", "churn", "quiet", "wake", "close"}
+     "feed", "churn", "quiet", "wake", "close", "guard", "refusals"}
 )  # fmt: skip
 
 

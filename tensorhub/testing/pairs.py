@@ -21,6 +21,9 @@ from tensorhub.testing.shards import _HookedBuffers, _Shard, _ShardSpec
 from tensorhub.transports.buffers import ShardBuffers
 
 
+_NO_TOKEN = object()  # a read given no token argument at all
+
+
 @dataclass
 class _Ctx:
     """What a check gets: its random source, and how to make transports and shards."""
@@ -157,6 +160,14 @@ class _Pair:
         """The ``endpoint_msgpack`` assertions on the holder's endpoint, where it is made."""
         await self.holder.do("check_endpoint")
 
+    async def guard(self, token: bytes) -> None:
+        """The holder admits only requests that show ``token`` from now on (a grant check)."""
+        await self.holder.do("guard", token=token)
+
+    async def refusals(self) -> int:
+        """How many requests the holder's grant check refused."""
+        return await self.holder.do("refusals")
+
     async def close_holder(self, what: str = "holder close()") -> None:
         await self.holder.do("close", what=what)
 
@@ -187,7 +198,11 @@ class _Pair:
         reader: Any = None,
         region: int = REGION,
         version: int = VERSION,
+        token: Any = _NO_TOKEN,
     ) -> int:
+        """A read by ``reader`` (the first by default); ``token`` is passed only when given (a
+        transport that checks no grants takes no such argument)."""
         what = f"read of region {region} version {version} bytes [{offset}, {offset + length})"
         peer = await self.holder.peer()
-        return await _bounded((reader or self.reader).read(peer, region, version, offset, length, into, generation), what)
+        kw = {} if token is _NO_TOKEN else {"token": token}
+        return await _bounded((reader or self.reader).read(peer, region, version, offset, length, into, generation, **kw), what)

@@ -92,6 +92,6 @@ async def _seqlock_churn(ctx: _Ctx) -> None:
             await p.quiet()
         last = await p.generation(shard)
         _expect(all(g <= last for g in seen), f"reads returned generations {sorted(set(seen))}; the holder's last is {last}")
-        got = await p.read(whole, 0, shard.total)
-        _expect(got == last, f"the read after the changes stopped returned generation {got}, the holder's is {last}")
+        gen = await p.read(whole, 0, shard.total)
+        _expect(gen == last, f"the read after the changes stopped returned generation {gen}, the holder's is {last}")
         _same_bytes(_bytes(whole), contents[(last - first) % 2], "the read after the changes stopped")

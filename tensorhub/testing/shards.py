@@ -39,9 +39,9 @@ class _HookedBuffers(ShardBuffers):
     """Holder buffers that run ``hook`` once, right after a transport took memory to copy
     from (``views``) or copied it out (``copy_out``). ``hook_threads`` records where it ran."""
 
-    def arm(self, hook: Callable[[], None]) -> None:
+    def arm(self, hook: Callable[[], object]) -> None:
         self._hook_lock = threading.Lock()
-        self._hook: Callable[[], None] | None = hook
+        self._hook: Callable[[], object] | None = hook
         self.hook_threads: list[threading.Thread] = []
 
     def _fire(self) -> None:

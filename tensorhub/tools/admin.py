@@ -28,12 +28,12 @@ _FROM_ENV: Any = object()
 _reqs = itertools.count(1)
 
 
-def _ask(address: str, build: Any, expect: type, timeout: float, keys: ClientKeys | None = _FROM_ENV) -> Any:
+def _ask(address: str, build: Any, expect: type[Any], timeout: float, keys: ClientKeys | None = _FROM_ENV) -> Any:
     if not isinstance(address, str) or not address:
         raise ServerUnavailable(f"a server address like tcp://127.0.0.1:5557 is needed, got {address!r}")
     if keys is _FROM_ENV:
         keys = client_keys()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -44,7 +44,7 @@ def _ask(address: str, build: Any, expect: type, timeout: float, keys: ClientKey
         if not sock.poll(int(timeout * 1000)):
             hint = "" if keys is not None else " (if it requires CURVE keys, set $TENSORHUB_CURVE_SERVER_KEY and $TENSORHUB_CURVE_SECRET)"
             raise ServerUnavailable(f"no answer from the server at {address} in {timeout:g} s{hint}")
-        reply = decode(sock.recv())
+        reply: Any = decode(sock.recv())
     finally:
         sock.close()
     if isinstance(reply, m.Failed):

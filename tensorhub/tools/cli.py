@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", type=int, default=4, help="transformer layers")
     d.add_argument("--server", default=None, help="server address (default: the embedded server)")
     d.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
-    d.add_argument("--quiet", action="store_true", help="no live progress line")
+    d.add_argument("--quiet", action="store_true", help="no live view: the per-step lines come at the end")
     d.add_argument("--chaos", action="store_true", help="SIGKILL rollout replicas while it runs, and restart them")
     d.add_argument("--seed", type=int, default=None, help="the chaos schedule's seed (default 0)")
     d.set_defaults(func=_demo)

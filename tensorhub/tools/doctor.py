@@ -13,7 +13,11 @@ It answers the questions users of RDMA stacks ask first, without starting anythi
   default), whether a TensorHub server answers there now, and whether the embedded default is
   refused (a multi-node job);
 - **CURVE**: whether client keys are configured and load, and whether the address would need
-  them (a server refuses a non-loopback bind without keys unless ``--insecure``).
+  them (a server refuses a non-loopback bind without keys unless ``--insecure``);
+- **addresses**: where this process's transports would listen and what they would advertise to
+  readers on other hosts, for that server (:func:`tensorhub.transports.nic.choose_address`:
+  ``$TENSORHUB_ADVERTISE_HOST``, loopback for a server on loopback, else the interface that
+  routes to the server), and which transports check grant tokens (the authenticated data plane).
 
 :func:`diagnose` returns all of it as one JSON-able dict; :func:`render` prints it for people.
 Nothing here raises for what it finds: a broken setting is reported as a finding.
@@ -155,6 +159,30 @@ def _server(server: str | None, timeout: float) -> dict[str, Any]:
     return out
 
 
+def _addresses(server: str | None) -> dict[str, Any]:
+    from tensorhub.transports.nic import ADVERTISE_ENV, choose_address
+    from tensorhub.transports.registry import BUILTIN_ORDER, get_transport
+
+    servers = tuple(a for a in (server or "").split(",") if a)
+    try:
+        where = choose_address(servers=servers)
+        cross: dict[str, str | None] = {"bind": where.bind, "advertise": where.advertise, "rule": where.rule}
+    except TensorHubError as err:
+        cross = {"bind": None, "advertise": None, "rule": f"broken: {err}"}
+    checks = {}
+    for name in BUILTIN_ORDER:
+        try:
+            checks[name] = bool(getattr(get_transport(name), "checks_grants", False))
+        except InvalidArgument:
+            continue
+    return {
+        "env": os.environ.get(ADVERTISE_ENV, "unset"),
+        "cross_host": cross,  # tcp's listener, nixl's and rdma_copy's side channels (with no host/advertise option)
+        "local": {"bind": "127.0.0.1", "advertise": "127.0.0.1", "rule": "same-host readers only (its side channel)"},
+        "grant_tokens": checks,
+    }
+
+
 def diagnose(server: str | None = None, timeout: float = 0.5) -> dict[str, Any]:
     """Everything :mod:`tensorhub.tools.doctor` checks, as one JSON-able dict.
 
@@ -165,10 +193,11 @@ def diagnose(server: str | None = None, timeout: float = 0.5) -> dict[str, Any]:
     try:
         import torch
 
-        torch_version = torch.__version__
+        torch_version: str = torch.__version__
         cuda = torch.cuda.is_available()
     except Exception as err:  # noqa: BLE001 - reported, not raised
         torch_version, cuda = f"not importable: {err}", False
+    found = _server(server, timeout)
     return {
         "tensorhub": tensorhub.__version__,
         "python": sys.version.split()[0],
@@ -178,7 +207,8 @@ def diagnose(server: str | None = None, timeout: float = 0.5) -> dict[str, Any]:
         **_transports(),
         **_preference(),
         "huge_pages": _huge_pages(),
-        "server": _server(server, timeout),
+        "server": found,
+        "addresses": _addresses(found.get("address")),
     }
 
 
@@ -206,4 +236,13 @@ def render(doc: dict[str, Any]) -> str:
     if "status" in cv:
         lines += [f"  CURVE: {cv['status']}", f"    server key: {cv['server_key']}  client secret: {cv['client_secret']}",
                   f"    keys needed for this address: {'yes' if cv['needed'] else 'no (loopback)'}"]  # fmt: skip
+    ad = doc.get("addresses")
+    if ad:
+        cross, local = ad["cross_host"], ad["local"]
+        tokens = ", ".join(n for n, on in ad["grant_tokens"].items() if on) or "none"
+        lines += ["", "data-plane addresses (transports with no host/advertise option)",
+                  f"  tcp, nixl, rdma_copy: bind {cross['bind']}, advertise {cross['advertise']}",
+                  f"    ({cross['rule']}; $TENSORHUB_ADVERTISE_HOST: {ad['env']})",
+                  f"  local: bind {local['bind']}: {local['rule']}",
+                  f"  grant tokens checked by: {tokens} (readers without a grant are refused)"]  # fmt: skip
     return "\n".join(lines)

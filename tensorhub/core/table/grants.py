@@ -11,6 +11,12 @@ one whose bytes failed the reader's checksums is excluded for good and asked to 
 a second reporter or a failed self-check quarantines it, a passed one re-admits it to the
 readers that blamed it, once.
 
+Each grant from a source that registered a grant key carries a token sealed with that key
+(:mod:`tensorhub.core.tokens`): the reader shows it to the source's transports, which refuse a
+read without one. The token binds the term, grant id, reader session and version, and expires
+``TableConfig.grant_ttl`` after the grant (server clock); it is a pure function of the table's
+state, so the same seed gives the same tokens.
+
 Invariants: no grant from an unpublishing holder, the reader's own replica, a holder downstream
 of the reader (so the upstream graph has no cycle) or, without ``pipeline``, a partial holder.
 A holder's ``grants`` are exactly its active grants, and its replica's ``serving`` counts them
@@ -39,6 +45,7 @@ from ..errors import (
 )
 from ..lifecycle import Event
 from ..naming import seed_owner
+from ..tokens import GrantToken
 from .records import (
     _FENCED_MEMORY,
     _MAX_SOURCE_FAILURES,
@@ -114,7 +121,8 @@ class GrantMixin:
             if any(serving_excluded) or reader.blamed_bad:
                 err: TensorHubError = ChecksumMismatch("every remaining holder of this shard failed verification", **ctx)
             elif serving_excluded:
-                err = TransportError(f"every remaining source failed this reader ({reader.failures} failures)", **ctx)
+                last = f"; the last said: {reader.last_failure}" if reader.last_failure else ""
+                err = TransportError(f"every remaining source failed this reader ({reader.failures} failures){last}", **ctx)
             elif self.in_grace:
                 reader.waiting = True
                 reader.session.model.waiting_readers[reader] = None
@@ -149,7 +157,9 @@ class GrantMixin:
             src_session.endpoint,
         )
         s = reader.session
-        self._send(s, m.Grant(g.req, s.id, g.id, self.term, reader.version, reader.shard_idx, info, reader.checksums))
+        key = src_session.grant_key
+        token = None if key is None else GrantToken(self.term, g.id, s.id, reader.version, g.created, self.config.grant_ttl).seal(key)
+        self._send(s, m.Grant(g.req, s.id, g.id, self.term, reader.version, reader.shard_idx, info, reader.checksums, token))
 
     def _twin(self, replica: _Replica) -> _Replica | None:
         """The replica that shares ``replica``'s host and link: its offload seed replica, or the
@@ -251,6 +261,7 @@ class GrantMixin:
         reader = g.reader
         reader.excluded[g.source.id] = False
         reader.failures += 1
+        reader.last_failure = msg.reason[:500]
         self._end_grant(g, "failed", max(reader.verified, msg.verified))
         self._fire(reader, Event.SOURCE_FAILED)
         reader.verified = max(reader.verified, msg.verified)

@@ -62,6 +62,9 @@ class TableConfig:
             queueing behind the slow link (DESIGN §5.6). Only with ``pipeline``.
         pin_timeout: how long a replicate/update that has decided its version keeps that version's
             sources for itself (a *pin*, see :mod:`tensorhub.core.table.pins`) after it decided.
+        grant_ttl: how long a grant token (:mod:`tensorhub.core.tokens`) admits its reader to
+            the source's data plane after the grant; a pull still reading past it is refused by
+            the source and granted again (with a fresh token).
     """
 
     heartbeat_interval: float = 1.0
@@ -70,10 +73,13 @@ class TableConfig:
     pipeline: bool = True
     smart_skipping: bool = True
     pin_timeout: float = 300.0
+    grant_ttl: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0 or self.drain_timeout <= 0 or self.pin_timeout <= 0:
             raise InvalidArgument("heartbeat_interval, drain_timeout and pin_timeout must be > 0")
+        if not 1.0 <= self.grant_ttl <= 1e6:
+            raise InvalidArgument(f"grant_ttl must be in [1, 1e6] seconds, got {self.grant_ttl}")
         if self.heartbeat_timeout < 10 * self.heartbeat_interval:
             raise InvalidArgument(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must be at least 10x "
@@ -101,7 +107,7 @@ class _Holder:
     __slots__ = (
         "id", "session", "version", "shard_idx", "state", "kind", "grants", "upstream", "excluded", "failures",
         "verified", "checksums", "reporters", "readmitted", "blamed_bad", "verify_pending", "offload_pending", "drain_deadline",
-        "on_drained", "on_offloaded", "call", "waiting", "whole",
+        "on_drained", "on_offloaded", "call", "waiting", "whole", "last_failure",
     )  # fmt: skip
 
     def __init__(self, hid: int, session: "_Session", version: int, kind: str) -> None:
@@ -128,6 +134,7 @@ class _Holder:
         self.call: tuple[_Txn, int] | None = None  # the replicate/update call this partial serves
         self.waiting = False  # a partial holder waiting for a source (grace period)
         self.whole = False  # has held the whole shard (complete or offload), so can finish readers
+        self.last_failure = ""  # the reason the last source that failed this reader gave (for its error)
 
     @property
     def replica(self) -> "_Replica":
@@ -141,7 +148,7 @@ class _Holder:
 class _Session:
     __slots__ = (
         "id", "peer", "model", "replica", "shard_idx", "incarnation", "location", "spot", "retain",
-        "last_seen", "layout", "endpoint", "holder", "offloads", "announced", "answered",
+        "last_seen", "layout", "endpoint", "grant_key", "holder", "offloads", "announced", "answered",
     )  # fmt: skip
 
     def __init__(self, sid: int, peer: Hashable, model: "_Model", replica: "_Replica", msg: m.OpenShard, now: float):
@@ -157,6 +164,7 @@ class _Session:
         self.last_seen = now
         self.layout: Layout | None = None
         self.endpoint: Any = None
+        self.grant_key: bytes | None = None  # signs the tokens of grants from this session (never sent out)
         self.holder: _Holder | None = None  # the holding in the registered buffers
         self.offloads: dict[int, _Holder] = {}  # holder id -> offload holder (CPU copies, draining ones too)
         self.announced = False  # re-announced its state after a failover

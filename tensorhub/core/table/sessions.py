@@ -123,6 +123,7 @@ class SessionMixin:
         model.layouts[s.shard_idx] = (msg.layout, (known[1] if known else 0) + 1)
         s.layout = msg.layout
         s.endpoint = msg.endpoint
+        s.grant_key = msg.grant_key
         self._ack(s, msg.req)
 
     def _on_unregister(self, peer: Hashable, msg: m.Unregister) -> None:
