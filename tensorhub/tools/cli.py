@@ -31,6 +31,7 @@ def _server(args: argparse.Namespace) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             drain_timeout=args.drain_timeout,
             pin_timeout=args.pin_timeout,
+            grant_ttl=args.grant_ttl,
             pipeline=not args.no_pipeline,
             smart_skipping=not args.no_smart_skipping,
         ),
@@ -164,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds an unpublish waits for readers")
     s.add_argument("--pin-timeout", type=float, default=300.0,
                    help="seconds a replicate/update in flight keeps the version it decided (its pin)")
+    s.add_argument("--grant-ttl", type=float, default=3600.0,
+                   help="seconds a grant's data-plane token stays valid at the holder")
     s.add_argument("--no-pipeline", action="store_true", help="only complete holders serve (no pipeline replication)")
     s.add_argument("--no-smart-skipping", action="store_true",
                    help="update() moves even while its datacenter is seeding the version across datacenters")
