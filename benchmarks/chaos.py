@@ -24,10 +24,13 @@ the holders are visible (a fresh handle's ``list()``).
 
 Also checked: retained versions stay available while a live holder exists (a rollout never got
 VersionUnavailable for version v while the trainer or a non-spot rollout that had completed v was
-alive).
+alive); and no handle is left EMPTY (``h.empty``: its tensors hold no version) after an update
+returned or raised, but for a kill: a rollout SIGKILLed on purpose restarts empty until it lands
+a version, and an update that raised UpdateAborted after the schedule SIGKILLed its sources (the
+trainer, relays) or the server is empty as documented. Those two are counted apart, as expected.
 
-Exit status 1 on any CORRUPTED replica, HANG, LEAK, availability violation or unexpected death of
-a process. ``--json PATH`` writes the summary.
+Exit status 1 on any CORRUPTED replica, HANG, EMPTY HANDLE, LEAK, availability violation or
+unexpected death of a process. ``--json PATH`` writes the summary.
 
     python benchmarks/chaos.py --steps 60 --seed 1
 """
@@ -120,6 +123,7 @@ def _worker(conn: Any, open_kw: dict, scale: int) -> None:
             elif cmd == "update":  # update("latest"), then check the bytes of what we claim
                 error = None
                 moved = False
+                was_empty = h.empty
                 try:
                     moved = h.update("latest", timeout=args[0])
                 except TensorHubError as err:
@@ -128,7 +132,8 @@ def _worker(conn: Any, open_kw: dict, scale: int) -> None:
                 intact = None if version is None else holds(tensors, version, 0, scale)
                 pull = h.last_pull
                 sources = list(pull.sources) if (moved and pull is not None) else []
-                value = {"moved": moved, "version": version, "intact": intact, "sources": sources, "error": error}
+                value = {"moved": moved, "version": version, "intact": intact, "sources": sources, "error": error,
+                         "empty": h.empty, "was_empty": was_empty}  # fmt: skip
             elif cmd == "list":
                 value = {v: sorted(reps) for v, reps in h.list().items()}
             else:
@@ -254,6 +259,14 @@ class Summary:
     other_errors: Counter = field(default_factory=Counter)
     corrupted: list = field(default_factory=list)
     hangs: list = field(default_factory=list)
+    #: updates after which the handle was empty (``h.empty``) and no kill explains it: must be none
+    empty_handles: list = field(default_factory=list)
+    #: updates after which the handle was empty because the rollout was SIGKILLed on purpose and
+    #: restarted, and has held no version since (a restart starts empty): expected
+    empty_after_own_kill: int = 0
+    #: updates that raised UpdateAborted, leaving the handle empty, after the schedule SIGKILLed
+    #: the processes they pulled from (the trainer, relays) or the server: expected (documented)
+    empty_after_sources_killed: int = 0
     leaks: dict = field(default_factory=dict)
     availability_violations: list = field(default_factory=list)
     unexpected_deaths: list = field(default_factory=list)
@@ -263,8 +276,8 @@ class Summary:
 
     def failed(self) -> bool:
         nothing_tested = self.steps > 0 and self.updates_completed == 0
-        return bool(self.corrupted or self.hangs or self.leaks or self.availability_violations or self.unexpected_deaths
-                    or nothing_tested)  # fmt: skip
+        return bool(self.corrupted or self.hangs or self.empty_handles or self.leaks or self.availability_violations
+                    or self.unexpected_deaths or nothing_tested)  # fmt: skip
 
     def as_json(self) -> dict:
         d = asdict(self)
@@ -283,6 +296,9 @@ class Summary:
             "  other errors: " + (" ".join(f"{k}={v}" for k, v in sorted(self.other_errors.items())) or "none"),
             f"  CORRUPTED: {len(self.corrupted)}",
             f"  HANGS: {len(self.hangs)}",
+            (f"  EMPTY HANDLES: {len(self.empty_handles)} (expected, not counted: {self.empty_after_own_kill} after the "
+             f"rollout's own SIGKILL and restart, {self.empty_after_sources_killed} after UpdateAborted when its "
+             "sources were SIGKILLed)"),
             f"  LEAKS: {len(self.leaks)} {self.leaks if self.leaks else ''}".rstrip(),
             f"  availability violations: {len(self.availability_violations)}",
             f"  unexpected deaths: {len(self.unexpected_deaths)}",
@@ -290,7 +306,7 @@ class Summary:
         ]
         for kind, message in sorted(self.error_samples.items()):
             lines.append(f"    e.g. {kind}: {message}")
-        for what in ("corrupted", "hangs", "availability_violations", "unexpected_deaths"):
+        for what in ("corrupted", "hangs", "empty_handles", "availability_violations", "unexpected_deaths"):
             for item in getattr(self, what)[:10]:
                 lines.append(f"    {what}: {item}")
         for note in self.notes:
@@ -329,6 +345,8 @@ class Chaos:
         self.trainer_version: int | None = None  # what the live trainer holds (published)
         self.rollouts: dict[str, Worker | None] = {}
         self.spot: set[str] = set()
+        #: rollouts SIGKILLed on purpose that have held no version since their restart
+        self.restarted_empty: set[str] = set()
         self.server_kill_step: int | None = None
 
     def log(self, msg: str) -> None:
@@ -469,20 +487,23 @@ class Chaos:
                 busy[name] = w
         results: dict[str, tuple[dict, float]] = {}
         killed: dict[str, float] = {}
+        deliberate: dict[str, float] = {}  # what the schedule SIGKILLed while updates ran, and when
         while busy:
             now = time.monotonic()
             while plan and now - t0 >= plan[0][0]:
                 _, target = plan.pop(0)
                 if target == "server":
                     self.kill_server()
+                    deliberate["server"] = time.monotonic()
                 elif target == "trainer":
                     if self.trainer is not None:
                         self.kill("trainer", "trainer-after-publish")
-                        killed["trainer"] = time.monotonic()
+                        killed["trainer"] = deliberate["trainer"] = time.monotonic()
                         self.trainer = None
                 elif target in busy:  # only rollouts still in the middle of their update
                     self.kill(target, "rollout-mid-update")
-                    killed[target] = time.monotonic()
+                    self.restarted_empty.add(target)
+                    killed[target] = deliberate[target] = time.monotonic()
                     del busy[target]
             for name, w in list(busy.items()):
                 try:
@@ -513,7 +534,7 @@ class Chaos:
                 killed["trainer"] = time.monotonic()
                 self.trainer = None
 
-        self.check(v, results, killed, trainer_holds_v, published_at)
+        self.check(v, results, killed, trainer_holds_v, published_at, deliberate)
         # Relays: killed rollouts that a survivor pulled from in this step.
         served = {src.split("/")[0] for res, _ in results.values() for src in res["sources"]}
         for name in killed:
@@ -528,7 +549,8 @@ class Chaos:
         if restart:
             self.start(sorted(set(restart)))
 
-    def check(self, v: int, results: dict, killed: dict, trainer_holds_v: bool, published_at: float) -> None:
+    def check(self, v: int, results: dict, killed: dict, trainer_holds_v: bool, published_at: float,
+              deliberate: dict | None = None) -> None:  # fmt: skip
         completed_at: dict[str, float] = {}
         for name, (res, done_at) in results.items():
             if res["error"] is None:
@@ -541,6 +563,21 @@ class Chaos:
                 self.s.error_samples.setdefault(res["error"][0], res["error"][1][:300])
                 if res["error"][0] not in LEGIT_UPDATE_ERRORS:
                     self.s.notes.append(f"step {v}: {name}: unexpected update error {res['error']}")
+            if res["version"] is not None:
+                self.restarted_empty.discard(name)
+            elif name in self.restarted_empty:
+                self.s.empty_after_own_kill += 1
+            elif res["error"] is not None and res["error"][0] == "UpdateAborted" and any(
+                    t <= done_at for n, t in (deliberate or {}).items() if n != name):  # fmt: skip
+                # Documented: an update that began moving and lost every holder of its version (or
+                # the server) aborts and leaves the handle empty. That no live holder was left is
+                # the availability check's business (below).
+                self.s.empty_after_sources_killed += 1
+            else:
+                before = "it was empty before the call too" if res["was_empty"] else "it held a version before the call"
+                outcome = f"raised {res['error'][0]}: {res['error'][1][:160]}" if res["error"] else f"returned {res['moved']}"
+                self.s.empty_handles.append(f"seed {self.opt.seed} step {v}: {name}'s handle is empty after update() {outcome} "
+                                            f"({before})")  # fmt: skip
             if res["version"] is not None and res["intact"] is False:
                 self.s.corrupted.append(f"seed {self.opt.seed} step {v}: {name} claims version {res['version']} "
                                         f"but its bytes differ (update error: {res['error']})")  # fmt: skip
@@ -674,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(summaries) > 1:
         print(f"chaos: {len(summaries)} seeds, {sum(s.kills_total for s in summaries)} kills in all, "
               f"{sum(len(s.corrupted) for s in summaries)} corrupted, {sum(len(s.hangs) for s in summaries)} hangs, "
+              f"{sum(len(s.empty_handles) for s in summaries)} empty handles, "
               f"{sum(bool(s.leaks) for s in summaries)} runs with leaks")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps([s.as_json() for s in summaries], indent=2, default=str))
