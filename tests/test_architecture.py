@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("tensorhub.core", "tensorhub.errors")),
     ("scheduling", ("tensorhub.scheduling",)),
     ("transports", ("tensorhub.transports",)),
-    ("runtime", ("tensorhub.runtime",)),
+    ("runtime", ("tensorhub.runtime", "tensorhub.reshard")),
     ("handles", ("tensorhub.handles", "tensorhub.aio", "tensorhub")),
     ("tools", ("tensorhub.tools", "tensorhub.testing", "tensorhub.sim", "tensorhub.__main__")),
 ]

@@ -28,6 +28,8 @@ PARENTS = {
     errors.AlreadyRegistered: errors.UsageError,
     errors.ContractViolation: errors.UsageError,
     errors.LayoutMismatch: errors.UsageError,
+    errors.InvalidPlacement: errors.InvalidArgument,
+    errors.MappingMismatch: errors.LayoutMismatch,
     errors.Cancelled: errors.UsageError,
     errors.CallInFlight: errors.UsageError,
     errors.ProtocolError: errors.TensorHubError,

@@ -31,6 +31,8 @@ __all__ = [
     "AlreadyRegistered",
     "ContractViolation",
     "LayoutMismatch",
+    "InvalidPlacement",
+    "MappingMismatch",
     "Cancelled",
     "CallInFlight",
     "ProtocolError",
@@ -164,6 +166,38 @@ class LayoutMismatch(UsageError):
     """A shard's layout differs from the one other holders of the same shard index declared."""
 
     code = "layout_mismatch"
+
+
+class InvalidPlacement(InvalidArgument):
+    """A tensor's placement cannot be: a shard dimension or mesh coordinate out of range, packed
+    parts that do not add up, shards of one replica that disagree on a tensor, or a tensor that
+    no shard (or no usable shard) holds all of.
+
+    Attributes:
+        tensors: the names of the tensors concerned.
+    """
+
+    code = "invalid_placement"
+
+    def __init__(self, message: str, *, tensors: tuple[str, ...] = (), **context: Any) -> None:
+        self.tensors = tuple(tensors)
+        super().__init__(message, **context)
+
+
+class MappingMismatch(LayoutMismatch):
+    """A mapping between two naming schemes does not connect the two layouts: a destination
+    tensor fed by no source or by two, a source that feeds a tensor the destination lacks, or
+    shapes or dtypes that do not match what the mapping derives. Refused before any byte moves.
+
+    Attributes:
+        tensors: the names of the tensors concerned (source and destination names).
+    """
+
+    code = "mapping_mismatch"
+
+    def __init__(self, message: str, *, tensors: tuple[str, ...] = (), **context: Any) -> None:
+        self.tensors = tuple(tensors)
+        super().__init__(message, **context)
 
 
 class Cancelled(UsageError):
