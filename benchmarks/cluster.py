@@ -18,6 +18,15 @@ A :class:`Cluster` owns, for one run, everything whose name carries its random `
 - the processes :meth:`Cluster.run` started (each in its own process group, each carrying
   ``TENSORHUB_CLUSTER=<prefix>`` in its environment so that its descendants can be found too).
 
+Faults (issue 23): :meth:`Cluster.cut` drops, silently, what one host sends to another (or to
+everyone): a ``u32`` filter on the host's side of its veth sends those packets to an htb class
+whose qdisc is a ``blackhole`` (this kernel has no netem and no ``gact`` drop action, and a
+blackhole drops without telling the sender). Two cuts make a two-way partition; one is a
+one-way cut. :meth:`Cluster.slow` shapes a host's link, both ways, to a fraction of its rate;
+:meth:`Cluster.heal` undoes one fault or all. Fault filters take priorities 1..89, ahead of the
+control-plane class (90). Schedules (seeded, bounded) are built on these by
+``benchmarks/partitions.py``.
+
 Every veth is created directly inside its namespaces, so nothing is added to the root
 namespace: its links and routes stay untouched. All hosts share one /16 and one layer-2
 domain, so any host reaches any other by address.
@@ -48,18 +57,21 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from typing import Self  # Python 3.11+; annotations are not evaluated at run time
 
-__all__ = ["Cluster", "ClusterError", "available", "cleanup", "leftovers", "measure_throughput", "netem_available", "tcp_check"]
+__all__ = ["Cluster", "ClusterError", "Fault", "available", "cleanup", "leftovers", "measure_throughput", "netem_available", "tcp_check"]
 
 MARKER = "TENSORHUB_CLUSTER"  # environment variable carrying the prefix into every process
 _COMMAND_TIMEOUT = 15.0
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,40}$")
 _PREFIX = re.compile(r"^[a-z][a-z0-9]{1,7}$")  # <= 8 chars: every interface name stays <= 15
+_PRIO_PORTS = 90  # the tc filter priority of the control-plane class; fault filters come first (1..89)
+_DROP = "1:66"  # the htb class whose qdisc (blackhole) drops every packet: where a cut sends them
 
 
 class ClusterError(RuntimeError):
@@ -230,9 +242,23 @@ def _htb(dev: str, rate: str, priority_ports: Sequence[int] = ()) -> list[list[s
     ]  # fmt: skip
     for port in priority_ports:
         for field in ("dport", "sport"):
-            out.append(["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+            out.append(["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", str(_PRIO_PORTS), "u32",
                         "match", "ip", field, str(port), "0xffff", "flowid", "1:5"])  # fmt: skip
     return out
+
+
+def _htb_rates(dev: str, rate: str, priority_ports: Sequence[int] = ()) -> list[list[str]]:
+    """``tc class change`` commands that set the classes :func:`_htb` made to ``rate``."""
+    if not priority_ports:
+        return [["class", "change", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", rate, "ceil", rate]]
+    bits = _rate_bits(rate)
+    return [
+        ["class", "change", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate],
+        ["class", "change", "dev", dev, "parent", "1:1", "classid", "1:5", "htb", "rate", f"{max(bits // 10, 8000)}bit",
+         "ceil", rate, "prio", "0"],
+        ["class", "change", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", "rate", f"{max(bits - bits // 10, 8000)}bit",
+         "ceil", rate, "prio", "1"],
+    ]  # fmt: skip
 
 
 def _rate_bits(rate: str) -> int:
@@ -242,6 +268,25 @@ def _rate_bits(rate: str) -> int:
         raise ClusterError(f"cannot read the rate {rate!r} (e.g. 400mbit, 1gbit)")
     value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
     return int(value * 8 if m.group(3) == "bps" else value)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault in force on a :class:`Cluster`: ``cut`` (packets from ``src`` to ``dst``, or to
+    everyone when ``dst`` is None, dropped silently) or ``slow`` (``src``'s link shaped to
+    ``rate`` both ways). Undo it with :meth:`Cluster.heal`."""
+
+    id: int
+    kind: str
+    src: str
+    dst: str | None
+    rate: str | None = None
+    prio: int = 0
+
+    def __str__(self) -> str:
+        if self.kind == "cut":
+            return f"cut {self.src} -> {self.dst or 'everyone'}"
+        return f"slow {self.src} to {self.rate}"
 
 
 class Cluster:
@@ -313,6 +358,10 @@ class Cluster:
         self._index = {host: k for k, host in enumerate(self._hosts)}
         self._procs: list[Any] = []
         self._namespaces: list[str] = []
+        self._faults: dict[int, Fault] = {}  # active faults by id
+        self._fault_ids = 0
+        self._prios: dict[str, list[int]] = {}  # device -> free fault filter priorities
+        self._ingress: dict[str, int] = {}  # host -> slowdowns shaping the bridge side of its link
         self._active = False
         self._lock = threading.RLock()
         self._old_handlers: dict[int, Any] = {}
@@ -421,6 +470,9 @@ class Cluster:
             self._ip(ns, "link", "set", h, "up")
             for args in _htb(h, self.host_rate, self.priority_ports):
                 self._tc(ns, *args)
+            # the class a cut sends packets to: a blackhole (drops silently, no error to anyone)
+            self._tc(ns, "class", "add", "dev", h, "parent", "1:", "classid", _DROP, "htb", "rate", "8kbit")
+            self._tc(ns, "qdisc", "add", "dev", h, "parent", _DROP, "handle", "66:", "blackhole")
         self._wait_links_up()
 
     def _add_delay(self, dev: str) -> None:
@@ -447,6 +499,90 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise ClusterError(f"the links of {self.prefix} did not come up within {timeout:.0f} s: {out}")
             time.sleep(0.05)
+
+    # ---- faults --------------------------------------------------------------------------
+
+    def cut(self, src: str, dst: str | None = None) -> Fault:
+        """Drop silently every packet ``src`` sends to ``dst`` (None: to every other host):
+        a one-way cut (``dst`` still reaches ``src``; TCP on ``src`` retransmits into the void,
+        nobody gets a reset). Cut both ways with two calls. Undo with :meth:`heal`.
+
+        Raises:
+            ClusterError: an unknown host, or ``tc`` failed.
+        """
+        self._check_host(src)
+        match = ["match", "ip", "dst", f"{self.address(dst)}/32"] if dst is not None else ["match", "u32", "0", "0"]
+        dev, ns = self._host_dev(src), self.namespace(src)
+        prio = self._take_prio(dev)
+        try:
+            self._tc(ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", str(prio), "u32", *match,
+                     "flowid", _DROP)  # fmt: skip
+        except BaseException:
+            self._prios[dev].append(prio)
+            raise
+        return self._add_fault(Fault(0, "cut", src, dst, prio=prio))
+
+    def isolate(self, host: str) -> list[Fault]:
+        """Cut ``host`` off from everyone, both ways (its packets and everyone's to it)."""
+        faults = [self.cut(host)]
+        faults += [self.cut(other, host) for other in self.hosts if other != host]
+        return faults
+
+    def slow(self, host: str, rate: str) -> Fault:
+        """Shape ``host``'s link to ``rate`` both ways (e.g. a NIC at a tenth of its speed);
+        :meth:`heal` gives it back its rate.
+
+        Raises:
+            ClusterError: an unknown host, a bad rate, or ``tc`` failed.
+        """
+        self._check_host(host)
+        _rate_bits(rate)
+        n = self._index[host]
+        if any(f.kind == "slow" and f.src == host for f in self._faults.values()):
+            raise ClusterError(f"host {host!r} is already slowed; heal it first")
+        for args in _htb_rates(self._host_dev(host), rate, self.priority_ports):
+            self._tc(self.namespace(host), *args)
+        bridge_side = f"{self.prefix}s{n}"
+        for args in _htb(bridge_side, rate, self.priority_ports):  # the control plane ahead of bulk, as on the host side
+            self._tc(self.switch, *args)
+        return self._add_fault(Fault(0, "slow", host, None, rate=rate))
+
+    def heal(self, fault: Fault | None = None) -> None:
+        """Undo one fault (None: every active fault). Idempotent."""
+        faults = [fault] if fault is not None else list(self._faults.values())
+        for f in faults:
+            if self._faults.pop(f.id, None) is None:
+                continue
+            if f.kind == "cut":
+                dev = self._host_dev(f.src)
+                _cmd(["ip", "netns", "exec", self.namespace(f.src), "tc", "filter", "del", "dev", dev, "parent", "1:",
+                      "prio", str(f.prio)], check=False)  # fmt: skip
+                self._prios[dev].append(f.prio)
+            elif f.kind == "slow":
+                for args in _htb_rates(self._host_dev(f.src), self.host_rate, self.priority_ports):
+                    self._tc(self.namespace(f.src), *args)
+                _cmd(["ip", "netns", "exec", self.switch, "tc", "qdisc", "del", "dev",
+                      f"{self.prefix}s{self._index[f.src]}", "root"], check=False)  # fmt: skip
+
+    @property
+    def faults(self) -> list[Fault]:
+        """The faults in force, oldest first."""
+        return list(self._faults.values())
+
+    def _host_dev(self, host: str) -> str:
+        return f"{self.prefix}h{self._index[host]}"
+
+    def _take_prio(self, dev: str) -> int:
+        free = self._prios.setdefault(dev, list(range(_PRIO_PORTS - 1, 0, -1)))
+        if not free:
+            raise ClusterError(f"too many cuts on {dev} at once (at most {_PRIO_PORTS - 1})")
+        return free.pop()
+
+    def _add_fault(self, f: Fault) -> Fault:
+        self._fault_ids += 1
+        f = Fault(self._fault_ids, f.kind, f.src, f.dst, f.rate, f.prio)
+        self._faults[f.id] = f
+        return f
 
     # ---- processes -----------------------------------------------------------------------
 
@@ -489,6 +625,7 @@ class Cluster:
             if not self._active:
                 return []
             self._active = False
+            self._faults.clear()  # they go with the namespaces
             self._restore_signal_handlers()
             atexit.unregister(self.close)
             self._kill_processes()

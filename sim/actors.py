@@ -11,8 +11,11 @@ server decision: source selection, pipelining, retention, consistency, failure h
 smart skipping and offload seeding are the table's and ``scheduling``'s own code.
 
 :class:`SimShard` is one shard handle (one GPU, or a CPU copy): it speaks the client protocol
-(the same :mod:`tensorhub.core.messages`), heartbeats, and pulls with the production
-:class:`~tensorhub.core.session.ReplicationSession`. Its reads are flows in the
+(the same :mod:`tensorhub.core.messages`), heartbeats, and pulls with the production shard core
+(:class:`~tensorhub.core.shard.ShardCore`, which the real engine drives too: grant handling,
+the replication session, draining aborted pulls, call numbering and the offload-seed rule are
+its code, not the simulator's). The simulator only carries out the core's actions with
+simulated IO. Its reads are flows in the
 :class:`~tensorhub.sim.network.Network`: a read from a source that does not hold the range yet (a partial
 source, pipeline replication) waits for the source's progress counter, as the real holder does.
 A shard pulls in reads of ``1/reads_per_shard`` of the shard, one at a time (the flow runs at the
@@ -40,14 +43,22 @@ from tensorhub.core import messages as m
 from tensorhub.core.invariants import check_invariants
 from tensorhub.core.layout import Layout, TensorSpec
 from tensorhub.core.naming import seed_replica
-from tensorhub.core.session import (
+from tensorhub.core.session import ReplicationSession
+from tensorhub.core.shard import (
     Advance,
-    ReadRange,
-    ReplicationSession,
+    DropPull,
+    IssueRead,
     ReportChecksumFailed,
     ReportComplete,
     ReportProgress,
     ReportSourceFailed,
+    RetireSeed,
+    ShardCore,
+    StartPull,
+    StartSeed,
+    UseGrant,
+    report_message,
+    seed_step,
 )
 from tensorhub.core.table import ReferenceTable, TableConfig
 from tensorhub.scheduling.selection import SourceIndex
@@ -196,21 +207,28 @@ class SimShard:
         self.session: int | None = None
         self.alive = True
         self.removed: str | None = None
-        self.calls = 0
         self._reqs = replica.reqs
         self.waiting: dict[int, Callable[[Any], None]] = {}
-        # the live buffers: a complete version, or the pull filling them
+        # what the shard decides: the production core, fed the simulated IO's events
+        self.core = ShardCore(self._new_pull)
+        # the simulated progress counter: the complete version the live buffers hold
         self.holding: int | None = None
-        self.pull: ReplicationSession | None = None
-        self.grant: m.Grant | None = None
         self.offloads: set[int] = set()
         # reads of this shard's memory: flow -> (reader, how its read fails)
         self.serving: dict[Flow, tuple[SimShard, Callable[[str], None]]] = {}
-        self.waiters: list[
-            tuple[int, int, Callable[[], None], SimShard]
-        ] = []  # (version, end, start_read, reader)
+        # reads waiting for this shard's progress: (version, end, start_read, reader, pull, fail)
+        self.waiters: list[tuple[int, int, Callable[[], None], SimShard, int, Callable[[str], None]]] = []
         self.reading: dict[Flow, SimShard] = {}  # flow -> its source
         self.timers: list[Timer] = []
+
+    def _new_pull(self, version: int) -> ReplicationSession:
+        layout = self.replica.layout
+        return ReplicationSession(version, layout.total_bytes, layout.chunk_bytes, max_inflight=1)
+
+    @property
+    def grant(self) -> m.Grant | None:
+        """The grant the shard was given last."""
+        return self.core.grant
 
     # ---- sending -----------------------------------------------------------------------------
 
@@ -221,10 +239,6 @@ class SimShard:
         if then is not None:
             self.waiting[req] = then
         self.server.send(self, build(req))
-
-    def next_call(self) -> int:
-        self.calls += 1
-        return self.calls
 
     def receive(self, msg: Any) -> None:
         if not self.alive:
@@ -240,31 +254,10 @@ class SimShard:
     # ---- what the server tells a shard -------------------------------------------------------
 
     def on_Grant(self, g: m.Grant) -> None:
-        pull = self.pull
-        if pull is None or pull.version != g.version or pull.done:
-            if pull is not None and not pull.done:
-                pull.on_abort()
-            if self.holding is not None and self._has_readers(self.holding):
-                self.server.violation(
-                    f"{self.peer} is granted v{g.version} while readers still read its v{self.holding}"
-                )
-            self.holding = None
-            pull = self.pull = ReplicationSession(
-                g.version,
-                self.replica.layout.total_bytes,
-                self.replica.layout.chunk_bytes,
-                max_inflight=1,
-            )
-        self.grant = g
-        self.sim.record(
-            "grant",
-            f"{self.peer} v{g.version} from {g.source.replica}/{g.source.shard_idx} {g.source.kind}",
-        )
-        self._run(pull, pull.on_grant(g.grant, g.source))
+        self._do(self.core.on_grant(g))
 
     def on_Revoke(self, msg: m.Revoke) -> None:
-        if self.pull is not None:
-            self._run(self.pull, self.pull.on_revoked(msg.grant))
+        self._do(self.core.on_revoke(msg.term, msg.grant))
 
     def on_OffloadRequest(self, msg: m.OffloadRequest) -> None:
         copy_s = self.replica.layout.total_bytes / (
@@ -294,43 +287,47 @@ class SimShard:
         self.removed = msg.code
         self.sim.record("removed", f"{self.peer} {msg.code}")
 
-    # ---- pulling -----------------------------------------------------------------------------
+    # ---- carrying out the core's actions (simulated IO) --------------------------------------
 
     @property
     def cluster(self) -> Cluster:
         return self.replica.cluster
 
-    def _run(self, pull: ReplicationSession, actions: list) -> None:
-        if pull is not self.pull or not self.alive:
-            return
-        g = self.grant
+    def _do(self, actions: list) -> None:
         for a in actions:
-            if isinstance(a, ReadRange):
-                self._read(pull, a)
+            if not self.alive:
+                return
+            if isinstance(a, IssueRead):
+                self._read(a)
             elif isinstance(a, Advance):
-                self._advanced(pull.version, a.verified)
+                assert self.core.pull is not None
+                self._advanced(self.core.pull.version, a.verified)
+            elif isinstance(a, StartPull):
+                if self.holding is not None and self._has_readers(self.holding):
+                    self.server.violation(
+                        f"{self.peer} is granted v{a.version} while readers still read its v{self.holding}"
+                    )
+                self.holding = None
+            elif isinstance(a, UseGrant):
+                g = a.grant
+                self.sim.record(
+                    "grant",
+                    f"{self.peer} v{g.version} from {g.source.replica}/{g.source.shard_idx} {g.source.kind}",
+                )
+            elif isinstance(a, DropPull):
+                self._abandon_waiting(a.pull)
             elif isinstance(a, ReportProgress):
-                self.server.send(
-                    self, m.Progress(0, self.session, a.grant, g.term, a.verified)
-                )
+                self.server.send(self, report_message(a, self.session, 0))
             elif isinstance(a, ReportComplete):
-                self.holding = pull.version
-                self.pull = None
-                self.sim.record("complete", f"{self.peer} v{pull.version}")
-                self.request(
-                    lambda req, a=a: m.Complete(req, self.session, a.grant, g.term),
-                    self._ignore,
-                )
+                assert self.core.pull is not None
+                self.holding = self.core.pull.version
+                self.sim.record("complete", f"{self.peer} v{self.holding}")
+                self.request(lambda req, a=a: report_message(a, self.session, req), self._ignore)
             elif isinstance(a, ReportSourceFailed):
                 self.sim.record(
-                    "source_failed", f"{self.peer} grant {a.grant}: {a.reason}"
+                    "source_failed", f"{self.peer} grant {a.grant[1]}: {a.reason}"
                 )
-                self.request(
-                    lambda req, a=a: m.SourceFailed(
-                        req, self.session, a.grant, g.term, a.verified, a.reason
-                    ),
-                    self._ignore,
-                )
+                self.request(lambda req, a=a: report_message(a, self.session, req), self._ignore)
             elif isinstance(
                 a, ReportChecksumFailed
             ):  # pragma: no cover - the simulator does not verify
@@ -349,16 +346,17 @@ class SimShard:
                 f"{self.peer}: a data-plane report was refused: {reply.code}: {reply.message}"
             )
 
-    def _read(self, pull: ReplicationSession, a: ReadRange) -> None:
-        g = self.grant
+    def _read(self, a: IssueRead) -> None:
+        g, version = self.grant, a.version
         assert g is not None
         src = self.server.by_session.get(g.source.session)
         offload = g.source.kind == m.KIND_OFFLOAD
         end = a.offset + a.length
+        core = self.core
 
         def fail(reason: str) -> None:
-            if self.pull is pull and self.alive:
-                self._run(pull, pull.on_read_failed(a.grant, a.offset, reason))
+            if self.alive:
+                self._do(core.on_read_failed(a.pull, a.grant, a.offset, reason))
 
         def time_out(reason: str) -> None:
             # a silent peer: the transport gives up after its timeout
@@ -369,7 +367,10 @@ class SimShard:
             return
 
         def start() -> None:
-            if self.pull is not pull or not self.alive:
+            if not self.alive:
+                return
+            if not core.is_current(a.pull):
+                fail("the pull was aborted before the read started")
                 return
             if not src.alive:
                 time_out("transfer timeout")
@@ -380,12 +381,15 @@ class SimShard:
             def landed() -> None:
                 src.serving.pop(flow, None)
                 self.reading.pop(flow, None)
-                if self.pull is pull and self.alive:
-                    self._run(pull, pull.on_read_done(a.grant, a.offset))
+                if self.alive:
+                    self._do(core.on_read_done(a.pull, a.grant, a.offset))
 
             def begin() -> None:
                 nonlocal flow
-                if self.pull is not pull or not self.alive:
+                if not self.alive:
+                    return
+                if not core.is_current(a.pull):
+                    fail("the pull was aborted before the read started")
                     return
                 if not src.alive:
                     time_out("transfer timeout")
@@ -395,7 +399,7 @@ class SimShard:
                     a.length,
                     landed,
                     cap,
-                    tag=(a.grant, pull.version, a.offset, offload),
+                    tag=(a.grant[1], version, a.offset, offload),
                 )
                 src.serving[flow] = (self, fail)
                 self.reading[flow] = src
@@ -403,17 +407,28 @@ class SimShard:
             flow: Flow | None = None
             self.timers.append(self.sim.after(latency, begin))
 
-        if offload or src.available(pull.version) >= end:
+        if offload or src.available(version) >= end:
             start()
         else:
-            src.waiters.append((pull.version, end, start, self))
+            src.waiters.append((version, end, start, self, a.pull, fail))
+
+    def _abandon_waiting(self, pull: int) -> None:
+        """An aborted pull's reads that wait for a partial source's progress never start: they
+        fail (after this event, so that the core sees them once its grant is handled)."""
+        for src in self.server.by_session.values():
+            mine = [w for w in src.waiters if w[3] is self and w[4] == pull]
+            if mine:
+                src.waiters = [w for w in src.waiters if not (w[3] is self and w[4] == pull)]
+                for w in mine:
+                    self.timers.append(self.sim.after(0.0, w[5], "the pull was aborted before the read started"))
 
     def available(self, version: int) -> int:
         """Bytes of ``version`` this shard's live buffers hold (its progress counter)."""
         if self.holding == version:
             return self.replica.layout.total_bytes
-        if self.pull is not None and self.pull.version == version:
-            return self.pull.verified
+        pull = self.core.pull
+        if pull is not None and pull.version == version:
+            return pull.verified
         return 0
 
     def _advanced(self, version: int, verified: int) -> None:
@@ -424,8 +439,8 @@ class SimShard:
             self.waiters = [
                 w for w in self.waiters if not (w[0] == version and w[1] <= verified)
             ]
-            for _, _, start, _ in ready:
-                start()
+            for w in ready:
+                w[2]()
 
     def _has_readers(self, version: int, offload: bool = False) -> bool:
         """A read of this version is in flight under a grant the table still counts as active
@@ -462,14 +477,12 @@ class SimShard:
                 )
             )
         self.serving.clear()
-        for _, _, start, reader in self.waiters:
+        for _, _, start, reader, _, _ in self.waiters:
             reader.timers.append(
                 self.sim.after(timeout, start)
             )  # start() sees the source dead and fails the read
         self.waiters.clear()
-        if self.pull is not None:
-            self.pull.on_abort()
-            self.pull = None
+        self.core.on_abort()
 
 
 class SimReplica:
@@ -548,7 +561,7 @@ class SimReplica:
                     then(rec, replies)
 
         for s in self.shards:
-            call = s.next_call()
+            call = s.core.next_call()
             s.request(
                 lambda req, s=s, call=call: build(s, req, call),
                 lambda r, i=s.shard_idx: got(i, r),
@@ -655,13 +668,11 @@ class SimReplica:
                 )
                 if first.moved:
                     self.version = first.version
-                if first.seed is not None:
-                    self._start_seed(first.seed)
-                elif (
-                    self.seed is not None
-                    and self.version is not None
-                    and self.version >= (self.seed_version or 0)
-                ):
+                seeding = self.seed_version if self.seed is not None else None
+                step = seed_step(seeding, self.version, first.seed)
+                if isinstance(step, StartSeed):
+                    self._start_seed(step.version)
+                elif isinstance(step, RetireSeed):
                     self._retire_seed()
             if then is not None:
                 then(rec, replies)
@@ -726,7 +737,7 @@ class SimReplica:
         if self.seed is not None:
             self.seed.crash()
 
-    # ---- offload seeding (as tensorhub.handles.api does it) ------------------------------------------
+    # ---- offload seeding (the rule is :func:`tensorhub.core.shard.seed_step`) -------------------
 
     def _start_seed(self, version: int) -> None:
         if self.seed is not None:

@@ -1,7 +1,9 @@
 """``tensorhub sim SCENARIO [--seed N] [--out DIR] [--quick]`` (and ``python -m tensorhub.sim``).
 
 ``tensorhub sim paper`` runs every paper scenario and prints, per headline result, the paper's
-value, the simulated one and their ratio, flagging those more than 20 % off.
+value, the simulated one and their ratio, flagging those more than 20 % off. ``tensorhub sim
+reshard`` (not a paper scenario) prints resharding at the Perplexity write-up's shapes beside its
+published times.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import time
 from tensorhub.core.errors import TensorHubError
 
 from .report import format_headlines, format_result, save
+from .reshard import reshard
 from .scenarios import SCENARIOS, run
 
 __all__ = ["main"]
 
 PAPER = ["bandwidth", "bursts", "failure", "standalone", "elastic", "crossdc"]
+#: scenarios beside the paper's (issue 20's resharding)
+OTHERS = {"reshard": reshard}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "scenario",
-        choices=[*SCENARIOS, "paper"],
+        choices=[*SCENARIOS, *OTHERS, "paper"],
         help="a scenario, or 'paper' for every paper scenario",
     )
     p.add_argument("--seed", type=int, default=0, help="the run's one seed (default 0)")
@@ -46,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             t0 = time.perf_counter()
-            result = run(name, args.seed, quick=args.quick)
+            other = OTHERS.get(name)
+            result = other(args.seed, quick=args.quick) if other else run(name, args.seed, quick=args.quick)
             wall = time.perf_counter() - t0
             print(format_result(result))
             print(f"({wall:.1f} s wall, seed {args.seed})\n", flush=True)

@@ -170,6 +170,15 @@ def plot(r: Result, path: str) -> str | None:
         labels = [row[0] for row in r.rows]
         ax.barh(labels, [row[4] for row in r.rows])
         ax.set(xlabel="total GPU stall (GPU·s)")
+    elif r.name == "reshard":
+        cases = d["cases"]
+        y = range(len(cases))
+        ours = [c["tensorhub"]["seconds"] for c in cases]
+        ax.barh([i - 0.2 for i in y], ours, height=0.4, label="TensorHub (simulated)")
+        theirs = [c["published_s"] or 0.0 for c in cases]
+        ax.barh([i + 0.2 for i in y], theirs, height=0.4, label="published (Perplexity)")
+        ax.set_yticks(list(y), [f"{row[0]}, {row[3]}" for row in r.rows], fontsize=6)
+        ax.set(xlabel="update time (s)")
     elif r.name == "churn":
         ax.bar(
             ["updates", "moved", "typed errors", "violations"],

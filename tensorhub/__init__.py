@@ -53,8 +53,8 @@ def open(
     model: str,
     replica: str,
     *,
-    num_shards: int = 1,
-    shard_idx: int = 0,
+    num_shards: int | None = None,
+    shard_idx: int | None = None,
     retain: str | None = "latest",
     server: str | Sequence[str] | None = None,
     location: Location | None = None,
@@ -62,6 +62,9 @@ def open(
     transports: dict[str, dict[str, Any]] | None = None,
     connect_timeout: float = 10.0,
     offload_seeding: bool = False,
+    convert_from: str | None = None,
+    mapping: Any = None,
+    convert_budget: int = 512 << 20,
 ) -> ShardHandle:
     """Open a shard handle (the synchronous facade of :class:`tensorhub.handles.api.AsyncShardHandle`,
     whose calls block; it runs on the process's background event loop).
@@ -69,8 +72,11 @@ def open(
     Args:
         model: the model's name.
         replica: this replica's name (its shards share it).
-        num_shards: the replica's model-parallel shards (its world size).
-        shard_idx: which of them this handle is (its rank), in ``[0, num_shards)``.
+        num_shards: the replica's model-parallel shards (its world size). None: the world size
+            of the initialized ``torch.distributed`` process group, else ``$WORLD_SIZE`` (as
+            torchrun sets it), else 1.
+        shard_idx: which of them this handle is (its rank), in ``[0, num_shards)``. None: the
+            process group's rank, else ``$RANK``, else 0.
         retain: the versions that must stay available, counted from the highest version
             published: ``"latest"``, ``"latest-k"``, or None for no declaration.
         server: the reference server's address, or an ordered list of them (a list/tuple, or one
@@ -87,13 +93,23 @@ def open(
         connect_timeout: seconds to wait for the server when opening.
         offload_seeding: when this replica would seed a version into its datacenter, pull it
             into a CPU copy in the background instead of stalling ``update()``.
+        convert_from: this model holds ``convert_from``'s versions in another layout (other
+            names, shard count, fused projections, FP8): its shards register ``placements=``,
+            and the first reader of each (version, shard) converts it from ``convert_from``'s
+            holders; the next ones pull the converted bytes from it (README "Different layouts").
+        mapping: how this model's tensors derive from ``convert_from``'s
+            (:class:`tensorhub.scheduling.mapping.Mapping`, e.g. ``preset("qwen3", ...)``);
+            None: same names, shapes and dtypes.
+        convert_budget: temporary bytes a conversion may hold at once.
 
     Returns:
         the open :class:`~tensorhub.handles.api.ShardHandle`.
 
     Raises:
         InvalidArgument, InvalidName: a bad argument, or transports the running engine does
-            not run (the message names it).
+            not run (the message names it), or an omitted ``num_shards``/``shard_idx`` whose
+            sources disagree (the process group against ``$WORLD_SIZE``/``$RANK``; an explicit
+            ``num_shards`` other than the world size with ``shard_idx`` omitted).
         ServerUnavailable: no server answered in ``connect_timeout`` seconds.
     """
     from tensorhub.handles.api import open_sync
@@ -101,7 +117,7 @@ def open(
     return open_sync(
         model, replica, num_shards=num_shards, shard_idx=shard_idx, retain=retain, server=server,
         location=location, spot=spot, transports=transports, connect_timeout=connect_timeout,
-        offload_seeding=offload_seeding,
+        offload_seeding=offload_seeding, convert_from=convert_from, mapping=mapping, convert_budget=convert_budget,
     )  # fmt: skip
 
 

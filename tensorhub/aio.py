@@ -36,8 +36,8 @@ def open(
     model: str,
     replica: str,
     *,
-    num_shards: int = 1,
-    shard_idx: int = 0,
+    num_shards: int | None = None,
+    shard_idx: int | None = None,
     retain: str | None = "latest",
     server: str | Sequence[str] | None = None,
     location: Location | None = None,
@@ -45,11 +45,15 @@ def open(
     transports: dict[str, dict[str, Any]] | None = None,
     connect_timeout: float = 10.0,
     offload_seeding: bool = False,
+    convert_from: str | None = None,
+    mapping: Any = None,
+    convert_budget: int = 512 << 20,
 ) -> AsyncOpen:
     """Open a shard handle on the running loop. Arguments as :func:`tensorhub.open`; the
     handle is opened when awaited or entered."""
     kw = {
         "num_shards": num_shards, "shard_idx": shard_idx, "retain": retain, "server": server, "location": location,
         "spot": spot, "transports": transports, "connect_timeout": connect_timeout, "offload_seeding": offload_seeding,
+        "convert_from": convert_from, "mapping": mapping, "convert_budget": convert_budget,
     }  # fmt: skip
     return _AsyncOpen(model, replica, kw)

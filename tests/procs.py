@@ -150,6 +150,25 @@ def _worker(cmds: Any, results: Any, open_kw: dict) -> None:
                 value = h.server_address
             elif cmd == "state":  # (version held, empty)
                 value = (h.version, h.empty)
+            elif cmd == "register_placed":  # (placements by name): zeros of each local shape
+                from tensorhub.reshard import torch_dtype
+
+                placed = args[0]
+                tensors = {n: torch.zeros(p.local_shape(), dtype=torch_dtype(p.placement.dtype)) for n, p in placed.items()}
+                value = h.register(tensors, placed)
+            elif cmd == "fill_tensors":  # {name: tensor}: copy into the registered tensors
+                for k, v in args[0].items():
+                    tensors[k].copy_(v)
+                value = None
+            elif cmd == "digests":  # sha256 of each registered tensor's bytes
+                import hashlib
+
+                value = {k: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                         for k, t in tensors.items()}  # fmt: skip
+            elif cmd == "last_conversion":
+                c = h.last_conversion
+                value = None if c is None else {"version": c.version, "failures": c.failures, "sources": list(c.sources),
+                                                "peak": c.peak_bytes, "budget": c.budget, "tasks": c.tasks}  # fmt: skip
             else:
                 value = getattr(h, cmd)(*args)
                 if cmd == "list" and isinstance(value, dict):

@@ -93,6 +93,8 @@ class Shard:
         incarnation: str = "i1",
         layout: Layout | None = LAYOUT,
         open: bool = True,
+        source: str | None = None,
+        placements: tuple | None = None,
     ) -> None:
         self.d = driver
         self.model = model
@@ -103,6 +105,8 @@ class Shard:
         self.spot = spot
         self.retain = retain
         self.incarnation = incarnation
+        self.source = source
+        self.placements = placements
         self.peer = f"{model}/{replica}/{shard_idx}/{incarnation}"
         driver.shards[self.peer] = self
         self.inbox: list[Any] = []
@@ -160,7 +164,7 @@ class Shard:
         self.send(
             m.OpenShard(
                 req, self.model, self.replica, self.num_shards, self.shard_idx, self.incarnation, self.location,
-                self.spot, self.retain,
+                self.spot, self.retain, self.source,
             )
         )
         r = self.expect_ok(req)
@@ -168,7 +172,9 @@ class Shard:
         return r
 
     def register(self, layout: Layout = LAYOUT, endpoint: Any = None) -> int:
-        return self.request(m.Register, self.session, layout, endpoint or {"tcp": f"{self.peer}"})
+        return self.request(
+            m.Register, self.session, layout, endpoint or {"tcp": f"{self.peer}"}, None, self.placements
+        )
 
     def unregister(self) -> int:
         return self.request(m.Unregister, self.session)

@@ -9,6 +9,7 @@ Layers, bottom to top; a module may import its own layer and the layers below it
     runtime     tensorhub.runtime: the actors and everything else that does IO
     handles     tensorhub (the package), tensorhub.aio, tensorhub.handles
     tools       tensorhub.tools, tensorhub.testing, tensorhub.sim, tensorhub.__main__
+    integrations tensorhub.integrations (Ray, vLLM), tensorhub.ray: frameworks a job runs in
 
 Every import counts, also those inside functions and under ``TYPE_CHECKING``: a lazy import is
 still an arrow. Plugins depend on the base class, never the other way: nothing outside a plugin
@@ -41,6 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("tensorhub.runtime", "tensorhub.reshard")),
     ("handles", ("tensorhub.handles", "tensorhub.aio", "tensorhub")),
     ("tools", ("tensorhub.tools", "tensorhub.testing", "tensorhub.sim", "tensorhub.__main__")),
+    ("integrations", ("tensorhub.integrations", "tensorhub.ray")),
 ]
 #: the transport package's own framework: what plugins build on
 PLUGIN_FRAMEWORK = {"base", "buffers", "registry", "sidechannel", "nic", "faults"}

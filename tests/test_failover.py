@@ -271,3 +271,102 @@ def test_a_pull_under_way_resumes_on_the_backup_from_what_it_verified(servers, h
     pulled, total = reader.call("pulled"), shard_bytes(2 * SCALE)
     assert 0 < pulled < 1.2 * total, f"pulled {pulled} bytes for a {total}-byte shard"
     assert reader.call("last_sources") == ["trainer/0", "trainer/0"]  # one grant from each server, one pull
+
+
+# ---- a primary and a backup that never decide together (issue 23) ---------------------------
+
+
+def reigns_overlap(*addresses: str) -> list[str]:
+    """Pairs of reigns of different servers that overlap in time (one monotonic clock: one
+    machine), from each server's cluster state."""
+    from tensorhub.tools.admin import cluster_state
+
+    spans = [(a, r) for a in addresses for r in cluster_state(a, timeout=5.0, keys=None).reigns]
+    now = time.monotonic()
+    bad = []
+    for i, (a, x) in enumerate(spans):
+        for b, y in spans[i + 1:]:
+            if a != b and x.start < (y.end if y.end is not None else now) and y.start < (x.end if x.end is not None else now):
+                bad.append(f"{a} term {x.term} [{x.start:.2f}, {x.end}] and {b} term {y.term} [{y.start:.2f}, {y.end}]")
+    return bad
+
+
+def test_backup_takes_over_then_hands_back_to_the_returning_primary(servers, handles):
+    """The backup decides only once the primary's lease ran out and a majority of the shards
+    reached it; a primary started again at its address asks for the lease, the backup steps
+    down and tells its clients, and they move back, with their data; the two never reign at
+    the same time."""
+    port = _free_port()
+    backup = servers("--role", "backup")
+    primary = servers("--role", "primary", "--peer", backup.address, "--bind", f"tcp://127.0.0.1:{port}")
+    addresses = f"{primary.address},{backup.address}"
+    trainer = handles("trainer", server=addresses)
+    rollouts = [handles(f"rollout-{i}", server=addresses) for i in range(2)]
+    for h in (trainer, *rollouts):
+        h.call("register")
+    trainer.call("fill", 1)
+    trainer.call("publish", 1)
+    for r in rollouts:
+        assert r.call("replicate", "latest", 30.0) == 1
+
+    kill(primary)
+    for h in (trainer, *rollouts):
+        until_moved(h)
+        assert h.call("server_address") == backup.address
+    trainer.call("unpublish")
+    trainer.call("fill", 2)
+    trainer.call("publish", 2)
+    for r in rollouts:
+        assert r.call("update", "latest", 30.0) is True
+        assert r.call("holds", 2)
+
+    again = servers("--role", "primary", "--peer", backup.address, "--bind", f"tcp://127.0.0.1:{port}")
+    deadline = time.monotonic() + 20
+    while any(h.call("server_address") != again.address for h in (trainer, *rollouts)):
+        assert time.monotonic() < deadline, "the clients did not move back to the primary"
+        time.sleep(0.1)
+    listing: dict = {}
+    for h in (trainer, *rollouts):
+        listing = until_moved(h)
+    assert listing == {2: ["rollout-0", "rollout-1", "trainer"]}
+    trainer.call("unpublish")
+    trainer.call("fill", 3)
+    trainer.call("publish", 3)
+    for r in rollouts:
+        assert r.call("update", "latest", 30.0) is True
+        assert r.call("holds", 3)
+    assert reigns_overlap(again.address, backup.address) == []
+
+
+def test_a_server_restarted_at_once_at_its_address_is_moved_to_not_taken_as_removal(handles):
+    """The server comes back on the same address faster than the silence that would say it was
+    lost (a supervisor's restart; Ray restarting its actor): the first heartbeat answer comes from
+    a new term that knows none of the sessions. The handles move to it and re-announce, rather
+    than taking "unknown session" as their removal."""
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    slow = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "10")  # silence would take 10 s to notice
+    first = ServerProcess(*slow, "--bind", address)
+    second = None
+    try:
+        trainer = handles("trainer", server=address)
+        rollout = handles("rollout", server=address)
+        for h in (trainer, rollout):
+            h.call("register")
+        trainer.call("fill", 1)
+        trainer.call("publish", 1)
+        assert rollout.call("replicate", 1, 30.0) == 1
+        kill(first)
+        second = ServerProcess(*slow, "--bind", address)
+        for h in (trainer, rollout):
+            until_moved(h, timeout=8.0)  # well inside the 10 s silence
+        assert rollout.call("list") == {1: ["rollout", "trainer"]}  # both re-announced version 1
+        trainer.call("fill", 2)
+        trainer.call("unpublish")
+        trainer.call("publish", 2)
+        assert rollout.call("update", "latest", 30.0) is True
+        assert rollout.call("holds", 2)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()

@@ -27,6 +27,7 @@ from tensorhub.core.errors import (
     UnknownMessageKind,
     WireVersionMismatch,
 )
+from tensorhub.core.placement import PlacedTensor, ReplicaLayout, Shard, TensorPlacement
 from tensorhub.core.layout import DTYPE_SIZES, Layout, TensorSpec
 from tensorhub.core.naming import MAX_RELATIVE, MAX_SHARDS, MAX_VERSION
 from tensorhub.core.topology import Location
@@ -63,6 +64,14 @@ ENDPOINT = {
     "bw": 12.5,
     "extra": None,
 }
+PLACED = ReplicaLayout.spmd(
+    [
+        TensorPlacement.of("layers.0.w", "bfloat16", (8, 8), Shard(0), 2),
+        TensorPlacement.of("layers.0.b", "float32", (8,)),
+        TensorPlacement.of("scalar", "int64", ()),
+    ],
+    2,
+).shards[1]
 SOURCE = m.SourceInfo(
     session=9, replica="trainer-0", shard_idx=3, kind=m.KIND_NORMAL, complete=True, location=LOC, endpoint=ENDPOINT
 )
@@ -87,7 +96,7 @@ SAMPLES: list[Any] = [
         spot=True,
         retain=2,
     ),
-    m.Register(req=2, session=7, layout=LAYOUT, endpoint=ENDPOINT),
+    m.Register(req=2, session=7, layout=LAYOUT, endpoint=ENDPOINT, placements=PLACED),
     m.Unregister(req=3, session=7),
     m.Publish(req=4, session=7, call=1, version=12, checksums=(0, 1, U64)),
     m.DeclareChecksums(req=5, session=7, version=12, checksums=(1, 2, 3)),
@@ -123,6 +132,12 @@ SAMPLES: list[Any] = [
     m.Ack(req=3),
     m.Failed.of(4, errors.VersionUnavailable("gone", model="actor", version=3, replica="rollout-1", shard=0)),
     m.Grant(req=8, session=7, grant=5, term=1, version=12, shard_idx=3, source=SOURCE, checksums=(5, 6)),
+    m.Convert(
+        req=8, session=7, term=1, version=12, shard_idx=0, source_model="actor", source_shards=2,
+        sources=(m.ConvertSource(5, 1, SOURCE, (1, 2, 3), b"t" * 40, LAYOUT, PLACED),),
+    ),
+    m.Converted(req=20, session=7, term=1, version=12, checksums=(1, 2, 3)),
+    m.ConvertFailed(req=21, session=7, term=1, version=12, code="mapping_mismatch", message="tensor 'w': unfed"),
     m.Revoke(session=7, grant=5, term=1, reason="holder died"),
     m.ChecksumsReady(session=7, grant=5, term=1, version=12, checksums=(5, 6)),
     m.OffloadRequest(session=7, version=12),
@@ -169,7 +184,11 @@ SAMPLES: list[Any] = [
     ),), grants=(m.GrantState(
         grant=5, model="actor", version=12, shard_idx=0, reader="rollout-1", source="trainer", source_kind="normal",
         source_complete=True, verified=4, total_bytes=10, age_s=0.5, bytes_per_s=8.0,
-    ),), window_s=10.0, recent_bytes_per_s=0.0),
+    ),), window_s=10.0, recent_bytes_per_s=0.0, reigns=(m.ReignSpan(term=2, start=5.0, end=None, first_grant=6.0,
+                                                                     last_grant=7.5, grants=3),)),
+    m.LeaseRequest(req=24, term=2, epoch=3, voters=("actor/trainer/0", "actor/rollout-1/0")),
+    m.LeaseReply(req=24, term=3, granted=True, lease=5.0, epoch=3, voters=None),
+    m.StepDown(session=7, term=2, reason="lost the lease and the majority"),
 ]
 BY_KIND = {type(s).KIND: s for s in SAMPLES}
 ANSWER = wire.to_plain(BY_KIND["announce"].answers[0])  # a plain CallAnswer, to spoil
@@ -1066,6 +1085,9 @@ BY_FIELD: dict[tuple[type, str], st.SearchStrategy] = {
     (m.CallAnswer, "kind"): st.sampled_from(["publish", "unpublish", "replicate", "update", "list", "wait"]),
     (m.GetDag, "model"): NAMES,
     (m.GetTrace, "model"): NAMES,
+    (m.LeaseRequest, "epoch"): NONNEG,
+    (m.LeaseReply, "epoch"): NONNEG,
+    (m.LeaseReply, "lease"): st.floats(min_value=0, max_value=1e4),
 }
 @st.composite
 def announces(draw) -> m.Announce:
@@ -1094,7 +1116,35 @@ def transfer_spans(draw) -> m.TransferSpan:
     )
 
 
+@st.composite
+def placed_layouts(draw) -> tuple[Layout, tuple[PlacedTensor, ...]]:
+    """A layout and its tensors' placements (whole tensors: what a message must keep equal)."""
+    names = draw(st.lists(st.text(min_size=1, max_size=12), unique=True, max_size=4))
+    placed = tuple(
+        PlacedTensor(TensorPlacement.of(n, draw(st.sampled_from(sorted(DTYPE_SIZES))),
+                                        draw(st.lists(st.integers(min_value=0, max_value=16), max_size=3))))
+        for n in names
+    )  # fmt: skip
+    chunk = draw(st.integers(min_value=4096, max_value=U64))
+    return Layout(tuple(p.spec() for p in placed), "xxh3-64", chunk, draw(st.integers(min_value=0, max_value=U64))), placed
+
+
+@st.composite
+def registers(draw) -> m.Register:
+    layout, placed = draw(placed_layouts())
+    return m.Register(draw(INTS), draw(INTS), layout, draw(OPAQUE), None, draw(st.none() | st.just(placed)))
+
+
+@st.composite
+def convert_sources(draw) -> m.ConvertSource:
+    layout, placed = draw(placed_layouts())
+    return m.ConvertSource(draw(NONNEG), draw(NONNEG), draw(message_strategy(m.SourceInfo)),
+                           tuple(draw(st.lists(U64S, max_size=4))), draw(st.none() | st.binary(max_size=64)), layout, placed)  # fmt: skip
+
+
 BY_CLASS: dict[type, st.SearchStrategy] = {
+    m.Register: registers(),
+    m.ConvertSource: convert_sources(),
     Location: LOCATIONS,
     m.TransferSpan: transfer_spans(),
     Layout: layouts(),

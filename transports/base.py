@@ -32,10 +32,23 @@ the user configured (a dict of msgpack-able values), then:
 4. Reader side: ``await read(peer, region, version, offset, length, into, generation)`` copies
    shard bytes ``[offset, offset + length)`` of ``version`` from the peer into the same range of
    ``into``, and returns the holder's generation. ``generation`` is what an earlier read of this
-   pull returned (None on the first): if the holder's generation differs, fail. Run the bulk work
-   off the event loop (a thread that releases the GIL, or the library's own progress engine), so
-   that heartbeats are never starved. Many reads of one pull run concurrently; ``read`` must be
-   safe to call from several tasks at once.
+   pull returned (None on the first): if the holder's generation differs, fail. Many reads of one
+   pull run concurrently; a read must be safe to run from several tasks at once.
+
+   ``read`` is a *template method*; do not override it. It checks the arguments every transport
+   shares (offset, length and generation in range, a token that is bytes: else
+   :class:`~tensorhub.errors.InvalidArgument`), names the read for messages
+   (:meth:`Transport.describe_read`), asks the plugin to check the peer's endpoint
+   (:meth:`Transport.check_read`: it returns the endpoint as the plugin wants it, or raises
+   :class:`TransportError`), refuses a closed transport (:meth:`Transport.read_closed`), then
+   awaits :meth:`Transport.read_range` with a :class:`ReadCall`, and calls
+   :meth:`Transport.release_read` in ``finally`` whatever happened. ``read_range`` runs
+   :meth:`Transport.read_blocking` (the plugin's bulk work, **the one method a reader side must
+   override**) in the pool :meth:`Transport.read_executor` names, off the event loop, so that
+   heartbeats are never starved; a pool already shut down is a closed transport. A plugin whose
+   bulk work is not a blocking call (its library's own progress engine, or one read split into
+   stripes) overrides ``read_range`` instead; one that holds something per read (a staging slot, a
+   connection) releases it in ``release_read``.
 5. ``await close()``: stop serving, close connections, release registrations. Reads still
    running on either side (this process reading, or peers reading from it) fail with
    :class:`TransportError`; reads started later fail with it too. A second ``close()``, or one
@@ -74,8 +87,9 @@ does not hold, a range outside the shard, and a generation that moved (or is not
 caller passed). Never return normally with bytes that were not all written, nor with bytes
 read across a generation change.
 
-**What must be overridden:** ``start``, ``endpoint``, ``read``, ``close``; two-sided transports
-also use ``serve``. **What may be:** ``available`` (a probe of optional libraries; import them
+**What must be overridden:** ``start``, ``endpoint``, ``read_blocking`` (or ``read_range``),
+``close``; two-sided transports also use ``serve``. **What may be:** the read's hooks
+(``describe_read``, ``check_read``, ``read_closed``, ``read_executor``, ``release_read``, above), ``available`` (a probe of optional libraries; import them
 only inside the plugin), ``probe`` (below), ``expose``/``withdraw``, and
 ``guard`` (rarely: the base class stores the check ``admit`` asks), and
 ``reaches(peer_endpoint) -> bool`` (can
@@ -133,16 +147,18 @@ The capability flags steer it: a one-sided transport must refuse withdrawn buffe
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
-from tensorhub.core.errors import TransportError
+from tensorhub.core.errors import InvalidArgument, TransportError
 
 if TYPE_CHECKING:
     from .buffers import ShardBuffers
 
-__all__ = ["Guard", "Landed", "PeerUnreachable", "Probe", "RangeNotReady", "Resolver", "Transport", "Unauthorized"]
+__all__ = ["Guard", "Landed", "PeerUnreachable", "Probe", "RangeNotReady", "ReadCall", "Resolver", "Transport", "Unauthorized"]
 
 #: ``resolver(region, version)``: the buffers holding ``version`` under ``region``, or None.
 Resolver = Callable[[int, int], Optional["ShardBuffers"]]
@@ -184,6 +200,29 @@ UNREACHABLE_HINT = (
     "from here; then set $TENSORHUB_ADVERTISE_HOST (an address of the holder's host that its peers can dial) in "
     "the holder's environment, or give its transport the 'advertise' (and 'host') option"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class ReadCall:
+    """One read, as :meth:`Transport.read` checked it: what its hooks are given.
+
+    Attributes:
+        peer: the peer's endpoint, as :meth:`Transport.check_read` returned it.
+        where: the read named for messages (:meth:`Transport.describe_read`).
+        landed: the landing callback (only for a transport with ``reports_landing``), or None.
+        token: the grant token to show the holder (only for one with ``checks_grants``), or None.
+    """
+
+    peer: Any
+    region: int
+    version: int
+    offset: int
+    length: int
+    into: ShardBuffers
+    generation: int | None
+    landed: Landed | None
+    token: bytes | None
+    where: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +324,74 @@ class Transport:
         *,
         token: bytes | None = None,
     ) -> int:
+        """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into``; the
+        template method of the manual (step 4): the shared checks, then :meth:`read_range`, then
+        :meth:`release_read` in ``finally``.
+
+        Returns:
+            The holder's generation the bytes were read under.
+        Raises:
+            InvalidArgument: a negative offset or length, a generation out of range, a token
+                that is not bytes.
+            RangeNotReady: a partial holder's progress did not cover the range in time.
+            TransportError: anything else that kept the read from completing (a bad endpoint, a
+                closed transport, the plugin's own failures).
+        """
+        where = self.describe_read(peer, region, version, offset, length)
+        if offset < 0 or length < 0 or (generation is not None and not 0 <= generation < 1 << 64):
+            raise InvalidArgument(f"bad read of {where}: offset {offset}, length {length}, generation {generation}")
+        if token is not None and not isinstance(token, bytes):
+            raise InvalidArgument(f"a grant token is bytes, got {type(token).__name__} (read of {where})")
+        checked = self.check_read(peer, where, offset, length, token)
+        call = ReadCall(checked, region, version, offset, length, into, generation, landed, token, where)
+        if self.read_closed():
+            raise TransportError(f"read of {where}: the {self.name} transport is closed; not started")
+        try:
+            return await self.read_range(call)
+        finally:
+            self.release_read(call)
+
+    def describe_read(self, peer: Any, region: int, version: int, offset: int, length: int) -> str:
+        """The read named for messages (a hook of :meth:`read`): the peer, region, version and range."""
+        return f"{self.name} peer {peer!r} region {region} version {version} bytes [{offset}, {offset + length})"
+
+    def check_read(self, peer: Any, where: str, offset: int, length: int, token: bytes | None) -> Any:
+        """Check the peer's endpoint (and the range and token) for this transport, and return the
+        endpoint as :meth:`read_blocking` wants it (a hook of :meth:`read`).
+
+        Raises:
+            TransportError: an endpoint this transport cannot read from; InvalidArgument: a read
+                this transport refuses (too large, say).
+        """
+        return peer
+
+    def read_closed(self) -> bool:
+        """Whether the transport is closed (a hook of :meth:`read`: a read then fails at once)."""
+        return bool(getattr(self, "_closed", False))
+
+    def read_executor(self) -> Executor | None:
+        """The pool :meth:`read_blocking` runs in (a hook of :meth:`read_range`); None: not started."""
+        return getattr(self, "_executor", None)
+
+    async def read_range(self, call: ReadCall) -> int:
+        """Run :meth:`read_blocking` in :meth:`read_executor`'s pool (override for bulk work that
+        is not one blocking call). Returns the holder's generation."""
+        pool = self.read_executor()
+        if pool is None:
+            raise TransportError(f"read of {call.where}: the {self.name} transport is not started")
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(pool, self.read_blocking, call)
+        except RuntimeError as err:  # the pool shut down: closed meanwhile
+            raise TransportError(f"read of {call.where}: the {self.name} transport is closed; not started") from err
+        return await fut
+
+    def read_blocking(self, call: ReadCall) -> int:
+        """The read's bulk work, in a worker thread: copy the range into ``call.into`` and return
+        the holder's generation (see the manual for what it must check)."""
         raise NotImplementedError
+
+    def release_read(self, call: ReadCall) -> None:
+        """Release what the read held (a hook of :meth:`read`, called in ``finally``, once)."""
 
     async def close(self) -> None:
         raise NotImplementedError

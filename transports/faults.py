@@ -41,7 +41,7 @@ from typing import Any
 
 from tensorhub.core.errors import InvalidArgument, TransportError
 
-from .base import Guard, Landed, Resolver, Transport
+from .base import Guard, Landed, ReadCall, Resolver, Transport
 from .buffers import ShardBuffers
 
 __all__ = ["MAX_SECONDS", "FaultyTransport", "FiredFault", "wrap"]
@@ -204,19 +204,13 @@ class FaultyTransport(Transport):
             return
         raise TransportError(f"{self.name} transport closed during an injected {what}")
 
-    async def read(
-        self,
-        peer: dict[str, Any],
-        region: int,
-        version: int,
-        offset: int,
-        length: int,
-        into: ShardBuffers,
-        generation: int | None,
-        landed: Landed | None = None,
-        *,
-        token: bytes | None = None,
-    ) -> int:
+    def describe_read(self, peer: Any, region: int, version: int, offset: int, length: int) -> str:
+        return f"region {region} version {version} bytes [{offset}, {offset + length}) from {peer!r}"
+
+    def read_closed(self) -> bool:
+        return False  # the inner read says so, with its own words
+
+    async def read_range(self, call: ReadCall) -> int:
         """The inner transport's read, with the faults that fire on it. With ``landed`` (an
         inner transport that reports landing), a corruption is flipped into the piece that holds
         its byte before the piece is reported, as a corruption on the wire would land. ``token``
@@ -225,7 +219,8 @@ class FaultyTransport(Transport):
         Raises:
             TransportError: an injected stall or failure, or the inner read's own errors.
         """
-        where = f"region {region} version {version} bytes [{offset}, {offset + length}) from {peer!r}"
+        peer, region, version, offset, length = call.peer, call.region, call.version, call.offset, call.length
+        into, generation, landed, token, where = call.into, call.generation, call.landed, call.token, call.where
         kw: dict[str, Any] = {"token": token} if self.checks_grants else {}
         delays = self._firing("delay", region, version, offset, length, first=False)
         if delays:

@@ -112,7 +112,7 @@ import torch
 from tensorhub.core.errors import InvalidArgument, TransportError
 from tensorhub.core.layout import MAX_TENSORS
 
-from .base import Landed, Probe, RangeNotReady, Transport, Unauthorized
+from .base import Landed, Probe, RangeNotReady, ReadCall, Transport, Unauthorized
 from .buffers import WORD_BYTES, ShardBuffers, cut_parts, read_words
 from .sidechannel import SideClient, SideError, SideServer, field
 
@@ -616,23 +616,27 @@ class LocalTransport(Transport):
 
     # ---- reader side ---------------------------------------------------------------------------
 
-    async def read(
-        self,
-        peer: dict[str, Any],
-        region: int,
-        version: int,
-        offset: int,
-        length: int,
-        into: ShardBuffers,
-        generation: int | None,
-        landed: Landed | None = None,
-        *,
-        token: bytes | None = None,
-    ) -> int:
-        """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into``; see the
-        module docstring for the steps. ``landed(offset, length)`` is called from the copying
+    def describe_read(self, peer: Any, region: int, version: int, offset: int, length: int) -> str:
+        span = f"region {region} version {version} bytes [{offset}, {offset + length})"
+        side = peer.get("side") if isinstance(peer, dict) else None
+        pid = peer.get("pid") if isinstance(peer, dict) else None
+        return f"local peer {side} (pid {pid}) {span}"
+
+    def check_read(self, peer: Any, where: str, offset: int, length: int, token: bytes | None) -> tuple[str, int]:
+        side = peer.get("side") if isinstance(peer, dict) else None
+        pid = peer.get("pid") if isinstance(peer, dict) else None
+        if type(side) is not str or not side or type(pid) is not int or pid <= 0:
+            raise TransportError(f"local endpoint {peer!r} lacks a side-channel address or a pid (reading {where})")
+        return side, pid
+
+    def read_executor(self) -> ThreadPoolExecutor:
+        return self._reads
+
+    def read_blocking(self, call: ReadCall) -> int:
+        """Copy ``[offset, offset + length)`` of ``version`` from the peer into ``into``; see the
+        module docstring for the steps. ``call.landed(offset, length)`` is called from this
         thread after each piece copied into CPU memory (the engine hashes it while it is hot).
-        ``token`` (the grant's) goes with the describe.
+        The grant's token goes with the describe.
 
         Returns:
             The holder's generation the bytes were read under.
@@ -642,21 +646,9 @@ class LocalTransport(Transport):
             TransportError: anything else that kept the read from completing (it names the
                 peer, region, version and range).
         """
-        span = f"region {region} version {version} bytes [{offset}, {offset + length})"
-        side = peer.get("side") if isinstance(peer, dict) else None
-        pid = peer.get("pid") if isinstance(peer, dict) else None
-        if type(side) is not str or not side or type(pid) is not int or pid <= 0:
-            raise TransportError(f"local endpoint {peer!r} lacks a side-channel address or a pid (reading {span})")
-        where = f"local peer {side} (pid {pid}) {span}"
-        if self._closed:
-            raise TransportError(f"local transport {self.id} closed; read of {where} not started")
-        loop = asyncio.get_running_loop()
-        try:
-            fut = loop.run_in_executor(self._reads, self._read_blocking, side, pid, where, region, version, offset, length, into, generation,
-                                       landed, token)  # fmt: skip
-        except RuntimeError as err:  # the pool shut down: closed meanwhile
-            raise TransportError(f"local transport {self.id} closed; read of {where} not started") from err
-        return await fut
+        side, pid = call.peer
+        return self._read_blocking(side, pid, call.where, call.region, call.version, call.offset, call.length, call.into,
+                                   call.generation, call.landed, call.token)  # fmt: skip
 
     def _read_blocking(
         self,

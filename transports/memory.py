@@ -36,7 +36,6 @@ keep a peer alive (the registry is weak; a closed peer leaves it), or wait witho
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import math
 import os
@@ -48,7 +47,7 @@ from typing import Any
 
 from tensorhub.core.errors import InvalidArgument, TransportError
 
-from .base import Probe, RangeNotReady, Transport
+from .base import Probe, RangeNotReady, ReadCall, Transport
 from .buffers import ShardBuffers
 
 __all__ = ["MemoryTransport"]
@@ -159,45 +158,30 @@ class MemoryTransport(Transport):
 
     # ---- reader side ---------------------------------------------------------------------------
 
-    async def read(  # type: ignore[override]  # never given landed/token: its flags leave them off
-        self,
-        peer: dict[str, Any],
-        region: int,
-        version: int,
-        offset: int,
-        length: int,
-        into: ShardBuffers,
-        generation: int | None,
-    ) -> int:
-        """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into``; see the
-        module docstring for the steps.
+    def describe_read(self, peer: Any, region: int, version: int, offset: int, length: int) -> str:
+        name = peer.get("id") if isinstance(peer, dict) else peer
+        return f"memory peer {name} region {region} version {version} bytes [{offset}, {offset + length})"
 
-        Returns:
-            The holder's generation the bytes were read under.
-
-        Raises:
-            RangeNotReady: the holder's progress did not cover the range within the wait.
-            TransportError: anything else that kept the read from completing (it names the
-                peer, region, version and range).
-            InvalidArgument: ``into`` is smaller than the range.
-        """
+    def check_read(self, peer: Any, where: str, offset: int, length: int, token: bytes | None) -> str:
         if not isinstance(peer, dict) or type(peer.get("id")) is not str:
-            raise TransportError(
-                f"memory endpoint {peer!r} has no id (reading region {region} version {version} "
-                f"bytes [{offset}, {offset + length}))"
-            )
-        where = f"memory peer {peer['id']} region {region} version {version} bytes [{offset}, {offset + length})"
+            raise TransportError(f"memory endpoint {peer!r} has no id (reading {where})")
         if peer.get("pid") != os.getpid():
             raise TransportError(
                 f"read of {where}: the peer is in process {peer.get('pid')!r}, this is {os.getpid()}; "
                 "the memory transport reaches only its own process"
             )
-        if self._closed:
-            raise TransportError(f"memory transport {self.id} closed; read of {where} not started")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, self._read_blocking, peer["id"], where, region, version, offset, length, into, generation
-        )
+        return str(peer["id"])
+
+    def read_blocking(self, call: ReadCall) -> int:
+        """Copy the range from the peer's buffers (see the module docstring for the steps).
+
+        Raises:
+            RangeNotReady: the holder's progress did not cover the range within the wait.
+            TransportError: anything else that kept the read from completing.
+            InvalidArgument: ``into`` is smaller than the range.
+        """
+        return self._read_blocking(call.peer, call.where, call.region, call.version, call.offset, call.length, call.into,
+                                   call.generation)  # fmt: skip
 
     def _read_blocking(
         self,

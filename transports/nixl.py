@@ -72,7 +72,7 @@ import torch
 from tensorhub.core.errors import InvalidArgument, TransportError
 from tensorhub.core.log import get_logger
 
-from .base import Probe, RangeNotReady, Transport, Unauthorized
+from .base import Probe, RangeNotReady, ReadCall, Transport, Unauthorized
 from .buffers import WORD_BYTES, WORDS, ShardBuffers, read_words
 from .nic import choose_address
 from .sidechannel import SideClient, SideError, SideServer
@@ -725,21 +725,19 @@ class NixlTransport(Transport):
 
     # ---- reader side ---------------------------------------------------------------------------
 
-    async def read(
-        self,
-        peer: dict[str, Any],
-        region: int,
-        version: int,
-        offset: int,
-        length: int,
-        into: ShardBuffers,
-        generation: int | None,
-        *,
-        token: bytes | None = None,
-    ) -> int:
-        """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into`` (see the
-        module docstring), showing ``token`` (the grant's) when it asks for the description.
-        Returns the holder's generation.
+    def describe_read(self, peer: Any, region: int, version: int, offset: int, length: int) -> str:
+        name = peer.get("agent") if isinstance(peer, dict) else peer
+        return f"nixl peer {name!r} region {region} version {version} bytes [{offset}, {offset + length})"
+
+    def check_read(self, peer: Any, where: str, offset: int, length: int, token: bytes | None) -> dict:
+        if not (isinstance(peer, dict) and type(peer.get("agent")) is str and type(peer.get("side")) is str):
+            raise TransportError(f"read of {where}: the endpoint {peer!r} lacks 'agent' and 'side' strings")
+        return peer
+
+    def read_blocking(self, call: ReadCall) -> int:
+        """Copy ``[offset, offset + length)`` of ``version`` from the peer into ``into`` (see the
+        module docstring), showing the grant's token when it asks for the description. Returns
+        the holder's generation.
 
         Raises:
             RangeNotReady: a partial holder's progress did not cover the range in time.
@@ -747,17 +745,8 @@ class NixlTransport(Transport):
             PeerUnreachable: the side channel's address could not be connected to.
             TransportError: anything else that kept the read from completing.
         """
-        where = f"nixl peer {peer.get('agent') if isinstance(peer, dict) else peer!r} region {region} version {version} bytes [{offset}, {offset + length})"
-        if not (isinstance(peer, dict) and type(peer.get("agent")) is str and type(peer.get("side")) is str):
-            raise TransportError(f"read of {where}: the endpoint {peer!r} lacks 'agent' and 'side' strings")
-        if self._closed or self._executor is None:
-            raise TransportError(f"read of {where}: the nixl transport is {'closed' if self._closed else 'not started'}")
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor, self._read_blocking, peer, where, region, version, offset, length, into,
-                                              generation, token)  # fmt: skip
-        except RuntimeError as err:  # the executor shut down under us
-            raise TransportError(f"read of {where}: the nixl transport closed") from err
+        return self._read_blocking(call.peer, call.where, call.region, call.version, call.offset, call.length, call.into,
+                                   call.generation, call.token)  # fmt: skip
 
     def _read_blocking(
         self, peer: dict, where: str, region: int, version: int, offset: int, length: int, into: ShardBuffers, generation: int | None,

@@ -57,7 +57,7 @@ import torch
 from tensorhub.core.errors import InvalidArgument, TransportError
 from tensorhub.core.log import get_logger
 
-from .base import Probe, RangeNotReady, Transport, Unauthorized
+from .base import Probe, RangeNotReady, ReadCall, Transport, Unauthorized
 from .buffers import ShardBuffers, memory_of
 from .nic import choose_address
 from .nixl import NixlIO, default_agent, load_nixl, options_of, probe_nixl, start_agent
@@ -329,20 +329,18 @@ class RdmaCopyTransport(Transport):
 
     # ---- reader side ---------------------------------------------------------------------------
 
-    async def read(
-        self,
-        peer: dict[str, Any],
-        region: int,
-        version: int,
-        offset: int,
-        length: int,
-        into: ShardBuffers,
-        generation: int | None,
-        *,
-        token: bytes | None = None,
-    ) -> int:
-        """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into`` through
-        staging, showing ``token`` (the grant's) with every stage request. Returns the holder's
+    def describe_read(self, peer: Any, region: int, version: int, offset: int, length: int) -> str:
+        name = peer.get("agent") if isinstance(peer, dict) else peer
+        return f"rdma_copy peer {name!r} region {region} version {version} bytes [{offset}, {offset + length})"
+
+    def check_read(self, peer: Any, where: str, offset: int, length: int, token: bytes | None) -> dict:
+        if not (isinstance(peer, dict) and type(peer.get("agent")) is str and type(peer.get("side")) is str):
+            raise TransportError(f"read of {where}: the endpoint {peer!r} lacks 'agent' and 'side' strings")
+        return peer
+
+    def read_blocking(self, call: ReadCall) -> int:
+        """Copy ``[offset, offset + length)`` of ``version`` from the peer into ``into`` through
+        staging, showing the grant's token with every stage request. Returns the holder's
         generation.
 
         Raises:
@@ -351,20 +349,11 @@ class RdmaCopyTransport(Transport):
             PeerUnreachable: the side channel's address could not be connected to.
             TransportError: anything else that kept the read from completing.
         """
-        name = peer.get("agent") if isinstance(peer, dict) else peer
-        where = f"rdma_copy peer {name!r} region {region} version {version} bytes [{offset}, {offset + length})"
-        if not (isinstance(peer, dict) and type(peer.get("agent")) is str and type(peer.get("side")) is str):
-            raise TransportError(f"read of {where}: the endpoint {peer!r} lacks 'agent' and 'side' strings")
-        if self._closed or self._executor is None:
-            raise TransportError(f"read of {where}: the rdma_copy transport is {'closed' if self._closed else 'not started'}")
-        if offset < 0 or length < 0 or offset + length > into.total_bytes:
-            raise TransportError(f"read of {where}: the range is outside the destination's {into.total_bytes} bytes")
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor, self._read_blocking, peer, where, region, version, offset, length, into,
-                                              generation, token)  # fmt: skip
-        except RuntimeError as err:
-            raise TransportError(f"read of {where}: the rdma_copy transport closed") from err
+        into = call.into
+        if call.offset + call.length > into.total_bytes:
+            raise TransportError(f"read of {call.where}: the range is outside the destination's {into.total_bytes} bytes")
+        return self._read_blocking(call.peer, call.where, call.region, call.version, call.offset, call.length, into,
+                                   call.generation, call.token)  # fmt: skip
 
     def _read_blocking(
         self, peer: dict, where: str, region: int, version: int, offset: int, length: int, into: ShardBuffers, generation: int | None,

@@ -76,7 +76,7 @@ import torch
 from tensorhub.core.errors import InvalidArgument, TransportError
 from tensorhub.core.log import get_logger
 
-from .base import UNREACHABLE_HINT, PeerUnreachable, Probe, RangeNotReady, Transport, Unauthorized
+from .base import UNREACHABLE_HINT, PeerUnreachable, Probe, RangeNotReady, ReadCall, Transport, Unauthorized
 from .buffers import ShardBuffers, memory_of
 from .nic import choose_address
 
@@ -296,20 +296,25 @@ class TcpTransport(Transport):
 
     # ---- reader side -------------------------------------------------------------------------
 
-    async def read(
-        self,
-        peer: dict[str, Any],
-        region: int,
-        version: int,
-        offset: int,
-        length: int,
-        into: ShardBuffers,
-        generation: int | None,
-        *,
-        token: bytes | None = None,
-    ) -> int:
-        """Copy ``[offset, offset + length)`` of ``version`` from ``peer`` into ``into``, showing
-        ``token`` (the grant's) with every request. Returns the holder's generation.
+    def describe_read(self, peer: Any, region: int, version: int, offset: int, length: int) -> str:
+        host, port = (peer.get("host"), peer.get("port")) if isinstance(peer, dict) else (None, None)
+        return f"tcp peer {host}:{port} region {region} version {version} bytes [{offset}, {offset + length})"
+
+    def check_read(self, peer: Any, where: str, offset: int, length: int, token: bytes | None) -> tuple[str, int]:
+        try:
+            key = (str(peer["host"]), int(peer["port"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise TransportError(f"tcp endpoint {peer!r} has no host and port") from err
+        if length > MAX_READ:
+            raise InvalidArgument(f"a tcp read moves at most {MAX_READ} bytes, asked {length}")
+        if token is not None and len(token) > MAX_TOKEN:
+            raise InvalidArgument(f"a grant token is bytes of at most {MAX_TOKEN}, got {len(token)}")
+        return key
+
+    async def read_range(self, call: ReadCall) -> int:
+        """Copy ``[offset, offset + length)`` of ``version`` from the peer into ``into``, showing
+        the grant's token with every request, in up to ``streams`` stripes on pooled connections.
+        Returns the holder's generation.
 
         Raises:
             RangeNotReady: the holder's progress did not cover the range in time.
@@ -317,18 +322,8 @@ class TcpTransport(Transport):
             PeerUnreachable: the peer's address could not be connected to.
             TransportError: anything else that kept the read from completing.
         """
-        try:
-            key = (str(peer["host"]), int(peer["port"]))
-        except (KeyError, TypeError, ValueError) as err:
-            raise TransportError(f"tcp endpoint {peer!r} has no host and port") from err
-        if offset < 0 or length < 0 or (generation is not None and not 0 <= generation < 1 << 64):
-            raise InvalidArgument(f"bad tcp read: offset {offset}, length {length}, generation {generation}")
-        if length > MAX_READ:
-            raise InvalidArgument(f"a tcp read moves at most {MAX_READ} bytes, asked {length}")
-        if token is not None and (not isinstance(token, bytes) or len(token) > MAX_TOKEN):
-            raise InvalidArgument(f"a grant token is bytes of at most {MAX_TOKEN}, got {type(token).__name__}")
-        if self._closed:
-            raise TransportError(f"tcp transport closed; read from {key[0]}:{key[1]} not started")
+        key, region, version, offset, length = call.peer, call.region, call.version, call.offset, call.length
+        into, generation, token = call.into, call.generation, call.token
         loop = asyncio.get_running_loop()
         k = max(1, min(self.streams, length // _MIN_STRIPE))
         if k == 1:

@@ -47,6 +47,7 @@ __all__ = [
     "VersionUnavailable",
     "VersionConflict",
     "UpdateAborted",
+    "BaseMismatch",
     "SessionError",
     "Fenced",
     "ReplicaRemoved",
@@ -288,6 +289,21 @@ class UpdateAborted(VersionError):
     """An update gave up after unpublishing; the handle is left empty."""
 
     code = "update_aborted"
+
+
+class BaseMismatch(VersionError):
+    """A delta was offered to tensors that do not hold its base version (their checksums are not
+    the base's, or a chain's links do not meet). Refused before any byte changed.
+
+    Attributes:
+        tensors: the names of the tensors that differ from the base.
+    """
+
+    code = "base_mismatch"
+
+    def __init__(self, message: str, *, tensors: tuple[str, ...] = (), **context: Any) -> None:
+        self.tensors = tuple(tensors)
+        super().__init__(message, **context)
 
 
 # --- sessions ---------------------------------------------------------------------------------

@@ -29,8 +29,11 @@ def check_invariants(table: ReferenceTable) -> list[str]:
             bad.append(f"grant {gid}: its reader holder {g.reader.id} is not in the table")
         if g.source.grants.get(gid) is not g:
             bad.append(f"grant {gid} is missing from its source's grants")
-        if g.reader.upstream is not g:
-            bad.append(f"grant {gid} is not its reader's upstream")
+        conv = g.reader.converting
+        if g.reader.upstream is not g and (conv is None or conv.get(g.source.shard_idx) is not g):
+            bad.append(f"grant {gid} is neither its reader's upstream nor one of its conversion grants")
+        if conv is not None and g.reader.upstream is not None:
+            bad.append(f"converter {g.reader.id} has an upstream grant")
         if g.reader.state is not P:
             bad.append(f"grant {gid}: reader {g.reader.id} is {g.reader.state}, not partial")
         if g.source.session.replica is g.reader.session.replica:
@@ -45,7 +48,11 @@ def check_invariants(table: ReferenceTable) -> list[str]:
             bad.append(f"holder {h.id} is indexed with no state")
         if h.state is not P and h.upstream is not None:
             bad.append(f"holder {h.id} is {h.state.value if h.state else None} but still has an upstream grant")
-        if h.state is P and h.upstream is None and not h.waiting and h.call is not None:
+        if h.converting is not None and h.state is not P:
+            bad.append(f"holder {h.id} is {h.state.value if h.state else None} but still converting")
+        if h.converting is not None and h.grants:
+            bad.append(f"converting holder {h.id} is a source of grants")
+        if h.state is P and h.upstream is None and h.converting is None and not h.waiting and h.call is not None:
             bad.append(f"partial holder {h.id} has a call in flight but neither a source nor a place in line")
         if h.state is U and not h.grants and not h.offload_pending:
             bad.append(f"unpublishing holder {h.id} has drained but was not removed")

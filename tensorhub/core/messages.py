@@ -21,6 +21,7 @@ from typing import Any
 from .errors import TensorHubError
 from .layout import Layout
 from .naming import parse_version_spec, validate_model, validate_replica, validate_shard, validate_version
+from .placement import PlacedTensor
 from .tokens import valid_key
 from .topology import Location
 from .wire import Opaque, message, struct
@@ -148,6 +149,8 @@ class OpenShard:
     location: Location
     spot: bool
     retain: int | None
+    #: the model this one is converted from (a converted layout of it: :mod:`tensorhub.core.table.conversions`)
+    source: str | None = None
 
     def __post_init__(self) -> None:
         validate_model(self.model)
@@ -159,6 +162,10 @@ class OpenShard:
             raise ValueError("location is required")
         if self.retain is not None:
             _nonneg("retain", self.retain)
+        if self.source is not None:
+            validate_model(self.source)
+            if self.source == self.model:
+                raise ValueError(f"model {self.model!r} cannot be converted from itself")
 
 
 #: Where an engine's endpoint carries the holder slot's grant key until :class:`Register` takes it out.
@@ -179,8 +186,16 @@ class Register:
     layout: Layout
     endpoint: Opaque
     grant_key: bytes | None = field(default=None, metadata={"max_len": 64})
+    #: each tensor's placement in the replica (layout order), or None: what a converter plans on
+    placements: tuple[PlacedTensor, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.placements is not None:
+            if len(self.placements) != len(self.layout.tensors):
+                raise ValueError(f"{len(self.placements)} placements for a layout of {len(self.layout.tensors)} tensors")
+            for pt, spec in zip(self.placements, self.layout.tensors):
+                if pt.spec() != spec:
+                    raise ValueError(f"tensor {spec.name!r}: its placement describes {pt.spec()}, the layout {spec}")
         ep = self.endpoint
         if isinstance(ep, dict) and GRANT_KEY in ep:
             if self.grant_key is not None:
@@ -329,6 +344,38 @@ class SourceFailed:
         _nonneg("verified", self.verified)
 
 
+@message("converted")
+class Converted:
+    """A converter built its shard of ``version``: it now holds it whole, with these checksums
+    of its own bytes (its conversion grants end)."""
+
+    req: int
+    session: int
+    term: int
+    version: int
+    checksums: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        _checksums(self.checksums)
+
+
+@message("convert_failed")
+class ConvertFailed:
+    """A converter cannot build ``version`` (its mapping does not fit the source's layout, a
+    transform failed locally): the replica's call fails with this error."""
+
+    req: int
+    session: int
+    term: int
+    version: int
+    code: str = field(metadata={"max_len": 64})
+    message: str = field(default="", metadata={"max_len": 4096})
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+
+
 @message("checksum_failed")
 class ChecksumFailed:
     req: int
@@ -355,6 +402,10 @@ class VerifyResult:
 class Heartbeat:
     req: int
     sessions: tuple[int, ...] = field(metadata={"max_len": 65536})
+    #: the latest ``HeartbeatAck.stamp`` of this server and its ``term`` (0: none yet): a vote
+    #: for this server until stamp + lease (server clock; see :mod:`tensorhub.core.table.failover`)
+    stamp: float = 0.0
+    stamp_term: int = 0
 
 
 @message("announce")
@@ -434,6 +485,41 @@ class Grant:
     source: SourceInfo
     checksums: tuple[int, ...] | None
     token: bytes | None = field(default=None, metadata={"max_len": 256})  #: to show the source (None: it checks none)
+
+
+@struct
+class ConvertSource:
+    """One source shard a converter reads: its grant, holder, checksums, token and layout."""
+
+    grant: int
+    shard_idx: int
+    source: SourceInfo
+    checksums: tuple[int, ...]
+    token: bytes | None = field(metadata={"max_len": 256})
+    layout: Layout
+    placements: tuple[PlacedTensor, ...]
+
+    def __post_init__(self) -> None:
+        _checksums(self.checksums)
+        if len(self.placements) != len(self.layout.tensors):
+            raise ValueError(f"{len(self.placements)} placements for a layout of {len(self.layout.tensors)} tensors")
+
+
+@message("convert")
+class Convert:
+    """Build ``shard_idx`` of ``version`` (of this converted model) from the source model's
+    shards in ``sources``: one grant per source shard. A later ``Convert`` for the same version
+    replaces the sources it names (a source shard re-granted after a failure). Echoes the
+    replicate/update ``req``. ``source_shards``: how many shards the source replica has."""
+
+    req: int
+    session: int
+    term: int
+    version: int
+    shard_idx: int
+    source_model: str
+    source_shards: int
+    sources: tuple[ConvertSource, ...]
 
 
 @message("revoke")
@@ -609,6 +695,13 @@ class Listing:
 class HeartbeatAck:
     req: int
     unknown: tuple[int, ...]
+    #: this server's term and clock when it answered: the client echoes them in its heartbeats
+    term: int = 0
+    stamp: float = 0.0
+    #: how long an echoed stamp counts as a vote (0: this server needs no votes)
+    lease: float = 0.0
+    #: whether this server decides now (False: calls are refused until it reigns)
+    reigning: bool = True
 
 
 # --- operations: transfer spans, cluster state, traces ------------------------------------------
@@ -777,3 +870,63 @@ class ClusterState:
     grants: tuple[GrantState, ...]
     window_s: float
     recent_bytes_per_s: float
+    reigns: tuple[ReignSpan, ...] = ()  #: this server's reigns, oldest first (bounded)
+
+
+# --- between a primary and its backup; stepping down (issue 23) -----------------------------------
+
+
+@struct
+class ReignSpan:
+    """One reign of a server (:mod:`tensorhub.core.table.failover`), on its monotonic clock:
+    when it began and ended (None: still reigning), and when it first and last granted."""
+
+    term: int
+    start: float
+    end: float | None
+    first_grant: float | None
+    last_grant: float | None
+    grants: int
+
+
+@message("lease_request")
+class LeaseRequest:
+    """Primary -> backup: "promise not to reign for ``lease`` seconds". ``voters``: the
+    membership of ``epoch`` when the backup may not have it yet (None: unchanged)."""
+
+    req: int
+    term: int
+    epoch: int
+    voters: tuple[str, ...] | None = field(default=None, metadata={"max_len": 1 << 20})
+
+    def __post_init__(self) -> None:
+        _nonneg("epoch", self.epoch)
+
+
+@message("lease_reply")
+class LeaseReply:
+    """Backup -> primary: the promise is made (``granted``) from when the request arrived;
+    ``epoch`` is the membership the backup holds, with its ``voters`` when newer than the
+    request's."""
+
+    req: int
+    term: int
+    granted: bool
+    lease: float
+    epoch: int
+    voters: tuple[str, ...] | None = field(default=None, metadata={"max_len": 1 << 20})
+
+    def __post_init__(self) -> None:
+        _nonneg("epoch", self.epoch)
+        if not 0 <= self.lease <= 1e4:
+            raise ValueError(f"lease must be in [0, 1e4] seconds, got {self.lease}")
+
+
+@message("step_down")
+class StepDown:
+    """The server stopped deciding (it lost its lease and its majority, or the primary is
+    back): the session is gone there; move to another server of the list and re-announce."""
+
+    session: int
+    term: int
+    reason: str = ""

@@ -52,6 +52,7 @@ from .errors import InvalidArgument
 __all__ = [
     "Action",
     "Advance",
+    "GrantId",
     "ReadRange",
     "ReplicationSession",
     "ReportChecksumFailed",
@@ -62,11 +63,16 @@ __all__ = [
 ]
 
 
+#: How the caller names a grant: any hashable value (the shard core: ``(term, grant id)``,
+#: as grant ids restart with each server start).
+GrantId = Any
+
+
 @dataclass(frozen=True, slots=True)
 class ReadRange:
     """Read shard bytes ``[offset, offset + length)`` from the grant's source."""
 
-    grant: int
+    grant: GrantId
     offset: int
     length: int
 
@@ -76,7 +82,7 @@ class Verify:
     """Check the landed bytes ``[offset, offset + length)`` against their checksums, then call
     :meth:`ReplicationSession.on_verified`."""
 
-    grant: int
+    grant: GrantId
     offset: int
     length: int
 
@@ -90,18 +96,18 @@ class Advance:
 
 @dataclass(frozen=True, slots=True)
 class ReportProgress:
-    grant: int
+    grant: GrantId
     verified: int
 
 
 @dataclass(frozen=True, slots=True)
 class ReportComplete:
-    grant: int
+    grant: GrantId
 
 
 @dataclass(frozen=True, slots=True)
 class ReportSourceFailed:
-    grant: int
+    grant: GrantId
     verified: int
     reason: str
 
@@ -110,7 +116,7 @@ class ReportSourceFailed:
 class ReportChecksumFailed:
     """Bytes from the grant's source failed verification in checksum unit ``unit``."""
 
-    grant: int
+    grant: GrantId
     verified: int
     unit: int
 
@@ -122,7 +128,7 @@ _TODO, _INFLIGHT, _LANDED, _GOOD = range(4)
 
 @dataclass(frozen=True, slots=True)
 class _Grant:
-    id: int
+    id: GrantId
     source: Any
     inflight: int  # reads in flight at once under this grant
 
@@ -181,7 +187,7 @@ class ReplicationSession:
         self.grant: _Grant | None = None
         self.ending: tuple[_Grant, str | None, int | None] | None = None  # (grant, failure reason, bad unit)
         self.pending: _Grant | None = None  # a grant that arrived while the last one's reads drain
-        self.inflight: dict[int, tuple[int, int]] = {}  # offset -> (grant id, length)
+        self.inflight: dict[int, tuple[GrantId, int]] = {}  # offset -> (grant id, length)
         self.todo: list[int] = []  # heap of range indices to read under the current grant
         self.retries: dict[int, int] = {}
         self.reported = 0
@@ -191,7 +197,7 @@ class ReplicationSession:
 
     # ---- events ------------------------------------------------------------------------------
 
-    def on_grant(self, grant: int, source: Any = None) -> list[Action]:
+    def on_grant(self, grant: GrantId, source: Any = None) -> list[Action]:
         """The server granted ``source`` for this pull."""
         if self.done or (self.grant is not None and self.grant.id == grant):
             return []  # a repeated grant changes nothing
@@ -209,7 +215,7 @@ class ReplicationSession:
             return self._maybe_finish_ending()
         return self._begin(g)
 
-    def on_read_done(self, grant: int, offset: int) -> list[Action]:
+    def on_read_done(self, grant: GrantId, offset: int) -> list[Action]:
         """A read issued for ``grant`` at ``offset`` landed whole."""
         entry = self.inflight.pop(offset, None)
         if entry is None or entry[0] != grant:
@@ -237,7 +243,7 @@ class ReplicationSession:
         out.extend(self._issue())
         return out
 
-    def on_verified(self, grant: int, offset: int, bad_unit: int | None = None) -> list[Action]:
+    def on_verified(self, grant: GrantId, offset: int, bad_unit: int | None = None) -> list[Action]:
         """The landed read at ``offset`` (of ``grant``) was checked: it matched its checksums
         (``bad_unit`` None), or checksum unit ``bad_unit`` did not."""
         i = self.index.get(offset)
@@ -260,7 +266,7 @@ class ReplicationSession:
             return self._maybe_finish_ending()
         return self._issue()  # bytes of an earlier, ended grant: blame nobody, read again
 
-    def on_read_failed(self, grant: int, offset: int, reason: str, retryable: bool = False) -> list[Action]:
+    def on_read_failed(self, grant: GrantId, offset: int, reason: str, retryable: bool = False) -> list[Action]:
         """A read for ``grant`` at ``offset`` failed. ``retryable``: the source answered "not
         ready yet" (a partial source), so the same range is asked again, a bounded number of
         times."""
@@ -281,7 +287,7 @@ class ReplicationSession:
         self._end(reason)
         return self._maybe_finish_ending()
 
-    def on_revoked(self, grant: int) -> list[Action]:
+    def on_revoked(self, grant: GrantId) -> list[Action]:
         """The server revoked ``grant`` (the source is going away); it will grant again."""
         if self.pending is not None and self.pending.id == grant:
             self.pending = None  # never started: nothing to drain
@@ -318,7 +324,7 @@ class ReplicationSession:
             self.verified += self.ranges[self.good_upto][1]
             self.good_upto += 1
 
-    def _advance(self, grant: int) -> list[Action]:
+    def _advance(self, grant: GrantId) -> list[Action]:
         out: list[Action] = []
         before = self.verified
         self._move_prefix()

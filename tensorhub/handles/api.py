@@ -38,7 +38,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import os
+import sys
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -54,6 +56,7 @@ from tensorhub.core.errors import (
     Cancelled,
     ContractViolation,
     InvalidArgument,
+    InvalidPlacement,
     NotRegistered,
     ServerUnavailable,
     TensorHubError,
@@ -61,7 +64,9 @@ from tensorhub.core.errors import (
     UpdateAborted,
     UsageError,
     VersionConflict,
+    VersionUnavailable,
 )
+from tensorhub.core.layout import Layout
 from tensorhub.core.log import get_logger
 from tensorhub.core.naming import (
     parse_retain,
@@ -72,9 +77,12 @@ from tensorhub.core.naming import (
     validate_shard,
     validate_version,
 )
+from tensorhub.core.placement import PlacedTensor, TensorPlacement
+from tensorhub.core.shard import give_back, next_call
 from tensorhub.core.topology import Location
 from tensorhub.runtime.actor import LoopThread
 from tensorhub.runtime.client import Call, ClientActor, Exchange
+from tensorhub.runtime.convert import DEFAULT_BUDGET, ConversionStats, ConvertSpec
 from tensorhub.runtime.embedded import parse_servers, resolve_servers
 from tensorhub.runtime.engine import (
     AbortPull,
@@ -87,6 +95,7 @@ from tensorhub.runtime.engine import (
     WaitPublished,
 )
 from tensorhub.scheduling.edges import parse_preference
+from tensorhub.scheduling.mapping import IDENTITY, Mapping
 from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD, ShardBuffers, layout_of
 
 __all__ = ["AsyncShardHandle", "ReplicaInfo", "Runtime", "ShardHandle", "open_async", "open_sync"]
@@ -141,6 +150,139 @@ def default_transports() -> dict[str, dict]:
     skipped = {n: p.reason for n, p in probes.items() if not p.default}
     get_logger().info("default transports", started=list(chosen), not_started=skipped)
     return chosen
+
+
+def _env_int(name: str, ctx: dict) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidArgument(f"${name} must be an integer (as torchrun sets it), got {raw!r}", **ctx) from None
+
+
+def default_sharding(num_shards: int | None, shard_idx: int | None, ctx: dict | None = None) -> tuple[object, object]:
+    """``num_shards`` and ``shard_idx`` with what was omitted (None) taken from the job: an
+    initialized ``torch.distributed`` process group (its world size and rank), else torchrun's
+    ``$WORLD_SIZE`` and ``$RANK``, else 1 and 0. Values given explicitly are kept (and checked
+    by :func:`~tensorhub.core.naming.validate_shard`).
+
+    Raises:
+        InvalidArgument: the sources disagree (the process group against ``$WORLD_SIZE``/``$RANK``),
+            only one of ``$WORLD_SIZE``/``$RANK`` is set or one is not an integer, or
+            ``shard_idx`` is omitted while an explicit ``num_shards`` differs from the job's
+            world size (the rank then says nothing about the shard: pass ``shard_idx``).
+    """
+    ctx = ctx or {}
+    if num_shards is not None and shard_idx is not None:
+        return num_shards, shard_idx
+    env_world, env_rank = _env_int("WORLD_SIZE", ctx), _env_int("RANK", ctx)
+    if (env_world is None) != (env_rank is None):
+        have, missing = ("WORLD_SIZE", "RANK") if env_rank is None else ("RANK", "WORLD_SIZE")
+        raise InvalidArgument(f"${have} is set but ${missing} is not: pass num_shards= and shard_idx=, or set both", **ctx)
+    world, rank, source = env_world, env_rank, "$WORLD_SIZE/$RANK"
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        pg_world, pg_rank = dist.get_world_size(), dist.get_rank()
+        if env_world is not None and (env_world, env_rank) != (pg_world, pg_rank):
+            raise InvalidArgument(
+                f"the torch.distributed process group (world size {pg_world}, rank {pg_rank}) disagrees with "
+                f"$WORLD_SIZE={env_world}, $RANK={env_rank}: pass num_shards= and shard_idx=", **ctx,
+            )  # fmt: skip
+        world, rank, source = pg_world, pg_rank, "the torch.distributed process group"
+    if world is None or rank is None:
+        return (1 if num_shards is None else num_shards), (0 if shard_idx is None else shard_idx)
+    if not 1 <= world or not 0 <= rank < world:
+        raise InvalidArgument(f"{source} gives rank {rank} of world size {world}, which is not a rank of that world", **ctx)
+    if shard_idx is None and num_shards is not None and num_shards != world:
+        raise InvalidArgument(
+            f"shard_idx omitted, but num_shards={num_shards} is not the world size {world} of {source}: "
+            "the rank does not say which shard this is; pass shard_idx=", **ctx,
+        )  # fmt: skip
+    return (world if num_shards is None else num_shards), (rank if shard_idx is None else shard_idx)
+
+
+#: (namespace, name) of the Ray actor that runs the reference server (tensorhub.ray)
+RAY_SERVER_ACTOR = ("tensorhub", "tensorhub-server")
+
+
+def _server_from_ray() -> str | None:
+    """In a process where Ray is imported and initialized (a Ray driver, task or actor): the
+    address of the reference server that :mod:`tensorhub.ray` runs as a named actor, if there
+    is one. Ray is never imported here: only a process already using it is asked."""
+    ray = sys.modules.get("ray")
+    if ray is None or not callable(getattr(ray, "is_initialized", None)) or not ray.is_initialized():
+        return None
+    namespace, name = RAY_SERVER_ACTOR
+    try:
+        actor = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+    address = ray.get(actor.address.remote(), timeout=60)
+    get_logger().info("reference server from Ray", actor=f"{namespace}/{name}", address=address)
+    return address
+
+
+SHADOW_SUFFIX = "@shadow"
+"""The suffix of the replica that registers a handle's shadow set (replicate-then-flip)."""
+
+#: what stays with the user's handle object when a flip swaps the two sessions' state
+_KEPT_ACROSS_FLIP = ("_shadow", "_prefetch", "_prefetch_version", "_prefetch_newer", "shadow_bytes", "flips", "_busy", "_owner")
+
+
+def shadow_replica(replica: str) -> str:
+    """The name of the replica that registers ``replica``'s shadow set.
+
+    Raises:
+        InvalidName: the result would be too long.
+    """
+    return validate_replica(replica + SHADOW_SUFFIX)
+
+
+class _SessionRef:
+    """What the client actor keeps for a session (its ``SessionOwner``): the handle object that
+    holds that session's state now. A flip moves the state to the other object and re-points it."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: AsyncShardHandle) -> None:
+        self.target = target
+
+    def open_message(self, req: int) -> m.OpenShard:
+        return self.target.open_message(req)
+
+    async def restore(self, send: Exchange) -> None:
+        await self.target.restore(send)
+
+
+def _shadow_does_not_fit(need: int, devices: Sequence[torch.device], max_bytes: int | None) -> str | None:
+    """Why a second copy of ``need`` bytes should not be allocated (None: it fits). The free
+    memory of each device used must keep a tenth (CPU: of ``MemAvailable``) to spare."""
+    if max_bytes is not None and need > max_bytes:
+        return f"it needs {need} bytes, over max_bytes={max_bytes}"
+    for dev in set(devices):
+        free: int | None = None
+        if dev.type == "cuda":
+            free = torch.cuda.mem_get_info(dev)[0]
+        elif dev.type == "cpu":
+            free = _mem_available()
+        if free is None:
+            continue
+        if need > 0.9 * free:
+            return f"it needs {need} bytes and {dev} has {free} free"
+    return None
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class Runtime:
@@ -276,8 +418,8 @@ class AsyncShardHandle:
         self,
         model: str,
         replica: str,
-        num_shards: int = 1,
-        shard_idx: int = 0,
+        num_shards: int | None = None,
+        shard_idx: int | None = None,
         retain: str | None = "latest",
         server: str | Sequence[str] | None = None,
         location: Location | None = None,
@@ -285,11 +427,14 @@ class AsyncShardHandle:
         transports: dict[str, dict] | None = None,
         connect_timeout: float = 10.0,
         offload_seeding: bool = False,
+        convert_from: str | None = None,
+        mapping: Mapping | None = None,
+        convert_budget: int = DEFAULT_BUDGET,
     ) -> None:
         self.model = validate_model(model)
         self.replica = validate_replica(replica, model=self.model)
         ctx = {"model": self.model, "replica": self.replica}
-        self.num_shards, self.shard_idx = validate_shard(num_shards, shard_idx, **ctx)
+        self.num_shards, self.shard_idx = validate_shard(*default_sharding(num_shards, shard_idx, ctx), **ctx)
         self.ctx = {**ctx, "shard": self.shard_idx}
         self.retain_back = parse_retain(retain, **self.ctx)
         if location is not None and not isinstance(location, Location):
@@ -303,6 +448,21 @@ class AsyncShardHandle:
         if offload_seeding:
             seed_replica(self.replica)  # the seed's name must be valid too
         self.offload_seeding = offload_seeding
+        # A converted model (another layout of ``convert_from``'s weights): see tensorhub.runtime.convert.
+        if convert_from is not None:
+            validate_model(convert_from)
+            if convert_from == self.model:
+                raise InvalidArgument(f"model {self.model!r} cannot be converted from itself", **self.ctx)
+        elif mapping is not None:
+            raise InvalidArgument("mapping= needs convert_from= (the model whose names it maps from)", **self.ctx)
+        if mapping is not None and not isinstance(mapping, Mapping):
+            raise InvalidArgument(f"mapping must be a tensorhub.scheduling.mapping.Mapping, got {type(mapping).__name__}", **self.ctx)
+        if type(convert_budget) is not int or convert_budget < 1:
+            raise InvalidArgument(f"convert_budget must be an int >= 1 (bytes), got {convert_budget!r}", **self.ctx)
+        self.convert_from = convert_from
+        self.mapping = mapping if mapping is not None else IDENTITY
+        self.convert_budget = convert_budget
+        self.placements: tuple[PlacedTensor, ...] | None = None  # registered with the tensors, if given
         #: the newer version the last ``update()`` skipped because this datacenter is seeding it
         self.skipped: int | None = None
         self._seed: AsyncShardHandle | None = None  # the offload seed (a CPU copy), what it pulls, its task
@@ -325,22 +485,36 @@ class AsyncShardHandle:
         self._runtime: Runtime | None = None
         self._client: ClientActor | None = None
         self._engine: EngineActor | None = None
-        self._calls = 0
+        self.calls = 0  # the last model-parallel call number given (tensorhub.core.shard.next_call)
         self._busy: str | None = None
         self._incarnation = uuid.uuid4().hex
         self._endpoint: Any = None  # the engine's endpoint for the registered buffers
         self._answered = 0  # the last call number that got a final answer
         self._answers: collections.deque[m.CallAnswer] = collections.deque(maxlen=_ANSWERS_KEPT)
+        # Replicate-then-flip (see "Replicate-then-flip" below). What the client actor holds for
+        # this session; a flip moves the session's state to the other handle object and re-points it.
+        self._owner = _SessionRef(self)
+        self._base_replica = self.replica  # the name the user opened (the banks: it and its shadow replica)
+        self._shadow: AsyncShardHandle | None = None  # the standby bank (None: no shadow set)
+        self._prefetch: asyncio.Future | None = None  # the standby's pull of the next version
+        self._prefetch_version: int | None = None
+        self._prefetch_newer = True  # the prefetch was relative: flip only to a newer version
+        #: bytes the shadow set costs (its tensors and pack buffers); 0: none (flip() updates in place)
+        self.shadow_bytes = 0
+        #: how many times flip() swapped the sets
+        self.flips = 0
 
     # ---- opening and closing -------------------------------------------------------------------
 
     async def _open(self) -> AsyncShardHandle:
         rt = Runtime.current()
+        if self._server is None and not os.environ.get("TENSORHUB_SERVER"):
+            self._server = await asyncio.to_thread(_server_from_ray)  # None: not in a Ray job with one
         self._client, self._engine = await rt.acquire(self._server, self._transports)
         self._runtime = rt
         try:
             await self._client.ready(self.connect_timeout)
-            self.session, opened = await self._client.ask(Call(self.open_message, adopt=self), timeout=self.connect_timeout)
+            self.session, opened = await self._client.ask(Call(self.open_message, adopt=self._owner), timeout=self.connect_timeout)
         except Timeout:
             await self._release()
             raise ServerUnavailable(f"no answer from the server at {self._client.address} in {self.connect_timeout:g} s", **self.ctx) from None
@@ -373,7 +547,7 @@ class AsyncShardHandle:
     def open_message(self, req: int) -> m.OpenShard:
         """This shard's ``OpenShard``: the same incarnation each time (a failover re-opens it)."""
         return m.OpenShard(req, self.model, self.replica, self.num_shards, self.shard_idx, self._incarnation,
-                           self.location, self.spot, self.retain_back)  # fmt: skip
+                           self.location, self.spot, self.retain_back, self.convert_from)  # fmt: skip
 
     async def restore(self, send: Exchange) -> None:
         """Re-open this shard on the server the client moved to (its ``OpenShard`` was answered):
@@ -389,7 +563,7 @@ class AsyncShardHandle:
         if buffers is None or self._endpoint is None or engine is None or self.closed:
             return
         endpoint = self._endpoint
-        await send(lambda req: m.Register(req, sid, buffers.layout, endpoint))
+        await send(lambda req: m.Register(req, sid, buffers.layout, endpoint, None, self.placements))
         await engine.ask(WaitPublished(sid))  # a publish's checksums are known before it is announced
         sums, offloads = await engine.ask(Holdings(sid))  # the checksums and offload copies it knows
         holdings: list[m.Held] = []
@@ -443,6 +617,7 @@ class AsyncShardHandle:
             self.version = None
             self.buffers = None
             await self._drop_seed()
+            await self._drop_shadow()
             await self._release()
 
     async def __aenter__(self) -> AsyncShardHandle:
@@ -466,8 +641,7 @@ class AsyncShardHandle:
             self._busy = None
 
     def _next_call(self) -> int:
-        self._calls += 1
-        return self._calls
+        return next_call(self)  # the shard core's rule (tensorhub.core.shard): one numbering for all
 
     async def _request(self, build: Callable[[int], Any]) -> Any:
         assert self._client is not None
@@ -480,8 +654,7 @@ class AsyncShardHandle:
         try:
             reply = await self._request(build)
         except ServerUnavailable:
-            if self._calls == n:
-                self._calls = n - 1
+            give_back(self, n)
             raise
         except TensorHubError as err:
             if not isinstance(err, Cancelled):  # the server's answer (Cancelled: this process stopped)
@@ -509,26 +682,49 @@ class AsyncShardHandle:
 
     # ---- the API -------------------------------------------------------------------------------
 
-    async def register(self, tensors: dict[str, torch.Tensor]) -> None:
+    async def register(
+        self, tensors: dict[str, torch.Tensor], placements: dict[str, TensorPlacement | PlacedTensor] | None = None
+    ) -> None:
         """Register this shard's tensors (used in place: replicate writes into them).
 
+        DTensors (torch.distributed) are registered as their local tensors (in place), with the
+        placements they carry: no ``placements`` needed.
+
+        ``placements``: per tensor name, what it is a part of in the whole model: a
+        :class:`~tensorhub.core.placement.TensorPlacement` (global shape, ``Shard``/``Replicate``
+        over a mesh; this shard sits at mesh position ``shard_idx``) or a
+        :class:`~tensorhub.core.placement.PlacedTensor` (an explicit mesh coordinate). A trainer
+        gives them so that converted models can be built from it; a converted model's shard
+        must give them (see ``convert_from``).
+
         Raises:
-            AlreadyRegistered, InvalidArgument, InvalidName, LayoutMismatch.
+            AlreadyRegistered, InvalidArgument, InvalidName, InvalidPlacement, LayoutMismatch.
         """
         with self._call("register"):
             if self.buffers is not None:
                 raise AlreadyRegistered("tensors are already registered: unregister() first", **self.ctx)
+            tensors, placements = _from_dtensors(tensors, placements, self.ctx)
             layout = layout_of(tensors, pack_threshold=_pack_threshold(), ctx=self.ctx)
+            placed = None if placements is None else _placed(layout, placements, self.shard_idx, self.ctx)
+            if placed is None and self.convert_from is not None:
+                raise InvalidPlacement(f"a shard converted from {self.convert_from!r} must register placements=", **self.ctx)
+            convert = None
+            if self.convert_from is not None:
+                assert placed is not None
+                convert = ConvertSpec(placed, self.num_shards, self.shard_idx, self.mapping, self.convert_budget)
             assert self._engine is not None and self._client is not None
             buffers = ShardBuffers(tensors, layout, packs_in_place=self._engine.packs_in_place)
-            endpoint = await self._engine.ask(AddSlot(self.session, buffers, self._client.report, self.ctx, self.location))
+            endpoint = await self._engine.ask(
+                AddSlot(self.session, buffers, self._client.report, self.ctx, self.location, convert)
+            )
             try:
-                await self._request(lambda req: m.Register(req, self.session, layout, endpoint))
+                await self._request(lambda req: m.Register(req, self.session, layout, endpoint, None, placed))
             except BaseException:
                 await self._engine.ask(DropSlot(self.session))
                 raise
             self.buffers = buffers
             self._endpoint = endpoint
+            self.placements = placed
 
     async def unregister(self) -> None:
         """Forget the registered tensors. Refused while they hold a published version."""
@@ -541,6 +737,7 @@ class AsyncShardHandle:
             await self._engine.ask(DropSlot(self.session))
             self.buffers = None
             self._endpoint = None
+            await self._drop_shadow()
 
     async def publish(self, version: int) -> None:
         """Make the registered tensors visible as ``version``. Until :meth:`unpublish` returns,
@@ -621,14 +818,14 @@ class AsyncShardHandle:
                 self._need_registered("update")
                 return False
             assert self._engine is not None
-            before = self._engine.pull_stats(self.session) if self.session is not None else None
+            before = self._engine.pull_mark(self.session) if self.session is not None else 0
             try:
                 reply = await self._pull(m.Update, version, timeout)
             except ServerUnavailable as err:
                 self.skipped = None
                 if client is None or not client.failing_over(self.session):
                     raise
-                if self._engine.pull_stats(self.session) is not before:  # it had begun to move: the handle is empty
+                if self.session is not None and self._engine.pull_began(self.session, before):  # it had begun to move: the handle is empty
                     raise UpdateAborted(f"update aborted: the server was lost mid-pull ({err.message})", **self.ctx) from err
                 return False  # lost before it moved: the tensors still hold what they held
             self.skipped = reply.skipped
@@ -637,6 +834,227 @@ class AsyncShardHandle:
             elif self._seed is not None and self.version is not None and self.version >= self._seed_version:
                 self._retire_seed()  # consumed: others of the datacenter pull from this replica now
             return reply.moved
+
+    # ---- replicate-then-flip -------------------------------------------------------------------
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The registered tensors by name (after a flip: the set now active). Empty if none."""
+        b = self.buffers
+        return {} if b is None else {spec.name: t for spec, t in zip(b.layout.tensors, b.tensors)}
+
+    @property
+    def prefetched(self) -> int | None:
+        """The version a finished :meth:`prefetch` holds in the shadow set, ready for
+        :meth:`flip` (this shard's view; None: none, or still pulling, or failed)."""
+        task = self._prefetch
+        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
+            return None
+        return task.result()
+
+    async def register_shadow(self, tensors: dict[str, torch.Tensor] | None = None, max_bytes: int | None = None) -> int:
+        """Own a second registered set of this shard's tensors (the *shadow* set), for
+        :meth:`prefetch` and :meth:`flip`. It costs one more copy of the shard in its memory:
+        the registered tensors' bytes plus their pack buffers (the return value, also
+        :attr:`shadow_bytes`). The set is registered on the server as another replica (this
+        replica's name with ``@shadow``; the two names swap at each flip), a normal holder that
+        serves readers like any other.
+
+        Args:
+            tensors: the shadow set (same names, shapes and dtypes as the registered ones).
+                None: allocated here, like the registered ones, on their devices.
+            max_bytes: do not allocate more than this.
+
+        Returns:
+            The bytes the shadow set costs; 0 when it does not fit (``max_bytes``, the free
+            memory of the device, or an allocation that failed): nothing is registered, and
+            :meth:`flip` falls back to :meth:`update` in place (its pause is then the pull).
+
+        Raises:
+            NotRegistered, AlreadyRegistered, LayoutMismatch, InvalidArgument.
+        """
+        with self._call("register_shadow"):
+            buffers = self._need_registered("register_shadow")
+            if self._shadow is not None:
+                raise AlreadyRegistered("a shadow set is already registered", **self.ctx)
+            if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
+                raise InvalidArgument(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}", **self.ctx)
+            active = self.tensors
+            packs = sum(r.numel() for r, p in zip(buffers.regions, buffers.plan.regions) if r is not None and p.tensor is None)
+            if tensors is None:
+                need = sum(t.numel() * t.element_size() for t in active.values()) + packs
+                why = _shadow_does_not_fit(need, [t.device for t in active.values()], max_bytes)
+                if why is None:
+                    try:
+                        tensors = {k: torch.empty(t.shape, dtype=t.dtype, device=t.device) for k, t in active.items()}
+                    except torch.OutOfMemoryError as err:
+                        why = f"allocating it failed ({err})"
+                if why is not None:
+                    self.log.warning("no shadow set: flip() will update in place", needs_bytes=need, why=why)
+                    return 0
+            else:
+                if not isinstance(tensors, dict) or set(tensors) != set(active):
+                    raise InvalidArgument("the shadow set must have the registered tensors' names", **self.ctx)
+                need = sum(t.numel() * t.element_size() for t in tensors.values()) + packs
+            assert tensors is not None
+            names = (self._base_replica, shadow_replica(self._base_replica))
+            shadow = AsyncShardHandle(
+                self.model, names[1] if self.replica == names[0] else names[0], self.num_shards, self.shard_idx,
+                retain=None, server=self._server, location=self.location, spot=self.spot, transports=self._transports,
+                connect_timeout=self.connect_timeout, convert_from=self.convert_from,
+                mapping=self.mapping if self.convert_from is not None else None, convert_budget=self.convert_budget,
+            )  # fmt: skip
+            shadow._base_replica = self._base_replica
+            await shadow._open()
+            try:
+                placements = None if self.placements is None else {p.name: p for p in self.placements}
+                await shadow.register({k: tensors[k] for k in active}, placements)
+            except BaseException:
+                await shadow.close()
+                raise
+            self._shadow, self.shadow_bytes = shadow, need
+            self.log.info("shadow set registered", bytes=need, replica=shadow.replica)
+            return need
+
+    async def prefetch(self, version: int | str = "latest", timeout: float | None = None) -> int | None:
+        """Start pulling ``version`` into the shadow set in the background, while the active
+        set keeps serving (and stays published); :meth:`flip` then makes it active. A
+        model-parallel call: every shard of the replica makes it, and all start the same version.
+
+        Returns at once (after one round trip that fixes the version for every shard):
+        the version being prefetched (the one already pending, if a prefetch has not been
+        flipped yet), or None: nothing to do (for ``"latest"``: nothing newer than the active
+        set; or no shadow set, where :meth:`flip` updates in place instead).
+
+        Raises:
+            NotRegistered, InvalidName, VersionUnavailable (``"latest-k"`` past version 0).
+        """
+        with self._call("prefetch"):
+            spec = parse_version_spec(version, **self.ctx)
+            self._check_timeout(timeout)
+            self._need_registered("prefetch")
+            if self._shadow is None:
+                return None
+            if self._prefetch is not None:
+                return self._prefetch_version
+            shadow = self._shadow
+            if spec.relative and self.convert_from is not None:
+                # A converted model's "latest" is decided by the server at pull time (from the
+                # source's versions): the shadow set updates to it; flip() skips it if not newer.
+                self._prefetch_version, self._prefetch_newer = None, True
+                self._prefetch = asyncio.ensure_future(_update_into(shadow, spec.wire(), timeout))
+                return None
+            n = self._next_call()
+            reply = await self._numbered(n, "list", lambda req: m.ListVersions(req, self.session, n))
+            versions = reply.as_dict()
+            if spec.relative:
+                if not versions:
+                    return None
+                target = spec.resolve(max(versions))
+                if target < 0:
+                    raise VersionUnavailable(f"{spec} is before version 0 (latest is {max(versions)})", **self.ctx)
+                if self.version is not None and target <= self.version:
+                    return None
+            else:
+                target = spec.resolve(0)
+                if target == self.version:
+                    return None
+            self._prefetch_version, self._prefetch_newer = target, spec.relative
+            self._prefetch = asyncio.ensure_future(shadow.replicate(target, timeout))
+            self.log.debug("prefetching", version=target, into=shadow.replica)
+            return target
+
+    async def flip(self, wait: bool = True, timeout: float | None = None) -> bool:
+        """Make the prefetched version active: swap the active and the shadow set, at a
+        request boundary (between two uses of :attr:`tensors`), for every shard of the replica
+        at the same call. Afterwards :attr:`tensors`, :attr:`version` and :attr:`buffers` are the
+        new active set's; point the engine's parameters at :attr:`tensors` (e.g.
+        ``p.data = h.tensors[name]``: no copy). The set that was active becomes the shadow set,
+        still published with its version (it keeps serving readers) until the next prefetch
+        pulls into it.
+
+        Args:
+            wait: True: wait for the pending prefetch to finish (the prefetch's own result is
+                the same on every shard). False: flip only if every shard of the replica already
+                holds it (decided once for all shards: a round trip), else return False at once.
+            timeout: for the fallback ``update`` alone.
+
+        Returns:
+            Whether the active set changed. With no shadow set (it did not fit) this is
+            :meth:`update` ("latest") in place.
+
+        Raises:
+            The pending prefetch's error (VersionUnavailable, Timeout, ...): the prefetch is
+            dropped, the active set untouched; prefetch again.
+        """
+        if self._shadow is None:
+            return await self.update("latest", timeout)
+        with self._call("flip"):
+            task, shadow = self._prefetch, self._shadow
+            if not wait:
+                n = self._next_call()  # on every shard, pending or not: the replica's calls stay in step
+                reply = await self._numbered(n, "list", lambda req: m.ListVersions(req, self.session, n))
+                listing = reply.as_dict()
+                want = self._prefetch_version
+                ready = want in listing and shadow.replica in listing[want] if want is not None else any(
+                    shadow.replica in reps and (self.version is None or v > self.version) for v, reps in listing.items()
+                )  # a converted model's prefetch: whatever newer version the shadow set holds whole
+                if task is None or not ready:
+                    if task is not None and task.done() and (task.cancelled() or task.exception() is not None):
+                        await self._flip_failed(task)
+                    return False
+            if task is None:
+                return False
+            try:
+                target = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if not task.done():
+                    raise  # this call was cancelled; the prefetch goes on
+                await self._flip_failed(task)
+                raise
+            except TensorHubError:
+                await self._flip_failed(task)
+                raise
+            self._prefetch = None
+            if target is None:
+                return False
+            if self.version is not None and (target == self.version or (self._prefetch_newer and target < self.version)):
+                return False  # the active set moved past it meanwhile (update())
+            self._swap_banks()
+            self.flips += 1
+            self.log.info("flipped", version=self.version, previous=self._shadow.version if self._shadow else None)
+            return True
+
+    async def _flip_failed(self, task: asyncio.Future) -> None:
+        self._prefetch = None
+        self.log.warning("prefetch failed; the active set is untouched", version=self._prefetch_version,
+                         error=repr(task.exception()) if not task.cancelled() else "cancelled")  # fmt: skip
+
+    def _swap_banks(self) -> None:
+        """Swap the sessions of this handle and its shadow: everything a session owns moves with
+        it (its name, server session, registered buffers, held version, call numbers); what the
+        user's handle owns (the shadow link, the prefetch, the call in flight) stays."""
+        other = self._shadow
+        assert other is not None and other._busy is None
+        mine = {k: self.__dict__.pop(k) for k in _KEPT_ACROSS_FLIP}
+        theirs = {k: other.__dict__.pop(k) for k in _KEPT_ACROSS_FLIP}
+        self.__dict__, other.__dict__ = other.__dict__, self.__dict__
+        self.__dict__.update(mine)
+        other.__dict__.update(theirs)
+        self._owner.target, other._owner.target = self, other
+
+    async def _drop_shadow(self) -> None:
+        """Stop a prefetch and close the shadow set (its readers are re-granted elsewhere)."""
+        shadow, task = self._shadow, self._prefetch
+        self._shadow = self._prefetch = None
+        self.shadow_bytes = 0
+        if task is not None and not task.done():
+            task.cancel()
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError, TensorHubError):
+                await task
+        if shadow is not None:
+            await shadow.close()
 
     # ---- offload seeding -----------------------------------------------------------------------
 
@@ -702,7 +1120,7 @@ class AsyncShardHandle:
         self._check_timeout(timeout)
         self._need_registered(cls.__name__.lower())
         assert self._engine is not None and self.session is not None
-        before = self._engine.pull_stats(self.session)
+        before = self._engine.pull_mark(self.session)
         extra = (self.offload_seeding,) if cls is m.Update else ()
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -718,21 +1136,21 @@ class AsyncShardHandle:
             except TensorHubError as err:
                 if isinstance(err, ServerUnavailable) and attempt < _RESUMES and await self._resume(before, deadline):
                     continue  # the same call (its number given back) on the next server, which resumes the pull
-                await self._engine.ask(AbortPull(self.session))
-                if isinstance(err, UpdateAborted) or self._engine.pull_stats(self.session) is not before:
+                outcome = await self._engine.ask(AbortPull(self.session, before))
+                if isinstance(err, UpdateAborted) or outcome.began:
                     self.version = None  # it had begun moving: the server unpublished the old holding
                 raise
         if isinstance(reply, m.Replicated) or (isinstance(reply, m.Updated) and reply.moved):
             self.version = reply.version
         return reply
 
-    async def _resume(self, before: PullStats | None, deadline: float | None) -> bool:
+    async def _resume(self, before: int, deadline: float | None) -> bool:
         """The server was lost during a replicate/update whose pull had begun: wait (within the
         call's time and the client's failover bound) for the client to move; the handle's
         restore re-announced the pull as a partial holding. True: make the call again."""
         assert self._engine is not None and self.session is not None
         client = self._client
-        if client is None or self._engine.pull_stats(self.session) is before:
+        if client is None or not self._engine.pull_began(self.session, before):
             return False
         wait = client.failover_timeout
         if deadline is not None:
@@ -801,6 +1219,67 @@ class AsyncShardHandle:
             return None
         return self._engine.pull_stats(self.session)
 
+    @property
+    def last_conversion(self) -> ConversionStats | None:
+        """What the latest conversion this shard ran did (None: it never converted: it pulled
+        converted bytes from a peer, or it is not a converted model's shard)."""
+        if self._engine is None or self.session is None:
+            return None
+        return self._engine.conversion_stats(self.session)
+
+
+def _from_dtensors(
+    tensors: dict[str, torch.Tensor], placements: dict[str, Any] | None, ctx: dict
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """DTensors become their local tensors, and their placements those they carry (unless given)."""
+    if not isinstance(tensors, dict) or not torch.distributed.is_available():
+        return tensors, placements
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(t, DTensor) for t in tensors.values()):
+        return tensors, placements
+    from tensorhub.reshard.dtensor import placed_tensors
+
+    if placements is None:
+        placements = {pt.name: pt for pt in placed_tensors(tensors.items())}
+    return {k: t.to_local() if isinstance(t, DTensor) else t for k, t in tensors.items()}, placements
+
+
+def _placed(
+    layout: Layout, placements: dict[str, TensorPlacement | PlacedTensor], shard_idx: int, ctx: dict
+) -> tuple[PlacedTensor, ...]:
+    """Every registered tensor's placement, in layout order, checked against its local tensor."""
+    if not isinstance(placements, dict):
+        raise InvalidArgument(f"placements must be a dict of tensor name -> placement, got {type(placements).__name__}", **ctx)
+    extra = sorted(set(placements) - {t.name for t in layout.tensors})
+    if extra:
+        raise InvalidPlacement(f"placements name tensors that are not registered: {extra[:5]}", tensors=tuple(extra[:16]), **ctx)
+    out = []
+    for spec in layout.tensors:
+        p = placements.get(spec.name)
+        if p is None:
+            raise InvalidPlacement(f"tensor {spec.name!r} has no placement", tensors=(spec.name,), **ctx)
+        if isinstance(p, TensorPlacement):
+            if p.mesh and not 0 <= shard_idx < math.prod(p.mesh):
+                raise InvalidPlacement(f"tensor {spec.name!r}: shard {shard_idx} is outside its mesh {list(p.mesh)}", tensors=(spec.name,), **ctx)
+            p = PlacedTensor(p, p.coord_of(shard_idx) if p.mesh else ())
+        elif not isinstance(p, PlacedTensor):
+            raise InvalidPlacement(f"tensor {spec.name!r}: a placement must be a TensorPlacement or PlacedTensor, got {type(p).__name__}", tensors=(spec.name,), **ctx)
+        if p.name != spec.name:
+            raise InvalidPlacement(f"tensor {spec.name!r}: its placement is named {p.name!r}", tensors=(spec.name,), **ctx)
+        if p.spec() != spec:
+            raise InvalidPlacement(
+                f"tensor {spec.name!r} is {spec.dtype}{list(spec.shape)}; its placement gives {p.spec().dtype}{list(p.spec().shape)} here",
+                tensors=(spec.name,), **ctx,
+            )  # fmt: skip
+        out.append(p)
+    return tuple(out)
+
+
+async def _update_into(shadow: AsyncShardHandle, version: int | str, timeout: float | None) -> int | None:
+    await shadow.update(version, timeout)
+    return shadow.version
+
 
 async def _close_seed(seed: AsyncShardHandle, task: asyncio.Task | None) -> None:
     """Free an offload seed: stop its pull, let its readers drain (unpublish), close it."""
@@ -868,8 +1347,8 @@ class ShardHandle:
     def _run(self, coro: Any) -> Any:
         return self._loop.run(coro)
 
-    def register(self, tensors: dict[str, torch.Tensor]) -> None:
-        return self._run(self._h.register(tensors))
+    def register(self, tensors: dict[str, torch.Tensor], placements: dict[str, Any] | None = None) -> None:
+        return self._run(self._h.register(tensors, placements))
 
     def unregister(self) -> None:
         return self._run(self._h.unregister())
@@ -891,6 +1370,15 @@ class ShardHandle:
 
     def wait(self, predicate: Callable[[Versions], bool], timeout: float | None = None) -> Versions:
         return self._run(self._h.wait(predicate, timeout))
+
+    def register_shadow(self, tensors: dict[str, torch.Tensor] | None = None, max_bytes: int | None = None) -> int:
+        return self._run(self._h.register_shadow(tensors, max_bytes))
+
+    def prefetch(self, version: int | str = "latest", timeout: float | None = None) -> int | None:
+        return self._run(self._h.prefetch(version, timeout))
+
+    def flip(self, wait: bool = True, timeout: float | None = None) -> bool:
+        return self._run(self._h.flip(wait, timeout))
 
     def close(self) -> None:
         return self._run(self._h.close())

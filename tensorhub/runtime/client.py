@@ -40,6 +40,16 @@ open sessions in one message. When nothing at all has come from the server for
 If it gives up, the sessions are removed (the engine stops serving them) and every later
 request fails with ``ServerUnavailable``; a new handle gets a new client.
 
+No split brain (:class:`tensorhub.core.table.failover.Reign`). With a primary and a backup, a
+server decides only while it holds the backup's lease or a majority of votes, and a client's
+heartbeats are its vote: each echoes the latest stamp of the current server's
+``HeartbeatAck`` (forgotten on every move, so a vote never follows the client elsewhere). A
+``StepDown`` from the server (it stopped deciding) is a loss, acted on at once: the client
+moves to the next address. A server that answers ``reigning=False`` refuses calls (they fail
+with ``ServerUnavailable``); a client parked there probes the addresses before it every
+``_LOOK_BACK_EVERY`` s and moves back to the first that answers (the primary, once it is
+reachable again).
+
 A pull under way at the loss survives it: its handle waits for the move (within the call's
 timeout), re-announces the pull as a partial holding with what it verified (``partial`` of
 ``Announce``), and makes the same call again (same number); the next server decides it for the
@@ -66,6 +76,7 @@ from tensorhub.core.errors import (
     ServerUnavailable,
     TensorHubError,
     Timeout,
+    UnknownSession,
     error_from_wire,
 )
 from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
@@ -81,7 +92,7 @@ __all__ = ["Call", "ClientActor", "Send", "SessionOwner"]
 
 _REPLIES = (m.Ack, m.Failed, m.Opened, m.Replicated, m.Updated, m.Listing, m.HeartbeatAck)
 _TO_ENGINE = (
-    m.Grant, m.Revoke, m.ChecksumsReady, m.OffloadRequest, m.FreeOffload, m.VerifyRequest, m.Quarantined, m.Removed,
+    m.Grant, m.Convert, m.Revoke, m.ChecksumsReady, m.OffloadRequest, m.FreeOffload, m.VerifyRequest, m.Quarantined, m.Removed,
 )  # fmt: skip
 
 #: Local session ids in use in this process (the engine's slots are keyed by them). A session's
@@ -97,6 +108,7 @@ def _take_local_id(remote: int) -> int:
 
 _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 2.0
+_LOOK_BACK_EVERY = 2.0  # seconds between probes of the earlier servers while parked on one that does not decide
 
 #: ``send(build)`` as a handle's ``restore`` gets it: one request to the new server, bounded in time.
 Exchange = Callable[[Callable[[int], Any]], Awaitable[Any]]
@@ -173,6 +185,11 @@ class _Moved:
 
 
 @dataclass(frozen=True, slots=True)
+class _MoveBack:
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
 class _GaveUp:
     error: ServerUnavailable
 
@@ -237,6 +254,14 @@ class ClientActor(Actor):
         self._ever_connected = False
         self._connected = asyncio.Event()
         self._next_beat = 0.0  # when the next heartbeat is due (monotonic)
+        #: the latest (term, stamp) of the current server's heartbeat answers, echoed in every
+        #: heartbeat (the client's vote, :class:`tensorhub.core.table.failover.Reign`); forgotten
+        #: on every move, so that a vote never follows the client to another server
+        self._stamp: tuple[int, float] = (0, 0.0)
+        #: whether the current server said it decides (False: calls are refused there)
+        self.reigning = True
+        self._next_look_back = 0.0  # when a client parked on a server that does not reign next probes the earlier ones
+        self._looking_back = False
 
     def failing_over(self, local: int | None) -> bool:
         """No server is connected now, but one is being looked for, and session ``local`` will
@@ -389,6 +414,10 @@ class ClientActor(Actor):
             if waiting and now - self.last_heard > self.heartbeat_timeout:
                 self._lose(ServerUnavailable(f"no word from the server at {self.address} for {self.heartbeat_timeout:g} s"))
                 return
+            if not self.reigning and self.index > 0 and not self._looking_back and now >= self._next_look_back:
+                self._next_look_back = now + _LOOK_BACK_EVERY
+                self._looking_back = True
+                self.spawn(self._look_back(), "client-look-back")
         elif self.sock is None or self.gave_up is not None:
             return
         # Also while sessions are being restored on a new server: those already re-opened
@@ -396,7 +425,7 @@ class ClientActor(Actor):
         if self.sessions and now >= self._next_beat:
             self._next_beat = now + self.heartbeat_interval
             req = next(self._req)
-            msg = self._outgoing(m.Heartbeat(req, ()))
+            msg = self._outgoing(m.Heartbeat(req, (), self._stamp[1], self._stamp[0]))
             if not msg.sessions:
                 return
             try:
@@ -408,16 +437,32 @@ class ClientActor(Actor):
             fut.add_done_callback(_log_failure(self, msg))
             self.pending[req] = (fut, None, None)
 
-    def _lose(self, err: ServerUnavailable) -> None:
+    async def _look_back(self) -> None:
+        """Parked on a server that does not decide: move back to an earlier one of the list (the
+        primary) as soon as it answers."""
+        try:
+            for idx in range(self.index):
+                if await self._probe(self.addresses[idx]):
+                    self.tell(_MoveBack(idx))
+                    return
+        finally:
+            self._looking_back = False
+
+    def on__MoveBack(self, msg: _MoveBack) -> None:
+        if self.lost is None and not self.reigning and msg.index < self.index:
+            self._lose(ServerUnavailable(f"the server at {self.address} does not decide; moving back to "
+                                         f"{self.addresses[msg.index]}"), start=msg.index)  # fmt: skip
+
+    def _lose(self, err: ServerUnavailable, start: int | None = None) -> None:
         self.lost = err
         self._connected.clear()
-        self.log.error("server lost; failing over", address=self.address, others=len(self.addresses) - 1)
+        self.log.error("server lost; failing over", address=self.address, others=len(self.addresses) - 1, reason=str(err))
         for local in self.sessions:
             # Before the calls fail: a pull keeps what it verified and waits for the next
             # server's grant (its handle re-announces it); a handle that gives up aborts it.
             self.engine.tell(SuspendPull(local))
         self._fail_all(err)
-        self.spawn(self._find_and_move(self.index + 1), "client-failover")
+        self.spawn(self._find_and_move(self.index + 1 if start is None else start), "client-failover")
 
     # ---- failover ----------------------------------------------------------------------------
 
@@ -488,6 +533,8 @@ class ClientActor(Actor):
             self.sock.close(0)
             self.sock = None
         self._remote.clear()
+        self._stamp = (0, 0.0)  # a vote never follows the client to another server
+        self.reigning = True
         for shard in self.sessions.values():
             shard.remote = None
         self._fail_all(ServerUnavailable(f"left the server at {self.address}"))  # nothing sent there will be answered
@@ -557,6 +604,10 @@ class ClientActor(Actor):
         except TensorHubError as err:
             self.log.warning("undecodable message from the server; dropped", error=str(err))
             return
+        if isinstance(reply, m.StepDown):
+            if self.lost is None:  # move at once (the server that stepped down is tried last)
+                self._lose(ServerUnavailable(f"the server at {self.address} stepped down: {reply.reason}"))
+            return
         if isinstance(reply, _TO_ENGINE):
             local = self._remote.get(reply.session)
             if local is None:
@@ -567,12 +618,28 @@ class ClientActor(Actor):
                 self._fail_session(local, error_from_wire(reply.code, reply.reason))
             self.engine.tell(reply)
             return
+        if isinstance(reply, m.HeartbeatAck) and reply.term:
+            known = self._stamp[0]
+            if known and reply.term != known and self.lost is None:
+                # The server restarted at the same address faster than the silence that would
+                # have said so: its new start knows none of our sessions. Move (to it again) and
+                # re-announce, as after any loss, rather than taking "unknown" as a removal.
+                self._lose(ServerUnavailable(f"the server at {self.address} restarted (term {known} -> {reply.term})"))
+                return
+            self._stamp = (reply.term, reply.stamp)
+            self.reigning = reply.reigning
         if isinstance(reply, m.HeartbeatAck) and reply.unknown:
             for remote in reply.unknown:
                 local = self._remote.get(remote)
                 if local is not None and local in self.sessions:
                     self.engine.tell(m.Removed(local, "replica_removed", "the server no longer knows this session"))
                     self._fail_session(local, error_from_wire("replica_removed", "the server no longer knows this session"))
+        if isinstance(reply, m.Failed) and reply.code == UnknownSession.code and self.lost is None and self.sessions:
+            # A server that never knew our sessions (those it removed or fenced it says so) is a
+            # new start at this address: move to it and re-announce, as after any loss; the call
+            # fails with ServerUnavailable and is made again once moved.
+            self._lose(ServerUnavailable(f"the server at {self.address} does not know this client's sessions: it restarted"))
+            return
         if isinstance(reply, _REPLIES):
             entry = self.pending.pop(reply.req, None)
             if entry is None:

@@ -56,6 +56,8 @@ two pulls' reads into one set of buffers at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import itertools
 import os
 import secrets
@@ -66,18 +68,26 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from tensorhub.core import messages as m
-from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.core.errors import InvalidArgument, TensorHubError, TransportError
 from tensorhub.core.layout import Read
 from tensorhub.core.messages import GRANT_KEY
-from tensorhub.core.session import (
+from tensorhub.core.session import ReplicationSession
+from tensorhub.core.shard import (
     Advance,
-    ReadRange,
-    ReplicationSession,
+    Drained,
+    DropPull,
+    GrantKey,
+    IssueRead,
+    PullOutcome,
     ReportChecksumFailed,
     ReportComplete,
     ReportProgress,
     ReportSourceFailed,
-    Verify,
+    ShardCore,
+    StartPull,
+    UseGrant,
+    VerifyRead,
+    report_message,
 )
 from tensorhub.core.tokens import KEY_BYTES, InvalidToken, TokenChecker
 from tensorhub.core.topology import Location
@@ -86,18 +96,16 @@ from tensorhub.transports.buffers import ShardBuffers
 
 from . import checksum
 from .actor import Actor
+from .convert import _STAGED, Conversion, ConversionStats, ConvertSpec
 
 if TYPE_CHECKING:
     from tensorhub.transports.base import Transport
 
-__all__ = ["EngineActor", "PullStats"]
+__all__ = ["EngineActor", "PullOutcome", "PullStats"]
 
 #: ``report(build, unanswered)``: send ``build(req)`` to the server for a slot's shard; errors in
 #: the answer are logged (``unanswered``: the server answers only an error, as for progress).
 Report = Callable[[Callable[[int], Any], bool], None]
-
-#: How a slot's pull knows a grant: ``(term, grant id)`` (ids restart with each server start).
-GrantKey = tuple[int, int]
 
 
 @dataclass
@@ -118,13 +126,13 @@ class PullStats:
 
 class _Slot:
     __slots__ = (
-        "aborted",
         "buffers",
         "checksums",
+        "conversion",
+        "convert",
+        "core",
         "report",
         "ctx",
-        "deferred",
-        "grant",
         "idle_waiters",
         "key",
         "landed",
@@ -134,35 +142,33 @@ class _Slot:
         "peer",
         "peer_generation",
         "publishing",
-        "pull",
         "reads",
         "region",
         "session",
         "span",
         "stats",
-        "term",
         "token",
         "unpacking",
     )  # fmt: skip
 
-    def __init__(self, session: int, region: int, buffers: ShardBuffers, report: Report, ctx: dict) -> None:
+    def __init__(
+        self, session: int, region: int, buffers: ShardBuffers, report: Report, ctx: dict,
+        new_pull: Callable[[int], ReplicationSession] | None = None,
+    ) -> None:  # fmt: skip
         self.location: Location | None = None
         self.session = session
         self.region = region
         self.buffers = buffers
         self.report = report
         self.offloads: dict[int, ShardBuffers] = {}
-        self.pull: ReplicationSession | None = None
-        self.grant: m.Grant | None = None
-        self.term = 0
+        #: the slot's pulls, grants, draining and outcomes (sans-IO: the engine carries out its actions)
+        self.core = ShardCore(new_pull or _no_pulls)
         self.peer: tuple[Transport, dict, int] | None = None
-        self.aborted: list[ReplicationSession] = []  # pulls ended with reads still in flight
-        self.idle_waiters: list[asyncio.Future] = []
-        self.deferred: list[tuple[ReplicationSession, ReadRange]] = []  # reads that wait for an aborted pull's reads to end
+        self.idle_waiters: list[tuple[asyncio.Future, PullOutcome]] = []  # AbortPull answers once drained
         self.stats: PullStats | None = None
         self.ctx = ctx
         self.checksums: dict[int, tuple[int, ...]] = {}  # version -> its checksums, once known
-        self.parked: list[tuple[ReplicationSession, Verify]] = []  # landed reads waiting for checksums
+        self.parked: list[VerifyRead] = []  # landed reads waiting for checksums
         self.landed: dict[tuple[int, int], dict[int, int]] = {}  # (grant, offset) -> digests hashed on landing
         self.reads: dict[int, Read] = {}  # offset -> the read plan's read (its checksum units)
         self.peer_generation: int | None = None  # the current grant's source generation
@@ -171,6 +177,12 @@ class _Slot:
         self.span: _Span | None = None  # the transfer under the current grant, reported when it ends
         self.key = secrets.token_bytes(KEY_BYTES)  # grant tokens for this slot's region are sealed with it
         self.token: bytes | None = None  # the current grant's token, shown to its source
+        self.convert: ConvertSpec | None = None  # a converted model's shard: how it converts
+        self.conversion: Conversion | None = None  # its conversion in progress (or the last one)
+
+
+def _no_pulls(version: int) -> ReplicationSession:
+    raise InvalidArgument(f"this slot has no buffers to pull version {version} into")
 
 
 @dataclass(slots=True)
@@ -205,6 +217,7 @@ class AddSlot:
     report: Report
     ctx: dict
     location: Location | None = None
+    convert: ConvertSpec | None = None  #: a shard of a converted model: how it converts (:mod:`.convert`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,9 +244,13 @@ class SuspendPull:
 
 @dataclass(frozen=True, slots=True)
 class AbortPull:
-    """The slot's pull ended without success: answer once no read can write its buffers."""
+    """The slot's pull ended without success: answered, once no read can write its buffers,
+    with a :class:`PullOutcome` (``began``: a pull or conversion began writing the buffers since
+    ``since``, a mark taken with :meth:`EngineActor.pull_mark` when the call started; they hold
+    no version then)."""
 
     session: int
+    since: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +271,7 @@ class WaitPublished:
 @dataclass(frozen=True, slots=True)
 class _ReadDone:
     session: int
-    pull: ReplicationSession
+    pull: int
     grant: GrantKey
     offset: int
     length: int
@@ -265,7 +282,7 @@ class _ReadDone:
 @dataclass(frozen=True, slots=True)
 class _Verified:
     session: int
-    pull: ReplicationSession
+    pull: int
     grant: GrantKey
     offset: int
     bad_unit: int | None
@@ -274,7 +291,7 @@ class _Verified:
 @dataclass(frozen=True, slots=True)
 class _Unpacked:
     session: int
-    pull: ReplicationSession
+    pull: int
     grant: GrantKey
     error: str | None
 
@@ -282,7 +299,7 @@ class _Unpacked:
 @dataclass(frozen=True, slots=True)
 class _ReadFailed:
     session: int
-    pull: ReplicationSession
+    pull: int
     grant: GrantKey
     offset: int
     reason: str
@@ -400,7 +417,9 @@ class EngineActor(Actor):
             raise InvalidArgument("this shard already has registered buffers", **msg.ctx)
         region = next(self._regions)
         slot = _Slot(msg.session, region, msg.buffers, msg.report, msg.ctx)
+        slot.core = ShardCore(functools.partial(self._new_pull, slot))
         slot.location = msg.location
+        slot.convert = msg.convert
         self.slots[msg.session] = slot
         self.regions[region] = slot
         for t in self.transports.values():
@@ -421,6 +440,8 @@ class EngineActor(Actor):
             return
         if slot.publishing is not None:
             slot.publishing.cancel()
+        if slot.conversion is not None and slot.conversion.task is not None:
+            slot.conversion.task.cancel()
         self.regions.pop(slot.region, None)
         slot.buffers.progress.reset(None)
         for copy in slot.offloads.values():
@@ -435,6 +456,18 @@ class EngineActor(Actor):
         slot = self.slots.get(session)
         return slot.stats if slot is not None else None
 
+    def pull_mark(self, session: int) -> int:
+        """A mark of the pulls (and conversions) the shard's buffers have begun: a call takes it
+        when it starts and gives it to :class:`AbortPull` or :meth:`pull_began`."""
+        slot = self.slots.get(session)
+        return slot.core.began if slot is not None else 0
+
+    def pull_began(self, session: int, since: int) -> bool:
+        """Whether a pull or conversion began writing the shard's buffers since mark ``since``
+        (they then hold no version until it completes)."""
+        slot = self.slots.get(session)
+        return slot is not None and slot.core.began > since
+
     # ---- pulls -------------------------------------------------------------------------------
 
     def on_Grant(self, g: m.Grant) -> None:
@@ -442,49 +475,58 @@ class EngineActor(Actor):
         if slot is None:
             self.log.warning("grant for a shard with no buffers; ignored", session=g.session)
             return
-        pull = slot.pull
-        if pull is None or pull.version != g.version or pull.done:
-            if pull is not None and not pull.done:
-                self._abort(slot)
-            pull = slot.pull = self._new_pull(slot, g.version)
-        self.log.debug("grant", grant=g.grant, version=g.version, source=g.source.replica, verified=pull.verified,
-                       inflight=len(pull.inflight), **slot.ctx)  # fmt: skip
+        conv = slot.conversion
+        if conv is not None and conv.task is not None and not conv.task.done():
+            # the server moved this shard from converting to pulling: the conversion's reads end
+            # before the pull's begin (both write these buffers)
+            async def after() -> None:
+                await conv.cancel()
+                self.tell(g)
+
+            self.spawn(after(), "convert")
+            return
+        try:
+            peer, unreachable = self._pick(slot, g.source), None
+        except TransportError as err:
+            peer, unreachable = None, str(err)[:1000]
+        actions = slot.core.on_grant(g, unreachable)
+        if peer is not None:
+            slot.peer = peer
+        self._run(slot, actions)
         if g.checksums is not None:
             self._learn_checksums(slot, g.version, g.checksums)
-        # The pull knows a grant by (term, id): ids restart with each server start, so a grant of
-        # the server failed over to may reuse the id of one of the lost server's (now void).
-        key = (g.term, g.grant)
-        slot.grant = g
-        slot.term = g.term
+        pull = slot.core.pull
+        if pull is not None:
+            self.log.debug("grant", grant=g.grant, version=g.version, source=g.source.replica, verified=pull.verified,
+                           inflight=len(pull.inflight), **slot.ctx)  # fmt: skip
+
+    def _use_grant(self, slot: _Slot, g: m.Grant) -> None:
+        """Reads of the slot's pull go to ``g``'s source from now on (``slot.peer``, picked)."""
+        assert slot.stats is not None and slot.peer is not None
         slot.token = g.token
         slot.peer_generation = None
-        try:
-            slot.peer = self._pick(slot, g.source)
-        except TransportError as err:
-            verified, reason = pull.verified, str(err)[:1000]
-            self._report(slot, lambda req: m.SourceFailed(req, slot.session, g.grant, g.term, verified, reason))
-            return
-        assert slot.stats is not None
         slot.stats.grants += 1
         slot.stats.sources.append(f"{g.source.replica}/{g.source.shard_idx}")
         slot.stats.transports.append(slot.peer[0].name)
         self._end_span(slot, "failed")  # a grant that was replaced without a word (normally reported already)
-        slot.span = _Span(key, g.version, g.source.replica, g.source.shard_idx, slot.peer[0].name, time.time(),
+        slot.span = _Span((g.term, g.grant), g.version, g.source.replica, g.source.shard_idx, slot.peer[0].name, time.time(),
                           slot.stats.bytes, slot.stats.reads)  # fmt: skip
-        self._run(slot, pull, pull.on_grant(key, g.source))
 
     def _new_pull(self, slot: _Slot, version: int) -> ReplicationSession:
         b = slot.buffers
         plan = b.plan.reads(max(self.chunk_bytes, b.layout.chunk_bytes))
         slot.reads = {r.offset: r for r in plan if r.length}
+        return ReplicationSession(
+            version, b.total_bytes, self.chunk_bytes, self._streams(), reads=[(r.offset, r.length) for r in plan], verify=True
+        )
+
+    def _start_pull(self, slot: _Slot, version: int) -> None:
+        b = slot.buffers
         slot.parked.clear()
         slot.landed.clear()
         slot.stats = PullStats(version, regions=len(b.regions))
         b.progress.reset(version, 0)
         slot.checksums = {v: c for v, c in slot.checksums.items() if v in slot.offloads}
-        return ReplicationSession(
-            version, b.total_bytes, self.chunk_bytes, self._streams(), reads=[(r.offset, r.length) for r in plan], verify=True
-        )
 
     def _learn_checksums(self, slot: _Slot, version: int, checksums: tuple[int, ...]) -> None:
         if len(checksums) != len(slot.buffers.plan.units):
@@ -492,8 +534,8 @@ class EngineActor(Actor):
             return
         slot.checksums[version] = checksums
         parked, slot.parked = slot.parked, []
-        for pull, a in parked:
-            self._verify(slot, pull, a)
+        for a in parked:
+            self._verify(slot, a)
 
     def _streams(self) -> int:
         """Reads of a pull in flight at once: what the transports ask for (``reads_in_flight``,
@@ -540,96 +582,182 @@ class EngineActor(Actor):
         self._report(slot, lambda req: m.TransferSpan(req, slot.session, span.grant[1], span.version, span.source, span.source_shard,
                                                       span.transport, moved, reads, span.start, end, outcome), True)  # fmt: skip
 
+    # ---- conversions (a converted model's shard built from the source's: :mod:`.convert`) ----
+
+    def on_Convert(self, msg: m.Convert) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            self.log.warning("convert for a shard with no buffers; ignored", session=msg.session)
+            return
+        if slot.convert is None:
+            self.log.error("convert for a shard opened without convert_from; ignored", **slot.ctx)
+            return
+        conv = slot.conversion
+        if conv is not None and conv.version == msg.version and not conv.done and conv.task is not None and not conv.task.done():
+            try:
+                conv.regrant(msg)
+            except InvalidArgument as err:
+                self.log.error("bad convert message; ignored", error=str(err), **slot.ctx)
+            return
+        self._run(slot, slot.core.on_abort()[0])
+        self.spawn(self._start_conversion(slot, msg), "convert")
+
+    async def _start_conversion(self, slot: _Slot, msg: m.Convert) -> None:
+        old = slot.conversion
+        if old is not None:
+            await old.cancel()  # its reads end before the new one writes
+        if slot.core.draining:  # so do an aborted pull's
+            idle = asyncio.get_running_loop().create_future()
+            slot.idle_waiters.append((idle, PullOutcome(False, False)))
+            await idle
+        assert slot.convert is not None
+        try:
+            conv = Conversion(slot.session, msg, slot.convert, slot.buffers, slot.report,
+                              lambda info: self._pick_staged(slot, info), self.log.bind(**slot.ctx))  # fmt: skip
+        except InvalidArgument as err:
+            self.log.error("bad convert message; ignored", error=str(err), **slot.ctx)
+            return
+        slot.conversion = conv
+        self._run(slot, slot.core.on_conversion())  # it begins writing the buffers (what the API looks at)
+        slot.stats = PullStats(msg.version, regions=len(slot.buffers.regions))
+        slot.checksums.pop(msg.version, None)
+        task = conv.start()
+        self.log.info("converting", version=msg.version, source=msg.source_model, sources=len(msg.sources), **slot.ctx)
+        try:
+            await asyncio.wait([task])
+        finally:
+            failure = task.exception() if task.done() and not task.cancelled() else None
+            if failure is not None:
+                self.log.error("conversion failed", version=msg.version, error=f"{type(failure).__name__}: {failure}", **slot.ctx)
+                code = type(failure).code if isinstance(failure, TensorHubError) else TransportError.code
+                text = failure.message if isinstance(failure, TensorHubError) else f"{type(failure).__name__}: {failure}"
+                self._report(slot, lambda req: m.ConvertFailed(req, slot.session, conv.term, conv.version, code, text[:4000]))
+        if conv.done and conv.sums is not None:
+            slot.checksums[conv.version] = conv.sums
+            st = slot.stats
+            if st is not None and st.version == conv.version:
+                st.bytes, st.grants, st.sources = conv.stats.read_bytes, len(conv.stats.sources), list(conv.stats.sources)
+            self.log.info("converted", version=conv.version, tasks=conv.stats.tasks, read_bytes=conv.stats.read_bytes,
+                          peak=conv.stats.peak_bytes, seconds=round(conv.stats.seconds, 3), **slot.ctx)  # fmt: skip
+
+    def _pick_staged(self, slot: _Slot, source: m.SourceInfo) -> tuple[Transport, dict, int]:
+        """:meth:`_pick` among the transports that read into a staging window (a conversion's)."""
+        endpoint = source.endpoint
+        if not isinstance(endpoint, dict):
+            raise TransportError(f"source endpoint {endpoint!r} names no region")
+        narrowed = {k: v for k, v in endpoint.items() if k == "region" or k in _STAGED}
+        if not any(k in _STAGED and k in self.transports for k in narrowed):
+            raise TransportError(f"no transport shared with {source.replica} can read into a staging buffer (need one of {_STAGED})")
+        return self._pick(slot, dataclasses.replace(source, endpoint=narrowed))
+
+    def conversion_stats(self, session: int) -> ConversionStats | None:
+        slot = self.slots.get(session)
+        return slot.conversion.stats if slot is not None and slot.conversion is not None else None
+
     def on_Revoke(self, msg: m.Revoke) -> None:
         slot = self.slots.get(msg.session)
-        if slot is not None and slot.pull is not None:
-            key = (msg.term, msg.grant)
-            self._end_span(slot, "revoked", key)
-            self.log.info("grant revoked", grant=msg.grant, reason=msg.reason, version=slot.pull.version, **slot.ctx)
-            self._run(slot, slot.pull, slot.pull.on_revoked(key))
+        if slot is not None and slot.conversion is not None and slot.conversion.revoke(msg.term, msg.grant):
+            self.log.info("conversion grant revoked", grant=msg.grant, reason=msg.reason, **slot.ctx)
+            return
+        if slot is not None and slot.core.pull is not None:
+            self._end_span(slot, "revoked", (msg.term, msg.grant))
+            self.log.info("grant revoked", grant=msg.grant, reason=msg.reason, version=slot.core.pull.version, **slot.ctx)
+            self._run(slot, slot.core.on_revoke(msg.term, msg.grant))
 
     def on_SuspendPull(self, msg: SuspendPull) -> None:
         slot = self.slots.get(msg.session)
-        pull = slot.pull if slot is not None else None
-        if slot is None or pull is None or pull.done or slot.grant is None:
+        if slot is not None and slot.conversion is not None and not slot.conversion.done:
+            self.spawn(slot.conversion.cancel(), "convert")  # the next server makes a converter again
+        if slot is None or not slot.core.pulling or slot.core.grant_key is None:
             return
-        key = (slot.grant.term, slot.grant.grant)
-        self._end_span(slot, "suspended", key)
+        pull = slot.core.pull
+        assert pull is not None
+        self._end_span(slot, "suspended", slot.core.grant_key)
         self.log.info("server lost mid-pull; suspended until the next grant", version=pull.version,
                       verified=pull.verified, **slot.ctx)  # fmt: skip
-        self._run(slot, pull, pull.on_revoked(key))
+        self._run(slot, slot.core.on_suspend())
 
     def on_AbortPull(self, msg: AbortPull) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
         slot = self.slots.get(msg.session)
-        if slot is not None and slot.pull is not None and not slot.pull.done:
-            self._abort(slot)
-        if slot is None or not slot.aborted:
-            fut.set_result(None)
+        fut = asyncio.get_running_loop().create_future()
+        if slot is None:
+            fut.set_result(PullOutcome(False, False))
+            return fut
+        conv = slot.conversion
+        if conv is not None and not conv.done:
+            began = msg.since is None or slot.core.began > msg.since
+            return asyncio.ensure_future(_cancelled(conv, PullOutcome(began, True)))  # answered once no read can land
+        actions, outcome = slot.core.on_abort(msg.since)
+        self._run(slot, actions)
+        if slot.core.draining:
+            slot.idle_waiters.append((fut, outcome))
         else:
-            slot.idle_waiters.append(fut)
+            fut.set_result(outcome)
         return fut
 
-    def _abort(self, slot: _Slot) -> None:
-        pull = slot.pull
-        assert pull is not None
+    def _drop_pull(self, slot: _Slot) -> None:
+        """The slot's pull was aborted: its bytes are no version's (its reads may still land)."""
         self._end_span(slot, "aborted")
-        pull.on_abort()
-        slot.pull = None
         slot.parked.clear()
         slot.landed.clear()
         slot.buffers.progress.reset(None)
-        if not pull.idle:
-            slot.aborted.append(pull)
 
-    def _run(self, slot: _Slot, pull: ReplicationSession, actions: list) -> None:
-        if pull is not slot.pull:
-            return
+    def _run(self, slot: _Slot, actions: list) -> None:
+        """Carry out the slot's core's actions (the IO: reads, hashing, reports)."""
+        core = slot.core
         for a in actions:
-            if isinstance(a, ReadRange):
-                if slot.aborted:
-                    slot.deferred.append((pull, a))
-                else:
-                    self.spawn(self._read(slot, pull, a), "read")
-            elif isinstance(a, Verify):
-                self._verify(slot, pull, a)
+            if isinstance(a, IssueRead):
+                self.spawn(self._read(slot, a), "read")
+            elif isinstance(a, VerifyRead):
+                self._verify(slot, a)
             elif isinstance(a, Advance):
                 slot.buffers.progress.advance(a.verified)
             elif isinstance(a, ReportProgress):
-                self._report(slot, lambda req, a=a: m.Progress(req, slot.session, a.grant[1], a.grant[0], a.verified), True)
+                self._report(slot, lambda req, a=a: report_message(a, slot.session, req), True)
             elif isinstance(a, ReportComplete):
-                self.spawn(self._unpack(slot, pull, a.grant), "unpack")
-            elif isinstance(a, ReportChecksumFailed):
-                src = pull.sources[-1] if pull.sources else None
+                self.spawn(self._unpack(slot, core.serial, a.grant), "unpack")
+            elif isinstance(a, StartPull):
+                self._start_pull(slot, a.version)
+            elif isinstance(a, UseGrant):
+                self._use_grant(slot, a.grant)
+            elif isinstance(a, DropPull):
+                self._drop_pull(slot)
+            elif isinstance(a, Drained):
+                waiters, slot.idle_waiters = slot.idle_waiters, []
+                for fut, outcome in waiters:
+                    if not fut.done():
+                        fut.set_result(outcome)
+            elif isinstance(a, (ReportChecksumFailed, ReportSourceFailed)):
+                pull = core.pull
+                src = pull.sources[-1] if pull is not None and pull.sources else None
                 where = f"{src.replica}/{src.shard_idx} ({src.kind})" if src is not None else "?"
-                self._end_span(slot, "checksum_failed", a.grant)
-                self.log.error("bytes from a source failed verification", grant=a.grant[1], source=where, unit=a.unit,
-                               version=pull.version, **slot.ctx)  # fmt: skip
-                self._report(slot, lambda req, a=a: m.ChecksumFailed(req, slot.session, a.grant[1], a.grant[0], a.verified, a.unit))
-            elif isinstance(a, ReportSourceFailed):
-                src = pull.sources[-1] if pull.sources else None
-                where = f"{src.replica}/{src.shard_idx} ({src.kind})" if src is not None else "?"
-                self._end_span(slot, "failed", a.grant)
-                self.log.warning("source failed", grant=a.grant[1], source=where, verified=a.verified, reason=a.reason,
-                                 version=pull.version, **slot.ctx)  # fmt: skip
-                self._report(slot, lambda req, a=a: m.SourceFailed(req, slot.session, a.grant[1], a.grant[0], a.verified, a.reason[:1000]))
+                version = pull.version if pull is not None else None
+                if isinstance(a, ReportChecksumFailed):
+                    self._end_span(slot, "checksum_failed", a.grant)
+                    self.log.error("bytes from a source failed verification", grant=a.grant[1], source=where, unit=a.unit,
+                                   version=version, **slot.ctx)  # fmt: skip
+                else:
+                    self._end_span(slot, "failed", a.grant)
+                    self.log.warning("source failed", grant=a.grant[1], source=where, verified=a.verified, reason=a.reason,
+                                     version=version, **slot.ctx)  # fmt: skip
+                self._report(slot, lambda req, a=a: report_message(a, slot.session, req))
 
-    def _verify(self, slot: _Slot, pull: ReplicationSession, a: Verify) -> None:
-        expected = slot.checksums.get(pull.version)
+    def _verify(self, slot: _Slot, a: VerifyRead) -> None:
+        expected = slot.checksums.get(a.version)
         if expected is None:
-            slot.parked.append((pull, a))  # the publisher has not declared them yet
+            slot.parked.append(a)  # the publisher has not declared them yet
             return
         digests = slot.landed.pop((a.grant, a.offset), None)
         if digests is not None:  # hashed as the bytes landed: only the comparison is left
-            if slot.stats is not None and pull is slot.pull:
+            if slot.stats is not None and slot.core.is_current(a.pull):
                 slot.stats.hashed_on_landing += 1
             units = slot.reads[a.offset].units
             bad = next((u for u in units if digests.get(u) != expected[u]), None)
-            self.tell(_Verified(slot.session, pull, a.grant, a.offset, bad))
+            self.tell(_Verified(slot.session, a.pull, a.grant, a.offset, bad))
             return
-        self.spawn(self._check(slot, pull, a, expected), "verify")
+        self.spawn(self._check(slot, a, expected), "verify")
 
-    async def _check(self, slot: _Slot, pull: ReplicationSession, a: Verify, expected: tuple[int, ...]) -> None:
+    async def _check(self, slot: _Slot, a: VerifyRead, expected: tuple[int, ...]) -> None:
         units = slot.reads[a.offset].units
         t0 = time.perf_counter()
         try:
@@ -638,13 +766,13 @@ class EngineActor(Actor):
             # Never accept bytes that were not checked: count the read as bad (it is read again).
             self.log.error("verifying landed bytes failed locally", error=repr(err), **slot.ctx)
             bad = units[0]
-        if slot.stats is not None and pull is slot.pull:
+        if slot.stats is not None and slot.core.is_current(a.pull):
             slot.stats.verify_s += time.perf_counter() - t0
-        self.tell(_Verified(slot.session, pull, a.grant, a.offset, bad))
+        self.tell(_Verified(slot.session, a.pull, a.grant, a.offset, bad))
 
     def on__Verified(self, msg: _Verified) -> None:
         slot = self.slots.get(msg.session)
-        if slot is None or msg.pull is not slot.pull:
+        if slot is None or not slot.core.is_current(msg.pull):
             return
         if msg.bad_unit is None and slot.buffers.packed:
             # Its tiny tensors are final: copy them out now, overlapped with the rest of the pull.
@@ -653,7 +781,7 @@ class EngineActor(Actor):
                     and slot.buffers.plan.regions[units[u].region].tensor is None]  # fmt: skip
             if tiny:
                 self._chain_unpack(slot, tiny)
-        self._run(slot, msg.pull, msg.pull.on_verified(msg.grant, msg.offset, msg.bad_unit))
+        self._run(slot, slot.core.on_verified(msg.pull, msg.grant, msg.offset, msg.bad_unit))
 
     def _chain_unpack(self, slot: _Slot, tensors: list[int] | None) -> asyncio.Task:
         """Unpack ``tensors`` (None: all) in a worker thread, after the slot's earlier unpacks
@@ -672,7 +800,7 @@ class EngineActor(Actor):
         task = slot.unpacking = self.spawn(run(), "unpack")
         return task
 
-    async def _unpack(self, slot: _Slot, pull: ReplicationSession, grant: GrantKey) -> None:
+    async def _unpack(self, slot: _Slot, pull: int, grant: GrantKey) -> None:
         error = None
         if slot.buffers.packed and slot.unpacking is not None:
             last = slot.unpacking
@@ -682,11 +810,11 @@ class EngineActor(Actor):
 
     def on__Unpacked(self, msg: _Unpacked) -> None:
         slot = self.slots.get(msg.session)
-        if slot is None or msg.pull is not slot.pull:
+        if slot is None or not slot.core.is_current(msg.pull):
             return
         if msg.error is not None:
             self._end_span(slot, "failed", msg.grant)
-            self.log.error("unpacking the pulled tiny tensors failed", error=msg.error, version=msg.pull.version, **slot.ctx)
+            self.log.error("unpacking the pulled tiny tensors failed", error=msg.error, **slot.ctx)
             reason = f"unpacking failed locally: {msg.error}"[:1000]
             self._report(slot, lambda req: m.SourceFailed(req, slot.session, msg.grant[1], msg.grant[0], 0, reason))
             return
@@ -696,7 +824,7 @@ class EngineActor(Actor):
     def _report(self, slot: _Slot, build: Any, unanswered: bool = False) -> None:
         slot.report(build, unanswered)
 
-    async def _read(self, slot: _Slot, pull: ReplicationSession, a: ReadRange) -> None:
+    async def _read(self, slot: _Slot, a: IssueRead) -> None:
         from tensorhub.transports.base import RangeNotReady
 
         assert slot.peer is not None
@@ -710,54 +838,44 @@ class EngineActor(Actor):
         if getattr(transport, "checks_grants", False):
             kw["token"] = slot.token  # a plugin that predates tokens is not given the argument
         try:
-            gen = await transport.read(peer, region, pull.version, a.offset, a.length, slot.buffers, generation, **kw)
+            gen = await transport.read(peer, region, a.version, a.offset, a.length, slot.buffers, generation, **kw)
         except RangeNotReady as err:
-            self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, str(err), True))
+            self.tell(_ReadFailed(slot.session, a.pull, a.grant, a.offset, str(err), True))
         except (TransportError, InvalidArgument) as err:
-            src = slot.grant.source if slot.grant is not None else None
+            src = slot.core.grant.source if slot.core.grant is not None else None
             holder = f"holder {src.replica}/{src.shard_idx}: " if src is not None else ""
-            self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, f"{holder}{err}", False))
+            self.tell(_ReadFailed(slot.session, a.pull, a.grant, a.offset, f"{holder}{err}", False))
         except Exception as err:  # noqa: BLE001 - a transport's bug fails this source, not the engine
             self.log.exception("transport read raised", transport=transport.name, **slot.ctx)
-            self.tell(_ReadFailed(slot.session, pull, a.grant, a.offset, f"{type(err).__name__}: {err}", False))
+            self.tell(_ReadFailed(slot.session, a.pull, a.grant, a.offset, f"{type(err).__name__}: {err}", False))
         else:
             digests = hasher.digests if hasher is not None and hasher.complete else None
-            self.tell(_ReadDone(slot.session, pull, a.grant, a.offset, a.length, gen, digests))
+            self.tell(_ReadDone(slot.session, a.pull, a.grant, a.offset, a.length, gen, digests))
 
     def on__ReadDone(self, msg: _ReadDone) -> None:
         slot = self.slots.get(msg.session)
         if slot is None:
             return
-        if msg.digests is not None and msg.pull is slot.pull:
+        core = slot.core
+        if msg.digests is not None and core.is_current(msg.pull):
             slot.landed[(msg.grant, msg.offset)] = msg.digests
-        actions = msg.pull.on_read_done(msg.grant, msg.offset)
-        if msg.pull is slot.pull and slot.stats is not None and msg.grant == ((slot.grant.term, slot.grant.grant) if slot.grant else None):
+        counts = slot.stats is not None and core.is_current(msg.pull, msg.grant)
+        actions = core.on_read_done(msg.pull, msg.grant, msg.offset)
+        if counts and slot.stats is not None:
             slot.stats.bytes += msg.length
             slot.stats.reads += 1
             slot.stats.segments += len(slot.buffers.segments(msg.offset, msg.length))
             if slot.peer_generation is None and isinstance(msg.generation, int):
                 slot.peer_generation = msg.generation  # later reads of this grant insist on it
-        self._run(slot, msg.pull, actions)
-        self._check_idle(slot)
+        self._run(slot, actions)
 
     def on__ReadFailed(self, msg: _ReadFailed) -> None:
         slot = self.slots.get(msg.session)
         if slot is None:
             return
-        self._run(slot, msg.pull, msg.pull.on_read_failed(msg.grant, msg.offset, msg.reason, msg.retryable))
-        self._check_idle(slot)
+        self._run(slot, slot.core.on_read_failed(msg.pull, msg.grant, msg.offset, msg.reason, msg.retryable))
 
-    def _check_idle(self, slot: _Slot) -> None:
-        slot.aborted = [p for p in slot.aborted if not p.idle]
-        if not slot.aborted:
-            deferred, slot.deferred = slot.deferred, []
-            for pull, a in deferred:
-                if pull is slot.pull:
-                    self.spawn(self._read(slot, pull, a), "read")
-            waiters, slot.idle_waiters = slot.idle_waiters, []
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
+
 
     # ---- what the server asks of a holder ---------------------------------------------------
 
@@ -880,9 +998,13 @@ class EngineActor(Actor):
         if slot is None:
             return
         self.log.warning("session removed by the server", code=msg.code, reason=msg.reason, **slot.ctx)
-        if slot.pull is not None and not slot.pull.done:
-            self._abort(slot)
+        self._run(slot, slot.core.on_abort()[0])
         slot.buffers.progress.reset(None)
         for copy in slot.offloads.values():
             copy.progress.reset(None)
         slot.offloads.clear()
+
+
+async def _cancelled(conv: Conversion, outcome: PullOutcome) -> PullOutcome:
+    await conv.cancel()
+    return outcome

@@ -59,6 +59,7 @@ from tensorhub.core.errors import (
 )
 from tensorhub.core.lifecycle import HolderState
 from tensorhub.core.table import HISTORY_VERSIONS, ReferenceTable, TableConfig
+from tensorhub.core.table.failover import ROLES, Reign
 from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
 from tensorhub.scheduling.selection import SourceIndex
 
@@ -89,6 +90,12 @@ class ServerConfig:
         metrics_port: serve Prometheus metrics on this port (0: any free one; None: no).
         metrics_host: the address the metrics endpoint binds (loopback by default).
         max_queued: frames waiting in the mailbox before the reader stops taking more.
+        role: ``solo`` (a server alone: always decides), ``primary`` (decides while it holds
+            its backup's lease or a majority of votes; needs ``peer``) or ``backup`` (decides
+            only without a lease promised to the primary, with a majority of votes): the
+            no-split-brain rule of :class:`tensorhub.core.table.failover.Reign`.
+        peer: the backup's address (the primary asks it for the lease).
+        lease: the lease and vote lifetime in seconds (None: half the heartbeat timeout).
     """
 
     bind: str = "tcp://127.0.0.1:5557"
@@ -101,6 +108,17 @@ class ServerConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     max_queued: int = 10_000
+    role: str = "solo"
+    peer: str | None = None
+    lease: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise InvalidArgument(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role == "primary" and not self.peer:
+            raise InvalidArgument("a primary server needs its backup's address (peer)")
+        if self.lease is not None and not 0 < self.lease < self.table.heartbeat_timeout:
+            raise InvalidArgument(f"lease must be in (0, heartbeat_timeout={self.table.heartbeat_timeout:g}) seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +134,19 @@ class _Tick:
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class _LeaseTick:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _PeerFrames:
+    frames: list[bytes]
+
+
+_PEER = b"\0peer"  # the table's peer name for the backup (never a ZeroMQ routing id: those start with 0 and 4 bytes)
+
+
 _KINDS_LOCAL = (m.TransferSpan, m.GetTrace, m.GetCluster)
 
 
@@ -129,7 +160,12 @@ class ServerActor(Actor):
         self.ctx = ctx or zmq.asyncio.Context()
         seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "big")
         term = config.term if config.term is not None else int(time.time() * 1000)
-        self.table = ReferenceTable(time.monotonic, random.Random(seed), config.table, term=term, sources=SourceIndex)
+        lease = config.lease if config.lease is not None else config.table.heartbeat_timeout / 2
+        self.reign = Reign(config.role, lease)
+        self.table = ReferenceTable(time.monotonic, random.Random(seed), config.table, term=term, sources=SourceIndex,
+                                    reign=self.reign)  # fmt: skip
+        self._peer_sock: zmq.asyncio.Socket | None = None
+        self._lease_req = 0
         self.sock: zmq.asyncio.Socket | None = None
         self.address = config.bind
         self._wake: asyncio.TimerHandle | None = None
@@ -231,6 +267,8 @@ class ServerActor(Actor):
         gauge("tensorhub_models", "Models", value=counts["models"])
         gauge("tensorhub_transactions", "Model-parallel calls in progress", value=counts["transactions"])
         gauge("tensorhub_server_term", "This server start's term", value=t.term)
+        gauge("tensorhub_server_reigning", "1 while this server decides (holds the lease or a majority of votes)",
+              value=float(self.reign.reigning))  # fmt: skip
         gauge("tensorhub_mailbox_depth", "Frames waiting to be handled", value=self._queued)
         auth = Counter("tensorhub_auth_total", "CURVE authentication decisions", ("result",))
         if self.auth is not None:
@@ -281,6 +319,16 @@ class ServerActor(Actor):
             self.metrics_server = ms
         self.spawn(self._reader(), "server-reader")
         self.every(min(1.0, self.config.table.heartbeat_interval), _Tick)
+        if self.config.role == "primary" and self.config.peer:
+            peer = self.ctx.socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.setsockopt(zmq.IMMEDIATE, 1)  # no queue for a peer that is not connected
+            peer.setsockopt(zmq.SNDHWM, 4)
+            peer.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+            peer.connect(self.config.peer)
+            self._peer_sock = peer
+            self.spawn(self._peer_reader(peer), "server-peer-reader")
+            self.every(self.reign.lease / 5, _LeaseTick)
         self.log.info("server listening", address=self.address, term=self.table.term, curve=keys is not None,
                       metrics_port=self.metrics_server.port if self.metrics_server else None)  # fmt: skip
 
@@ -336,6 +384,37 @@ class ServerActor(Actor):
             self.m_conn.inc(name)
             if event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
                 self.log.debug("handshake refused", what=name)
+
+    # ---- the lease (a primary asks its backup) ------------------------------------------------
+
+    async def _peer_reader(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            self.tell(_PeerFrames(await sock.recv_multipart()))
+
+    def on__LeaseTick(self, _: _LeaseTick) -> None:
+        sock = self._peer_sock
+        if sock is None:
+            return
+        self._lease_req += 1
+        request = self.table.lease_request(self._lease_req)
+        try:
+            sock.send(encode(request), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the backup is not connected: no lease this time
+        self._schedule()
+
+    def on__PeerFrames(self, msg: _PeerFrames) -> None:
+        try:
+            if len(msg.frames) != 1:
+                raise MalformedMessage(f"expected one frame per message, got {len(msg.frames)}")
+            reply = decode(msg.frames[0])
+            if not isinstance(reply, m.LeaseReply):
+                raise ProtocolError(f"the backup sent {type(reply).__name__}, not a lease reply")
+        except TensorHubError as err:
+            self.log.warning("bad message from the backup; dropped", error=str(err))
+            return
+        self._send(self.table.handle(_PEER, reply))
+        self._schedule()
 
     # ---- messages ----------------------------------------------------------------------------
 
@@ -474,7 +553,11 @@ class ServerActor(Actor):
         return [(peer, m.Ack(span.req))] if span.req else []
 
     def on__Tick(self, _: _Tick) -> None:
+        was = self.reign.reigning
         self._send(self.table.tick())
+        if was != self.reign.reigning:
+            self.log.warning("reigns" if self.reign.reigning else "stepped down", role=self.config.role,
+                             term=self.table.term, why=None if self.reign.reigning else self.reign.why_not())  # fmt: skip
         self._schedule()
         if self.config.idle_exit is not None:
             now = time.monotonic()
@@ -629,4 +712,6 @@ def cluster_state(table: Any, req: int, recent_bytes_per_s: float, window_s: flo
             gid, r.session.model.name, r.version, r.shard_idx, r.replica.name, src.replica.name, src.kind,
             src.state is not _P, r.verified, total, round(age, 3), round(moved / age, 1) if age > 0 else 0.0,
         ))  # fmt: skip
-    return m.ClusterState(req, table.term, time.time(), tuple(models), tuple(grants), window_s, round(recent_bytes_per_s, 1))
+    reigns = tuple(m.ReignSpan(*span) for span in table.reign.spans)
+    return m.ClusterState(req, table.term, time.time(), tuple(models), tuple(grants), window_s, round(recent_bytes_per_s, 1),
+                          reigns)  # fmt: skip

@@ -1,5 +1,5 @@
-"""The ``tensorhub`` command line: ``server``, ``status``, ``dag``, ``trace``, ``keygen``, ``sim``, ``demo``
-and ``doctor`` (``python -m tensorhub`` too)."""
+"""The ``tensorhub`` command line: ``server``, ``status``, ``dag``, ``trace``, ``keygen``, ``sim``, ``demo``,
+``doctor``, and ``export`` / ``import`` of anchor and delta files (``python -m tensorhub`` too)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def _server(args: argparse.Namespace) -> int:
             drain_timeout=args.drain_timeout,
             pin_timeout=args.pin_timeout,
             grant_ttl=args.grant_ttl,
+            straggler_window=args.straggler_window,
+            straggler_ratio=args.straggler_ratio,
             pipeline=not args.no_pipeline,
             smart_skipping=not args.no_smart_skipping,
         ),
@@ -41,6 +43,9 @@ def _server(args: argparse.Namespace) -> int:
         insecure=args.insecure or os.environ.get("TENSORHUB_INSECURE", "") == "1",
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        role=args.role,
+        peer=args.peer,
+        lease=args.lease,
     )
     run(serve(
         config,
@@ -162,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bind", default="tcp://127.0.0.1:5557", help="ZeroMQ address to bind (default: loopback)")
     s.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between client heartbeats")
     s.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before a client is dead")
+    s.add_argument("--straggler-window", type=float, default=5.0,
+                   help="seconds of progress a grant is judged on (stragglers: a slow source's readers move)")
+    s.add_argument("--straggler-ratio", type=float, default=0.25,
+                   help="a source below this fraction of the reference rate is slow (0: never move readers)")
+    s.add_argument("--role", choices=("solo", "primary", "backup"), default="solo",
+                   help="with a backup server: primary (needs --peer) or backup; solo: a server alone")
+    s.add_argument("--peer", default=None, help="the primary's backup server address (it asks it for the lease)")
+    s.add_argument("--lease", type=float, default=None, help="lease and vote lifetime in seconds (default: heartbeat timeout / 2)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds an unpublish waits for readers")
     s.add_argument("--pin-timeout", type=float, default=300.0,
                    help="seconds a replicate/update in flight keeps the version it decided (its pin)")
@@ -242,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--chaos", action="store_true", help="SIGKILL rollout replicas while it runs, and restart them")
     d.add_argument("--seed", type=int, default=None, help="the chaos schedule's seed (default 0)")
     d.set_defaults(func=_demo)
+
+    from .checkpoints import add_parsers as add_file_parsers
+
+    add_file_parsers(sub)  # export, import
     return p
 
 

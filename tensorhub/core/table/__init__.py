@@ -40,6 +40,16 @@ Invariants (checked by :func:`tensorhub.core.invariants.check_invariants`):
   (version, shard) is left;
 - when every client has closed, nothing is left: no sessions, holders, grants, transactions.
 
+No split brain (:class:`~tensorhub.core.table.failover.Reign`): with a primary and a backup, a
+table decides only while it *reigns*: while it holds the backup's lease (the primary) or fresh
+votes from a majority of the last membership both servers hold (a shard's heartbeats, each
+echoing this table's last stamp, count until that stamp plus the lease, and only from a lease
+after the shard arrived). The lease is counted by the primary from when it asked, so it ends
+before the backup's promise does; two majorities of one membership share a voter, whose votes
+never count at two tables at once: at any instant at most one table reigns. A table that does
+not reign accepts sessions (and votes) and refuses every call; one that stops reigning steps
+down: every session is told ``StepDown`` and the state is forgotten under a new term.
+
 What it must never do: block, look at the wall clock, iterate a hash-ordered collection of
 strings (that would make replies depend on ``PYTHONHASHSEED``), or change anything when it
 answers with an error.
@@ -60,11 +70,14 @@ own; the mixins share the records of :mod:`.records` and import nothing else of 
 - :mod:`.grants`: source selection, grants and their ends, progress, completion, source failures,
   checksum failures, verification and quarantine;
 - :mod:`.transactions`: the model-parallel calls, and the consistent list and wait built on them;
+- :mod:`.conversions`: converted models (another layout of a source model): their versions, the
+  converter of each (version, shard), its grants on the source's holders;
 - :mod:`.pulls`: replicate and update: version resolution, the replica's decision, the
   cross-datacenter policy, moving each shard;
 - :mod:`.pins`: a replicate/update in flight keeps the version it decided (a pin), and moves to a
   newer one while nothing of it has landed;
-- :mod:`.failover`: the grace period and re-announcements;
+- :mod:`.failover`: the grace period and re-announcements; the no-split-brain rule (``Reign``);
+- :mod:`.stragglers`: a source alive but slow, told from a busy one by progress, and its readers moved;
 - :mod:`.settling`: the consequences applied after every event, and garbage collection;
 - :mod:`.views`: the listing, status, and the replication history.
 """
@@ -80,7 +93,8 @@ from typing import Any, Callable, Hashable
 from .. import messages as m
 from ..errors import ProtocolError, ReplicaRemoved, TensorHubError
 from ..topology import LINK_CLASSES
-from .failover import FailoverMixin
+from .conversions import ConversionMixin
+from .failover import FailoverMixin, Reign, ReignMixin
 from .grants import GrantMixin
 from .holders import HolderMixin
 from .pins import PinMixin
@@ -93,6 +107,7 @@ from .records import HISTORY_VERSIONS as HISTORY_VERSIONS
 from .records import SERVING as SERVING
 from .records import Outbox, SourcePolicy, TableConfig, _Grant, _Holder, _Model, _Session, _ShardCall
 from .sessions import SessionMixin
+from .stragglers import StragglerMixin
 from .settling import SettleMixin
 from .transactions import TransactionMixin
 from .views import ViewMixin
@@ -101,14 +116,17 @@ __all__ = ["ReferenceTable", "TableConfig", "Outbox"]
 
 
 class ReferenceTable(
+    StragglerMixin,
     SessionMixin,
     HolderMixin,
     PublishMixin,
     GrantMixin,
+    ConversionMixin,
     TransactionMixin,
     PullMixin,
     PinMixin,
     FailoverMixin,
+    ReignMixin,
     SettleMixin,
     ViewMixin,
 ):
@@ -119,6 +137,8 @@ class ReferenceTable(
         rng: the one random source (tie-breaks); injected and seeded by the caller.
         config: timeouts.
         term: this server start's term; grants carry it, and a grant of another term is void.
+        reign: the no-split-brain rule (:class:`~tensorhub.core.table.failover.Reign`) of a primary
+            or a backup server; None: a server alone, which always decides.
         sources: makes the index of one (version, shard)'s grantable holders, which also picks
             the source for a reader: the scheduling policy, injected because the core sits below
             the scheduling layer (the server, the simulator and the tests pass
@@ -133,12 +153,16 @@ class ReferenceTable(
         term: int = 1,
         *,
         sources: Callable[[], SourcePolicy],
+        reign: Reign | None = None,
     ) -> None:
         self.clock = clock
         self.sources = sources
         self.rng = rng
         self.config = config or TableConfig()
         self.term = term
+        self.reign = reign if reign is not None else Reign()
+        if self.reign.role == "solo" and not self.reign.reigning:
+            self.reign.began(term, clock())
         self.models: dict[str, _Model] = {}
         self.sessions: dict[int, _Session] = {}
         self.by_slot: dict[tuple[str, str, int], _Session] = {}
@@ -158,7 +182,10 @@ class ReferenceTable(
         self.stats = {
             "grants": 0, "grants_ended": 0, "revoked": 0, "expired": 0, "quarantined": 0, "offloads": 0,
             "updates_skipped": 0, "offload_seeds": 0, "pins": 0, "pins_expired": 0, "redecided": 0,
+            "conversions": 0, "stragglers": 0,
         }  # fmt: skip
+        self.pace: dict[int, Any] = {}  # grant id -> its recent progress (see :mod:`.stragglers`)
+        self.pace_recent: dict[tuple[str, str], Any] = {}  # (model, link class) -> completed grants' rates
         #: bytes moved under ended grants, per link class (:data:`tensorhub.core.topology.LINK_CLASSES`)
         self.bytes_by_link = dict.fromkeys(LINK_CLASSES, 0)
         self._handlers: dict[type, Callable[[Hashable, Any], None]] = {
@@ -176,6 +203,8 @@ class ReferenceTable(
             m.Progress: self._on_progress,
             m.Complete: self._on_complete,
             m.SourceFailed: self._on_source_failed,
+            m.Converted: self._on_converted,
+            m.ConvertFailed: self._on_convert_failed,
             m.ChecksumFailed: self._on_checksum_failed,
             m.VerifyResult: self._on_verify_result,
             m.Heartbeat: self._on_heartbeat,
@@ -183,6 +212,8 @@ class ReferenceTable(
             m.CloseShard: self._on_close,
             m.GetStatus: self._on_status,
             m.GetDag: self._on_dag,
+            m.LeaseRequest: self._on_lease_request,
+            m.LeaseReply: self._on_lease_reply,
         }
 
     # ---- entry points --------------------------------------------------------------------------
@@ -197,15 +228,20 @@ class ReferenceTable(
         try:
             if handler is None:
                 raise ProtocolError(f"{type(msg).__name__} is not a request a server accepts")
+            msg = self._reign_gate(peer, msg)  # no decision while this server does not reign
             handler(peer, msg)
         except TensorHubError as err:
             self._out.append((peer, m.Failed.of(getattr(msg, "req", 0), err)))
         self._settle()
-        return self._flush()
+        return self._reign_after(peer, msg, self._flush())
 
     def tick(self) -> Outbox:
         """Apply the passage of time up to ``clock()``; return the messages to send."""
         now = self.clock()
+        if self.reign.role != "solo":
+            self._check_reign()  # a reign that ran out steps down before anything else happens
+        if self.reign.reigning:
+            self._check_stragglers(now)
         while self.expiry:
             sid, s = next(iter(self.expiry.items()))
             if s.last_seen + self.config.heartbeat_timeout > now:
@@ -235,7 +271,9 @@ class ReferenceTable(
                 self._mark_dirty(model)
                 self._regrant_waiting(model)
         self._settle()
-        return self._flush()
+        out = self._flush()
+        self._count_grants(out, now)
+        return out
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (None: only on new messages)."""
@@ -246,6 +284,9 @@ class ReferenceTable(
             times.append(self._timers[0][0])
         if self.grace_until is not None:
             times.append(self.grace_until)
+        change = self.reign.next_change(self.clock()) if self.reign.role != "solo" else None
+        if change is not None:
+            times.append(change)
         return min(times) if times else None
 
     # ---- plumbing ----------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class GrantMixin:
             if key in below or (key in excluded and (excluded[key] or not retry_failed)):
                 return False
             h = by_id[key]
-            return h.replica is not own and h.state is not U and (pipeline or h.state is not P)
+            return h.replica is not own and h.state is not U and (pipeline or h.state is not P) and h.converting is None
 
         key = index.select(reader.session.location, self.rng, eligible, prefer)
         return by_id[key] if key is not None else None
@@ -103,10 +103,16 @@ class GrantMixin:
         """Give a partial holder (whose call is in flight) a source, or fail / park its call."""
         if reader.state is not P or reader.upstream is not None or reader.call is None:
             return
+        if reader.converting is not None:  # a converter: grant the source shards it lacks
+            self._convert(reader)
+            return
         txn, _ = reader.call
         pick = self._select(reader, txn.source_replica, retry_failed=False)
         if pick is None and reader.excluded and reader.failures <= _MAX_SOURCE_FAILURES:
             pick = self._select(reader, txn.source_replica, retry_failed=True)
+        if pick is None and reader.session.model.source is not None:
+            self._convert(reader)  # nobody holds this converted shard: convert it, or wait for its converter
+            return
         if pick is None:
             ctx = reader.session.ctx(reader.version)
             holders = self._holder_set(reader.session.model, reader.version, reader.shard_idx)
@@ -136,11 +142,20 @@ class GrantMixin:
             txn.source_replica = source.replica.name
         reader.waiting = False
         reader.session.model.waiting_readers.pop(reader, None)
+        g, info, token = self._open_grant(reader, source)
+        reader.upstream = g
+        s = reader.session
+        self._send(s, m.Grant(g.req, s.id, g.id, self.term, reader.version, reader.shard_idx, info, reader.checksums, token))
+
+    def _open_grant(self, reader: _Holder, source: _Holder) -> tuple[_Grant, m.SourceInfo, bytes | None]:
+        """Make a grant of ``source`` to ``reader`` (counted on the source), with what the reader
+        is told of the source and the token it shows it. The caller links it to the reader."""
+        assert reader.call is not None
+        txn, _ = reader.call
         g = _Grant(next(self._ids), reader, source, txn.shards[reader.shard_idx].req, self.clock())
         self.grants[g.id] = g
         self.stats["grants"] += 1
         source.grants[g.id] = g
-        reader.upstream = g
         serving = source.replica.serving
         count = serving.get(reader.replica.name, 0)
         serving[reader.replica.name] = count + 1
@@ -156,10 +171,10 @@ class GrantMixin:
             src_session.location,
             src_session.endpoint,
         )
-        s = reader.session
         key = src_session.grant_key
+        s = reader.session
         token = None if key is None else GrantToken(self.term, g.id, s.id, reader.version, g.created, self.config.grant_ttl).seal(key)
-        self._send(s, m.Grant(g.req, s.id, g.id, self.term, reader.version, reader.shard_idx, info, reader.checksums, token))
+        return g, info, token
 
     def _twin(self, replica: _Replica) -> _Replica | None:
         """The replica that shares ``replica``'s host and link: its offload seed replica, or the
@@ -212,6 +227,8 @@ class GrantMixin:
         del src.grants[g.id]
         if g.reader.upstream is g:
             g.reader.upstream = None
+        else:
+            self._grant_ended(g)
         serving = src.replica.serving
         key = g.reader.replica.name
         serving[key] -= 1
@@ -241,6 +258,8 @@ class GrantMixin:
         s = self._session(peer, msg.session)
         g = self._reader_grant(s, msg.grant, msg.term)
         reader = g.reader
+        if reader.converting is not None:
+            raise ContractViolation("a converter reports converted, not complete", **s.ctx(reader.version))
         self._end_grant(g, "completed")
         self._fire(reader, Event.COMPLETE)
         reader.verified = s.layout.total_bytes if s.layout else 0
@@ -248,8 +267,11 @@ class GrantMixin:
         reader.checksums = ver.checksums.get(reader.shard_idx, reader.checksums)
         self._ack(s, msg.req)
         # Readers pulling from this holder now see a complete source.
-        call = reader.call
-        reader.call = None
+        self._holding_done(reader)
+
+    def _holding_done(self, h: _Holder) -> None:
+        """``h`` holds its version whole now (pulled or converted): its call may be answered."""
+        call, h.call = h.call, None
         if call is not None:
             txn, idx = call
             if txn.replica.txns.get(txn.n) is txn and idx in txn.shards:
@@ -299,8 +321,9 @@ class GrantMixin:
         h.verify_pending = False
         self._ack(s, msg.req)
         model = s.model
+        waiting = self._waiting_of(model)  # converters of models converted from it wait on it too
         if not msg.ok:
-            for r in model.waiting_readers:
+            for r in waiting:
                 if r.excluded.get(h.id) is True:
                     r.blamed_bad = True  # if nothing else can serve it, say why: the copy was bad
             self._quarantine(h)
@@ -308,12 +331,13 @@ class GrantMixin:
             # Its copy is sound: the readers that blamed it saw bytes damaged on the way. Each
             # may use it again, once (a second mismatch from the same reader excludes it for
             # good: ``readmitted``), as a source that failed rather than one that lied.
-            for r in list(model.waiting_readers):
+            for r in waiting:
                 if r.excluded.get(h.id) is True and h.id not in r.readmitted:
                     r.excluded[h.id] = False
                     r.readmitted[h.id] = None
             h.reporters.clear()
         self._regrant_waiting(model)
+        self._wake_converters(model)
 
     def _quarantine(self, h: _Holder) -> None:
         self.stats["quarantined"] += 1

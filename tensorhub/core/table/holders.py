@@ -124,6 +124,7 @@ class HolderMixin:
             return  # already gone (a cascade of this same removal got to it first)
         if h.upstream is not None:
             self._end_grant(h.upstream, "cancelled")
+        self._end_conversion(h)
         readers = [g.reader for g in h.grants.values()]
         for g in list(h.grants.values()):
             self._revoke(g, reason)
@@ -142,6 +143,7 @@ class HolderMixin:
         will never progress, so they could not finish from it)."""
         if h.upstream is not None:
             self._end_grant(h.upstream, "cancelled")
+        self._end_conversion(h)
         h.waiting = False
         h.session.model.waiting_readers.pop(h, None)
         call, h.call = h.call, None
@@ -163,7 +165,7 @@ class HolderMixin:
         x = h
         for _ in range(1 << 20):
             if x.upstream is None:
-                return x.whole and x.state is not None
+                return (x.whole or self._convertible(x)) and x.state is not None
             x = x.upstream.source
         raise AssertionError("grant cycle")
 
@@ -172,6 +174,7 @@ class HolderMixin:
         ctx = h.session.ctx(h.version)
         if h.upstream is not None:
             self._end_grant(h.upstream, "cancelled")
+        self._end_conversion(h)
         readers = [g.reader for g in h.grants.values()]
         for g in list(h.grants.values()):
             self._revoke(g, "its source has no complete copy left")

@@ -86,6 +86,7 @@ class PublishMixin:
         if h.shard_idx in ver.checksums:
             return
         ver.checksums[h.shard_idx] = checksums
+        self._wake_converters(h.session.model)  # a converter waits for every source shard's checksums
         for other in ver.holders[h.shard_idx].values():  # readers pulling without them get them now
             if other.state is P and other.checksums is None:
                 other.checksums = checksums

@@ -28,7 +28,7 @@ from .. import messages as m
 from ..errors import NotRegistered, TensorHubError, VersionUnavailable
 from ..lifecycle import Event
 from ..naming import VersionSpec, parse_version_spec, seed_owner
-from .records import C, P, _all_done, _Model, _seed_name, _Session, _ShardCall, _Txn
+from .records import C, P, _all_done, _Model, _named, _seed_name, _Session, _ShardCall, _Txn
 
 
 class PullMixin:
@@ -41,16 +41,11 @@ class PullMixin:
         Raises:
             VersionUnavailable: it existed and is gone, or it can never exist.
         """
-        available = model.available
-        if spec.relative:
-            if not available:
-                return None
-            v = spec.resolve(available[-1])
-            if v < 0:
-                raise VersionUnavailable(f"{spec} is before version 0 (latest is {available[-1]})", **ctx)
-        else:
-            v = spec.version
-        assert v is not None
+        if model.source is not None:
+            return self._resolve_converted(model, spec, ctx)
+        v = _named(spec, model.available[-1] if model.available else None, ctx)
+        if v is None:
+            return None
         ver = model.versions.get(v)
         if ver is not None and ver.available:
             return v
@@ -225,3 +220,4 @@ class PullMixin:
         for call in list(txn.shards.values()):
             reply = m.Replicated(call.req, txn.version) if txn.kind == "replicate" else m.Updated(call.req, True, txn.version)
             self._finish_call(txn, call, reply)
+

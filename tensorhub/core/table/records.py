@@ -23,15 +23,17 @@ way), import IO or anything above the core, or hold a hash-ordered set of string
 
 from __future__ import annotations
 
+import enum
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Protocol
 
 from .. import messages as m
-from ..errors import InvalidArgument, TensorHubError
+from ..errors import InvalidArgument, InvalidTransition, TensorHubError, VersionUnavailable
 from ..layout import Layout
 from ..lifecycle import HolderState
-from ..naming import MAX_NAME_LEN, SEED_SUFFIX, seed_replica
+from ..naming import MAX_NAME_LEN, SEED_SUFFIX, VersionSpec, seed_replica
+from ..placement import PlacedTensor
 from ..topology import Location
 
 P, C, O, U = HolderState.PARTIAL, HolderState.COMPLETE, HolderState.OFFLOAD, HolderState.UNPUBLISHING
@@ -62,6 +64,7 @@ class TableConfig:
             queueing behind the slow link (DESIGN §5.6). Only with ``pipeline``.
         pin_timeout: how long a replicate/update that has decided its version keeps that version's
             sources for itself (a *pin*, see :mod:`tensorhub.core.table.pins`) after it decided.
+        straggler_window, straggler_ratio: see :mod:`tensorhub.core.table.stragglers`.
         grant_ttl: how long a grant token (:mod:`tensorhub.core.tokens`) admits its reader to
             the source's data plane after the grant; a pull still reading past it is refused by
             the source and granted again (with a fresh token).
@@ -74,10 +77,17 @@ class TableConfig:
     smart_skipping: bool = True
     pin_timeout: float = 300.0
     grant_ttl: float = 3600.0
+    #: stragglers (:mod:`tensorhub.core.table.stragglers`): a grant is judged on its progress over
+    #: this many seconds; its source is slow below ``straggler_ratio`` of the reference rate
+    #: (0, the default here: no straggler detection; ``tensorhub server`` turns it on at 0.25)
+    straggler_window: float = 5.0
+    straggler_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0 or self.drain_timeout <= 0 or self.pin_timeout <= 0:
             raise InvalidArgument("heartbeat_interval, drain_timeout and pin_timeout must be > 0")
+        if self.straggler_window <= 0 or not 0 <= self.straggler_ratio < 1:
+            raise InvalidArgument("straggler_window must be > 0 and straggler_ratio in [0, 1)")
         if not 1.0 <= self.grant_ttl <= 1e6:
             raise InvalidArgument(f"grant_ttl must be in [1, 1e6] seconds, got {self.grant_ttl}")
         if self.heartbeat_timeout < 10 * self.heartbeat_interval:
@@ -107,7 +117,7 @@ class _Holder:
     __slots__ = (
         "id", "session", "version", "shard_idx", "state", "kind", "grants", "upstream", "excluded", "failures",
         "verified", "checksums", "reporters", "readmitted", "blamed_bad", "verify_pending", "offload_pending", "drain_deadline",
-        "on_drained", "on_offloaded", "call", "waiting", "whole", "last_failure",
+        "on_drained", "on_offloaded", "call", "waiting", "whole", "last_failure", "converting",
     )  # fmt: skip
 
     def __init__(self, hid: int, session: "_Session", version: int, kind: str) -> None:
@@ -135,6 +145,9 @@ class _Holder:
         self.waiting = False  # a partial holder waiting for a source (grace period)
         self.whole = False  # has held the whole shard (complete or offload), so can finish readers
         self.last_failure = ""  # the reason the last source that failed this reader gave (for its error)
+        #: a converter's grants, by source shard (a holder of a converted model building its shard
+        #: from the source model's holders: :mod:`.conversions`); empty for every other holder
+        self.converting: dict[int, _Grant] | None = None
 
     @property
     def replica(self) -> "_Replica":
@@ -183,11 +196,45 @@ class _ShardCall:
         self.done = False
 
 
+class CallState(enum.Enum):
+    """Where a model-parallel call is in deciding its answer (:data:`CALL_TRANSITIONS`)."""
+
+    OPEN = "open"  # undecided: collecting its shards, looking for (or parked until) its version
+    DECIDED = "decided"  # its answer is decided and it does not move (publish, list, an update that stays)
+    MOVING = "moving"  # a replicate/update that decided a version and replaces what the replica held
+
+
+class CallEvent(enum.Enum):
+    DECIDE = "decide"  # its answer (or error) is decided
+    MOVE = "move"  # it decided to replace the replica's holding with a version
+    STAY = "stay"  # it decided (or will decide) not to move
+
+
+_O, _D, _M = CallState.OPEN, CallState.DECIDED, CallState.MOVING
+
+#: ``{(state, event): next state}`` of a call; an event with no entry raises InvalidTransition and
+#: changes nothing. An error is data beside the state (``_Txn.error``, like its answer), and so is
+#: ``waiting`` (the call is in its model's parked set, to be woken when versions change; a call
+#: restored decided by a failover may still be parked).
+CALL_TRANSITIONS: dict[tuple[CallState, CallEvent], CallState] = {
+    (_O, CallEvent.DECIDE): _D,
+    (_D, CallEvent.DECIDE): _D,
+    (_M, CallEvent.DECIDE): _M,
+    (_O, CallEvent.MOVE): _M,  # decided (or about to be) to move
+    (_D, CallEvent.MOVE): _M,  # a call restored after a failover: decided, then told it moved
+    (_M, CallEvent.MOVE): _M,  # its pin moved to a newer version
+    (_O, CallEvent.STAY): _O,
+    (_D, CallEvent.STAY): _D,
+}
+
+
 class _Txn:
-    """One model-parallel call (replica, call number)."""
+    """One model-parallel call (replica, call number). Its decision is a state
+    (:class:`CallState`) changed only by :meth:`fire` through :data:`CALL_TRANSITIONS`;
+    ``decided`` and ``moved`` are views of it (assigning one fires its event)."""
 
     __slots__ = (
-        "n", "kind", "args", "replica", "decided", "version", "moved", "answer", "error", "deadline",
+        "n", "kind", "args", "replica", "state", "version", "answer", "error", "deadline",
         "shards", "consumed", "source_replica", "offered", "waiting", "offload_seed", "skipped", "seed", "pinned_until",
     )  # fmt: skip
 
@@ -196,9 +243,8 @@ class _Txn:
         self.kind = kind
         self.args = args
         self.replica = replica
-        self.decided = False
+        self.state = CallState.OPEN
         self.version: int | None = None
-        self.moved = False  # replicate/update started replacing what the replica held
         self.answer: Any = None
         self.error: TensorHubError | None = None
         self.deadline: float | None = None
@@ -206,11 +252,43 @@ class _Txn:
         self.consumed: dict[int, None] = {}
         self.source_replica: str | None = None
         self.offered: dict[int, tuple[m.VersionEntry, ...]] = {}
-        self.waiting = False  # parked until the version it names exists
+        self.waiting = False  # parked until the version it names exists (or a failover settles)
         self.offload_seed = False  # update: the replica seeds into a CPU copy rather than stall
         self.skipped: int | None = None  # update: the newer version it skipped (being seeded here)
         self.seed: int | None = None  # update: the version the replica is to offload-seed
         self.pinned_until: float | None = None  # replicate/update: its version is pinned until then
+
+    def fire(self, event: CallEvent) -> None:
+        """Apply ``event``.
+
+        Raises:
+            InvalidTransition: the call has no transition on it in its state; nothing changes.
+        """
+        try:
+            self.state = CALL_TRANSITIONS[(self.state, event)]
+        except KeyError:
+            raise InvalidTransition(
+                f"call {self.n} ({self.kind}) in state {self.state.value!r} has no transition on {event.value!r}"
+            ) from None
+
+    @property
+    def decided(self) -> bool:
+        return self.state is CallState.DECIDED or self.state is CallState.MOVING
+
+    @decided.setter
+    def decided(self, value: bool) -> None:
+        if not value:
+            raise InvalidTransition(f"call {self.n} ({self.kind}): a decision is never taken back")
+        self.fire(CallEvent.DECIDE)
+
+    @property
+    def moved(self) -> bool:
+        """A replicate/update that started replacing what the replica held."""
+        return self.state is CallState.MOVING
+
+    @moved.setter
+    def moved(self, value: bool) -> None:
+        self.fire(CallEvent.MOVE if value else CallEvent.STAY)
 
 
 class _Replica:
@@ -264,12 +342,16 @@ class _Model:
         "name", "num_shards", "layouts", "versions", "highest_published", "replicas", "declarations",
         "epoch", "listing", "available", "listing_stale", "changed", "availability_changed", "waits", "parked",
         "offload_holders", "dirty_shards", "retention_changed", "waiting_readers", "gc_needed", "seeds", "pins",
+        "source", "placements",
     )  # fmt: skip
 
-    def __init__(self, name: str, num_shards: int) -> None:
+    def __init__(self, name: str, num_shards: int, source: str | None = None) -> None:
         self.name = name
         self.num_shards = num_shards
+        self.source = source  # the model this one is a converted layout of (:mod:`.conversions`)
         self.layouts: dict[int, tuple[Layout, int]] = {}  # shard_idx -> (layout, sessions using it)
+        #: shard_idx -> the placements registered with its layout (None: registered without)
+        self.placements: dict[int, tuple[PlacedTensor, ...] | None] = {}
         self.versions: dict[int, _Version] = {}
         self.highest_published: int | None = None
         self.replicas: dict[str, _Replica] = {}
@@ -375,3 +457,20 @@ def _all_done(txn: _Txn) -> bool:
         if h is None or h.version != txn.version or h.state is not C:
             return False
     return True
+
+def _named(spec: VersionSpec, newest: int | None, ctx: dict) -> int | None:
+    """The version ``spec`` names when ``newest`` is the latest available (None: a relative spec
+    with nothing available yet: wait).
+
+    Raises:
+        VersionUnavailable: a relative spec that reaches below version 0.
+    """
+    if not spec.relative:
+        assert spec.version is not None
+        return spec.version
+    if newest is None:
+        return None
+    v = spec.resolve(newest)
+    if v < 0:
+        raise VersionUnavailable(f"{spec} is before version 0 (latest is {newest})", **ctx)
+    return v

@@ -28,6 +28,7 @@ from .. import messages as m
 from ..errors import (
     ContractViolation,
     Fenced,
+    InvalidPlacement,
     LayoutMismatch,
     NotRegistered,
     ReplicaRemoved,
@@ -69,6 +70,7 @@ class SessionMixin:
                 replica=msg.replica,
                 shard=msg.shard_idx,
             )
+        self._check_source(model, msg)
         slot = (msg.model, msg.replica, msg.shard_idx)
         old = self.by_slot.get(slot)
         if old is not None and old.incarnation == msg.incarnation:
@@ -89,7 +91,7 @@ class SessionMixin:
             replica = None
             model = self.models.get(msg.model)  # it may have been dropped with the old replica
         if model is None:
-            model = self.models[msg.model] = _Model(msg.model, msg.num_shards)
+            model = self.models[msg.model] = _Model(msg.model, msg.num_shards, msg.source)
         if replica is None:
             replica = model.replicas.get(msg.replica)
             if replica is None:
@@ -120,7 +122,15 @@ class SessionMixin:
         known = model.layouts.get(s.shard_idx)
         if known is not None and known[0] != msg.layout:
             raise LayoutMismatch(_layout_diff(known[0], msg.layout), **s.ctx())
+        if model.source is not None and msg.placements is None:
+            raise InvalidPlacement(
+                f"a shard of a model converted from {model.source!r} must register its tensors' placements", **s.ctx()
+            )
+        placed = model.placements.get(s.shard_idx)
+        if known is not None and placed != msg.placements:
+            raise LayoutMismatch(_placement_diff(placed, msg.placements), **s.ctx())
         model.layouts[s.shard_idx] = (msg.layout, (known[1] if known else 0) + 1)
+        model.placements[s.shard_idx] = msg.placements
         s.layout = msg.layout
         s.endpoint = msg.endpoint
         s.grant_key = msg.grant_key
@@ -148,6 +158,7 @@ class SessionMixin:
         layout, users = model.layouts[s.shard_idx]
         if users <= 1:
             del model.layouts[s.shard_idx]
+            model.placements.pop(s.shard_idx, None)
         else:
             model.layouts[s.shard_idx] = (layout, users - 1)
         s.layout = None
@@ -224,7 +235,9 @@ class SessionMixin:
             s.peer = peer
             s.last_seen = now
             self.expiry.move_to_end(sid)
-        self._out.append((peer, m.HeartbeatAck(msg.req, tuple(unknown))))
+        # the term says which start of the server answered (a client that sees it change knows the
+        # server restarted, even when no silence said so); a reigning rule adds its stamp and lease
+        self._out.append((peer, m.HeartbeatAck(msg.req, tuple(unknown), term=self.term)))
 
 
 def _layout_diff(known: Layout, got: Layout) -> str:
@@ -234,3 +247,14 @@ def _layout_diff(known: Layout, got: Layout) -> str:
         if a != b:
             return f"tensor {b.name!r} ({b.dtype}{list(b.shape)}) differs from {a.name!r} ({a.dtype}{list(a.shape)})"
     return "layout parameters (checksum, chunk size, pack threshold) differ from other holders of this shard"
+
+
+def _placement_diff(known: tuple | None, got: tuple | None) -> str:
+    """What differs between two registrations' placements (same layout), for LayoutMismatch."""
+    if known is None or got is None:
+        which = "without" if known is None else "with"
+        return f"this shard's holders registered {which} placements; this registration {'has' if got else 'has none'}"
+    for a, b in zip(known, got):
+        if a != b:
+            return f"tensor {a.name!r}: placement {a.placement} at {a.coord}; this registration says {b.placement} at {b.coord}"
+    return "placements differ"

@@ -72,6 +72,9 @@ class SettleMixin:
             model.availability_changed = False
             self._wake_parked(model)
             self._redecide(model)
+            for x in self._converted_models(model):  # their versions are this model's too
+                self._wake_parked(x)
+                self._regrant_waiting(x)
         if model.gc_needed:
             model.gc_needed = False
             self._gc_versions(model)

@@ -1,0 +1,395 @@
+"""The converter: build a shard of a converted model from the source model's shards.
+
+Theory of operation
+-------------------
+A handle opened with ``convert_from=`` holds its model in another layout than the source's
+(other names, another number of shards, fused projections, FP8). When the server makes its
+shard the converter of a version (:mod:`tensorhub.core.table.conversions`), it sends one
+``Convert`` naming, per source shard, a holder, that shard's layout and placements, its
+checksums and the grant token. :class:`Conversion` then:
+
+1. **plans**, in a worker thread, once per process and layouts (later versions reuse the plan): :func:`tensorhub.scheduling.reshard.plan` of the source
+   replica's layout, this shard's placements and the handle's mapping, for this destination shard
+   only (``only=``), tasks split so that one fits a quarter of the budget;
+2. runs the tasks as a **bounded pipeline**: each task's reads are fetched (grown to whole
+   checksum units of the source, so each unit is verified against the source's declared
+   checksum before any of its bytes are used: integrity holds for slices too), then gathered,
+   transformed (cast, FP8 block quantization) and landed in this shard's registered tensors in
+   a worker thread, while the next tasks' reads are on the wire. A task starts only when its
+   temporary bytes (staged reads + the gathered region + the result) fit in what the budget has
+   left, or when nothing else runs (a task larger than the budget runs alone; the peak says so);
+3. packs the tiny tensors, hashes its own bytes and reports ``Converted`` with those checksums.
+   From then on the shard is an ordinary complete holder: its peers of the same layout pull the
+   converted bytes from it, pipelined, and never convert again.
+
+A read that fails (transport error, dead source) reports ``SourceFailed`` for that source's grant
+and waits for the server to grant that source shard again (a ``Convert`` naming only it); a unit
+that fails its checksum reports ``ChecksumFailed`` (the server has the source check itself) and
+waits the same way. Tasks already landed stay landed: what was verified is kept. Each read is
+tried at most ``_ATTEMPTS`` times. Cancelling the conversion (the call failed or was abandoned, a
+newer version, the server lost) waits for the reads in flight to end before it returns, so no
+late read writes into the buffers; the progress counter says "nothing held" until ``Converted``.
+
+Reads go through the transports that can land a range of a source shard in a staging buffer of
+this process (``local``, ``tcp``): a one-sided transport registers whole shards, so an edge that
+would use one converts over ``tcp`` instead (the converted copy then moves over the fast path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tensorhub.core import messages as m
+from tensorhub.core.errors import InvalidArgument, TransportError
+from tensorhub.core.layout import Plan, Unit, plan_of
+from tensorhub.core.placement import PlacedTensor, ReplicaLayout
+from tensorhub.reshard.transforms import run_task, torch_dtype
+from tensorhub.scheduling.mapping import IDENTITY, Mapping
+from tensorhub.scheduling.reshard import Read, ShardPlan, Task, plan
+from tensorhub.transports.buffers import ShardBuffers, memory_of
+
+from . import checksum
+
+if TYPE_CHECKING:
+    from tensorhub.transports.base import Transport
+
+__all__ = ["DEFAULT_BUDGET", "Conversion", "ConversionStats", "ConvertSpec"]
+
+#: Temporary bytes a conversion may hold at once, by default.
+DEFAULT_BUDGET = 512 << 20
+#: Tries of one read (a re-granted source counts as a new try).
+_ATTEMPTS = 8
+#: Transports that land a range of a source shard in a staging buffer.
+_STAGED = ("local", "tcp")
+#: Plans kept per process, by (source layout, destination layout, mapping, shard, task size).
+_PLANS_KEPT = 16
+_PLANS: dict[tuple, ShardPlan] = {}
+
+
+@dataclass(frozen=True)
+class ConvertSpec:
+    """What a converting handle declares: its shard's placements (layout order), its replica's
+    number of shards, the mapping from the source's names, and the temporary-memory budget."""
+
+    placements: tuple[PlacedTensor, ...]
+    num_shards: int
+    shard_idx: int
+    mapping: Mapping = IDENTITY
+    budget: int = DEFAULT_BUDGET
+
+    def __post_init__(self) -> None:
+        if type(self.budget) is not int or self.budget < 1:
+            raise InvalidArgument(f"convert_budget must be an int >= 1 (bytes), got {self.budget!r}")
+        if not isinstance(self.mapping, Mapping):
+            raise InvalidArgument(f"mapping must be a tensorhub.scheduling.mapping.Mapping, got {type(self.mapping).__name__}")
+
+
+@dataclass
+class ConversionStats:
+    """What one conversion did (``AsyncShardHandle.last_conversion``)."""
+
+    version: int
+    tasks: int = 0
+    read_bytes: int = 0  #: bytes fetched from sources (whole checksum units)
+    needed_bytes: int = 0  #: bytes the plan's reads needed
+    peak_bytes: int = 0  #: the most temporary bytes held at once (accounted)
+    budget: int = 0
+    plan_s: float = 0.0
+    seconds: float = 0.0
+    failures: int = 0  #: reads that failed or failed verification (and were tried again)
+    sources: list[str] = field(default_factory=list)
+
+
+class _Window(ShardBuffers):
+    """A source shard's transfer space with only ``[base, base + len(staging))`` backed, by a
+    staging buffer of this process: what a transport reads a range of a source shard into."""
+
+    def __init__(self, plan_: Plan, base: int, staging: torch.Tensor) -> None:
+        self.layout = plan_.layout
+        self.plan = plan_
+        self.tensors = []
+        self.regions = [None] * len(plan_.regions)
+        self.starts = [r.offset for r in plan_.regions]
+        self.total_bytes = plan_.total_bytes
+        self.on_cuda = False
+        self._parts = {}
+        self._base = base
+        self._staging = staging
+        self._view = memory_of(staging)
+
+    def _at(self, offset: int, length: int) -> int:
+        at = offset - self._base
+        if at < 0 or at + length > len(self._view):
+            raise InvalidArgument(f"byte range [{offset}, {offset + length}) is outside the staged window")
+        return at
+
+    def views(self, offset: int, length: int) -> list[memoryview]:
+        at = self._at(offset, length)
+        return [self._view[at : at + length]]
+
+    def spans(self, offset: int, length: int) -> list[tuple[int, int]]:
+        return [(self._staging.data_ptr() + self._at(offset, length), length)]
+
+    def copy_in(self, offset: int, src: memoryview) -> None:
+        at = self._at(offset, len(src))
+        self._view[at : at + len(src)] = src
+
+
+@dataclass
+class _Source:
+    grant: int
+    term: int
+    info: m.SourceInfo
+    checksums: tuple[int, ...]
+    token: bytes | None
+    plan: Plan
+    peer: tuple[Transport, dict, int] | None = None
+    generation: int | None = None
+
+
+class _Budget:
+    """Temporary bytes: a task waits until its bytes fit, or until nothing else is held."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._cond = asyncio.Condition()
+
+    async def take(self, n: int) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    async def give(self, n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+Report = Callable[[Callable[[int], Any], bool], None]
+Pick = Callable[[m.SourceInfo], "tuple[Transport, dict, int]"]
+
+
+class Conversion:
+    """One conversion of ``version`` into ``buffers``. :meth:`start` it, feed it further
+    ``Convert`` messages with :meth:`regrant` and revocations with :meth:`revoke`; :meth:`cancel`
+    stops it (and waits for its reads)."""
+
+    def __init__(
+        self, session: int, msg: m.Convert, spec: ConvertSpec, buffers: ShardBuffers, report: Report, pick: Pick, log: Any
+    ) -> None:
+        self.session = session
+        self.version = msg.version
+        self.term = msg.term
+        self.spec = spec
+        self.buffers = buffers
+        self.report = report
+        self.pick = pick
+        self.log = log
+        self.source_shards = msg.source_shards
+        self.sources: dict[int, _Source] = {}
+        self.ready: dict[int, asyncio.Event] = {i: asyncio.Event() for i in range(msg.source_shards)}
+        self.stats = ConversionStats(msg.version, budget=spec.budget)
+        self.task: asyncio.Task | None = None
+        self.done = False
+        self._layouts: dict[int, tuple[PlacedTensor, ...]] = {}  # each source shard's placements
+        self._plans: dict[int, Plan] = {}  # and packing plan (the same for every holder of the shard)
+        self._names: dict[int, dict[str, int]] = {}
+        self.sums: tuple[int, ...] | None = None
+        self.regrant(msg)
+
+    # ---- messages ------------------------------------------------------------------------------
+
+    def regrant(self, msg: m.Convert) -> None:
+        """Take the sources a ``Convert`` names (the first one, or a re-grant of some)."""
+        if msg.version != self.version or msg.source_shards != self.source_shards:
+            raise InvalidArgument(f"convert for version {msg.version} of {msg.source_shards} shards during that of {self.version}")
+        self.term = msg.term
+        for s in msg.sources:
+            if not 0 <= s.shard_idx < self.source_shards:
+                raise InvalidArgument(f"convert names source shard {s.shard_idx} of {self.source_shards}")
+            self._layouts[s.shard_idx] = s.placements
+            self._plans[s.shard_idx] = plan_of(s.layout)
+            self._names[s.shard_idx] = {t.name: i for i, t in enumerate(s.layout.tensors)}
+            self.sources[s.shard_idx] = _Source(s.grant, msg.term, s.source, s.checksums, s.token, self._plans[s.shard_idx])
+            self.stats.sources.append(f"{s.source.replica}/{s.source.shard_idx}")
+            self.ready[s.shard_idx].set()
+
+    def revoke(self, term: int, grant: int) -> bool:
+        """The server revoked a grant: if it is one of ours, wait for that shard's next one."""
+        for i, src in self.sources.items():
+            if (src.term, src.grant) == (term, grant):
+                del self.sources[i]
+                self.ready[i].clear()
+                return True
+        return False
+
+    def start(self) -> asyncio.Task:
+        self.task = asyncio.ensure_future(self._run())
+        return self.task
+
+    async def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            await asyncio.wait([self.task])
+
+    # ---- the work ------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        t0 = time.perf_counter()
+        b = self.buffers
+        b.progress.reset(self.version, 0)
+        source = ReplicaLayout(tuple(self._layouts[i] for i in range(self.source_shards)))
+        shards: list[tuple[PlacedTensor, ...]] = [() for _ in range(self.spec.num_shards)]
+        shards[self.spec.shard_idx] = self.spec.placements
+        dest = ReplicaLayout(tuple(shards))
+        chunk = max(p.layout.chunk_bytes for p in self._plans.values())
+        task_bytes = max(self.spec.budget // 4, 4 * chunk)
+        key = (source, dest, self.spec.mapping, self.spec.shard_idx, task_bytes)
+        shard_plan = _PLANS.get(key)
+        if shard_plan is None:  # the same layouts every version: planned once
+            shard_plan = (
+                await asyncio.to_thread(plan, source, dest, self.spec.mapping, only=(self.spec.shard_idx,), max_task_bytes=task_bytes)
+            ).shards[0]
+            _PLANS[key] = shard_plan
+            while len(_PLANS) > _PLANS_KEPT:
+                del _PLANS[next(iter(_PLANS))]
+        self.stats.plan_s = time.perf_counter() - t0
+        self.stats.tasks = len(shard_plan.tasks)
+        dest_tensors = {spec.name: t for spec, t in zip(b.layout.tensors, b.tensors)}
+        budget = _Budget(self.spec.budget)
+        running: set[asyncio.Task] = set()
+        try:
+            for task in shard_plan.tasks:
+                cost = self._cost(task)
+                await budget.take(cost)
+                t = asyncio.ensure_future(self._task(task, dest_tensors, budget, cost))
+                running.add(t)
+                t.add_done_callback(running.discard)
+                failed = [x for x in list(running) if x.done() and x.exception() is not None]
+                if failed:
+                    raise failed[0].exception()  # type: ignore[misc]
+            if running:
+                await asyncio.gather(*running)
+        except BaseException:
+            for t in running:
+                t.cancel()
+            if running:
+                await asyncio.wait(running)  # no read may land after we return
+            b.progress.reset(None)
+            raise
+        if b.packed:
+            await asyncio.to_thread(b.pack)
+        b.progress.advance(b.total_bytes)
+        sums = tuple(await asyncio.to_thread(checksum.compute, b))
+        self.stats.peak_bytes = budget.peak
+        self.stats.seconds = time.perf_counter() - t0
+        self.done = True
+        version, term, session = self.version, self.term, self.session
+        self.report(lambda req: m.Converted(req, session, term, version, sums), False)
+        self.sums = sums
+
+    def _cost(self, task: Task) -> int:
+        staged = sum(self._span(r)[2] for r in task.reads)
+        out = sum(math.prod(o.take.shape) for o in task.outputs) * 4
+        return staged + task.nbytes + out
+
+    def _span(self, read: Read) -> tuple[list[Unit], int, int]:
+        """The source units covering ``read``, their first transfer offset and total bytes."""
+        plan_ = self._plans[read.shard]
+        index = self._names[read.shard][read.tensor]
+        end = read.start + sum((c - 1) * p for c, p in zip(read.counts, read.pitches)) + read.length
+        units = [u for u in plan_.units if u.tensor == index and u.start < end and u.start + u.length > read.start]
+        if not units:
+            return [], 0, 0
+        first = units[0].offset
+        return units, first, units[-1].offset + units[-1].length - first
+
+    async def _task(self, task: Task, dest: dict[str, torch.Tensor], budget: _Budget, cost: int) -> None:
+        try:
+            views = []
+            for read in task.reads:
+                views.append(await self._fetch(read, task.dtype))
+            await asyncio.to_thread(run_task, task, views, dest)
+        finally:
+            await budget.give(cost)
+
+    async def _fetch(self, read: Read, dtype: str) -> torch.Tensor:
+        """``read``'s box of the source tensor, as a view of verified staged bytes."""
+        self.stats.needed_bytes += read.nbytes
+        for _attempt in range(_ATTEMPTS):
+            await self.ready[read.shard].wait()
+            src = self.sources[read.shard]
+            units, base, n = self._span(read)
+            staging = torch.empty(n, dtype=torch.uint8)
+            try:
+                if n:
+                    await self._read(src, base, staging)
+                bad = await asyncio.to_thread(_first_bad, staging, base, units, src.checksums)
+            except (TransportError, InvalidArgument) as err:
+                reason = str(err)[:1000]
+                self._failed(read.shard, src, lambda req: m.SourceFailed(req, self.session, src.grant, src.term, 0, reason))
+                continue
+            if bad is not None:
+                self.log.error("source bytes failed verification while converting", source=src.info.replica,
+                               shard=read.shard, unit=bad)  # fmt: skip
+                unit = bad
+                self._failed(read.shard, src, lambda req: m.ChecksumFailed(req, self.session, src.grant, src.term, 0, unit))
+                continue
+            self.stats.read_bytes += n
+            elem = torch.empty((), dtype=torch_dtype(dtype)).element_size()
+            tensor = staging.view(torch_dtype(dtype)) if n else torch.empty(0, dtype=torch_dtype(dtype))
+            offset = (read.start - (units[0].start if units else 0)) // elem
+            local = self._local_strides(read)
+            return tensor.as_strided(read.box.shape, local, offset)
+        raise TransportError(f"source shard {read.shard}: {_ATTEMPTS} reads of {read.tensor!r} failed")
+
+    def _local_strides(self, read: Read) -> tuple[int, ...]:
+        """Row-major element strides of the read's source shard's local tensor."""
+        layout = self._layouts[read.shard]
+        pt = next(p for p in layout if p.name == read.tensor)
+        shape = pt.local_shape()
+        strides, acc = [], 1
+        for d in reversed(shape):
+            strides.append(acc)
+            acc *= d
+        return tuple(reversed(strides))
+
+    def _failed(self, shard: int, src: _Source, build: Callable[[int], Any]) -> None:
+        """A source failed a read: tell the server once per grant, and wait for the next grant."""
+        self.stats.failures += 1
+        if self.sources.get(shard) is src:
+            del self.sources[shard]
+            self.ready[shard].clear()
+            self.report(build, False)
+
+    async def _read(self, src: _Source, base: int, staging: torch.Tensor) -> None:
+        if src.peer is None:
+            src.peer = self.pick(src.info)
+        transport, peer, region = src.peer
+        kw: dict[str, Any] = {}
+        if getattr(transport, "checks_grants", False):
+            kw["token"] = src.token
+        window = _Window(src.plan, base, staging)
+        gen = await transport.read(peer, region, self.version, base, staging.numel(), window, src.generation, **kw)
+        if src.generation is None and isinstance(gen, int):
+            src.generation = gen
+
+
+def _first_bad(staging: torch.Tensor, base: int, units: Sequence[Unit], expected: Sequence[int]) -> int | None:
+    """The first unit whose staged bytes do not hash to its declared checksum, or None."""
+    view = memory_of(staging) if staging.numel() else memoryview(b"")
+    for u in units:
+        at = u.offset - base
+        if checksum.digest(view[at : at + u.length]) != expected[u.index]:
+            return u.index
+    return None
