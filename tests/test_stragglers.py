@@ -102,7 +102,9 @@ def test_a_stalled_source_without_closing_is_left_and_none_is_left_without_a_sou
     r1.replicate(1)
     r2.replicate(1)
     grants = {r1: r1.grant(), r2: r2.grant()}
-    run(d, 6.0, {r1: 5 * MB, r2: 0}, grants)  # r2's source stalls (alive, silent)
+    run(d, 6.0, {r1: 5 * MB, r2: 0}, grants)  # r2's source stalls (alive, silent) from the start
+    assert not r2.take(m.Revoke)  # no first report yet: its source may only be busy, for three windows
+    run(d, 10.0, {r1: 5 * MB, r2: 0}, grants)
     (rv,) = r2.take(m.Revoke)
     assert "stalled" in rv.reason
     # alone with a stalled source (no other holder): nothing to move to, so it stays

@@ -8,7 +8,8 @@ decision, at every :meth:`~tensorhub.core.table.ReferenceTable.tick`, to move a 
 source that is too slow.
 
 How slow is told from busy. A grant is judged only after ``straggler_window`` seconds, on the
-bytes its reader verified over the last window. A source serving several readers splits its
+bytes its reader verified over the last window (a grant without any progress report yet only
+after three windows: a busy source takes longer to a reader's first report). A source serving several readers splits its
 link between them, so each of its grants is slow while the source is not: what is judged is the
 source's **aggregate** rate (the sum over its judged grants), against the **reference** rate of
 the same model and link class (the best of the recently completed grants' rates and of the
@@ -41,6 +42,10 @@ from .records import P, _Grant, _Holder
 
 _SAMPLES = 32  # progress reports kept per grant
 _RECENT = 16  # completed-grant rates kept per (model, link class)
+#: Windows a grant may go without its first progress report before it counts as stalled (a
+#: first report comes after about an eighth of the shard, which a source whose link is shared by
+#: several readers takes several times longer to move: busy, not slow).
+_FIRST_REPORT = 3
 
 
 class StragglerMixin:
@@ -111,6 +116,8 @@ class StragglerMixin:
             layout = r.session.layout
             slack = (layout.total_bytes // 8) if layout is not None else 0  # a reader reports every ~1/8
             caught_up = src.state is P and r.verified + slack >= src.verified
+            if not caught_up and g.id not in self.pace and now - g.created < _FIRST_REPORT * window:
+                continue  # no report yet: a source sharing its link may take longer to a first eighth
             rate = self._rate(g, now, window)
             judged[gid] = (rate, caught_up)
             if not caught_up:
