@@ -19,8 +19,9 @@ if _REASON:
     pytestmark.append(pytest.mark.skip(reason=f"no emulated cluster here: {_REASON}"))
 
 #: The slow run must end within this share of the time the slowed relay alone would take to
-#: serve the readers the rest of the shard (at 5 % of 100 Mbit/s): proof that they moved.
-SHARE = 0.5
+#: serve the readers the rest of the shard (at 5 % of 100 Mbit/s): proof that they moved (not
+#: a speed figure: a moved reader's new grant may wait up to three windows for its first report).
+SHARE = 0.8
 
 
 def test_a_relay_slowed_mid_pull_loses_its_readers_to_a_faster_source() -> None:
