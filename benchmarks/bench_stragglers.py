@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_cluster_masking import _granted, _last_progress
 from benchmarks.cluster import Cluster, _rate_bits, available, leftovers
 from benchmarks.cluster_jobs import MIB, SERVER_PORT, Job, JobError, Proc, median, publish, rate_bytes
 
@@ -75,17 +76,6 @@ def server_stats(cluster: Cluster, host: str, address: str, timeout: float = 30.
         return dict(json.loads(out)["stats"])
     except (ValueError, KeyError, TypeError):
         raise JobError(f"`tensorhub status` on {host}: unreadable answer: {out[-300:]} {err[-500:]}") from None
-
-
-def _granted(p: Proc, version: int, since: int, timeout: float, what: str, min_verified: int = 0) -> dict[str, Any]:
-    """The first ``progress`` event of ``p`` showing ``version`` with at least ``min_verified``."""
-    return p.wait_event(lambda ev: ev.get("event") == "progress" and ev.get("version") == version
-                        and ev.get("verified", 0) >= min_verified, timeout, what, since)  # fmt: skip
-
-
-def _last_progress(p: Proc, version: int) -> int:
-    seen = [ev["verified"] for ev in list(p.events) if ev.get("event") == "progress" and ev.get("version") == version]
-    return max(seen, default=0)
 
 
 def one_run(cluster: Cluster, trainer: Proc, relay: Proc, readers: Sequence[Proc], version: int, size: int,
