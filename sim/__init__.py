@@ -9,6 +9,7 @@ network, at up to thousands of GPUs.
   and clients (the real protocol and the real replication session).
 - :mod:`tensorhub.sim.baselines`: NCCL, UCX and Ray object store models, parameters set once.
 - :mod:`tensorhub.sim.reshard`: resharding (bf16 trainers -> fp8 engines) at the Perplexity write-up's shapes.
+- :mod:`tensorhub.sim.deltas`: cross-datacenter replication with deltas (issue 21), full seeding against deltas per version.
 - :mod:`tensorhub.sim.scenarios`: the paper's experiments and a churn test; :mod:`tensorhub.sim.report` prints,
   saves and draws them; :mod:`tensorhub.sim.cli` is ``tensorhub sim``.
 """

@@ -4,6 +4,11 @@
 value, the simulated one and their ratio, flagging those more than 20 % off. ``tensorhub sim
 reshard`` (not a paper scenario) prints resharding at the Perplexity write-up's shapes beside its
 published times.
+
+``tensorhub sim crossdc --deltas`` prints, after the paper's Fig. 12 (unchanged), the paper's 1T
+case version after version with full seeding and with deltas side by side (issue 21;
+:mod:`tensorhub.sim.deltas`): the delta's size is the encoding rule's for ``--unchanged`` of
+``--dtype`` (default the measured 98.35 % of bf16), or ``--delta-ratio`` x the shard.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ import time
 
 from tensorhub.core.errors import TensorHubError
 
+from .deltas import MEASURED_UNCHANGED, DeltaInputs, crossdc_deltas
 from .report import format_headlines, format_result, save
 from .reshard import reshard
-from .scenarios import SCENARIOS, run
+from .scenarios import MODELS, SCENARIOS, Result, run
 
 __all__ = ["main"]
 
@@ -40,19 +46,58 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="write <scenario>.json and <scenario>.png here"
     )
     p.add_argument("--quick", action="store_true", help="fewer points per scenario")
+    d = p.add_argument_group("deltas (crossdc only; issue 21)")
+    d.add_argument(
+        "--deltas", action="store_true",
+        help="also run the cross-datacenter case version after version, full seeding against deltas",
+    )  # fmt: skip
+    d.add_argument(
+        "--unchanged", type=float, default=MEASURED_UNCHANGED,
+        help=f"fraction of elements unchanged per version (default {MEASURED_UNCHANGED}, measured by bench_delta.py)",
+    )  # fmt: skip
+    d.add_argument("--dtype", default="bfloat16", help="the published weights' dtype (default bfloat16)")
+    d.add_argument(
+        "--delta-ratio", type=float, default=None,
+        help="a delta is this fraction of the full shard (instead of --unchanged and the encoding rule)",
+    )  # fmt: skip
+    d.add_argument("--model", choices=list(MODELS), default="1T", help="a row of the paper's Table 3 (default 1T)")
+    d.add_argument("--versions", type=int, default=3, help="versions published (default 3)")
+    d.add_argument(
+        "--apply-gbps", type=float, default=2000.0,
+        help="GPU memory bandwidth of applying a delta, GB/s of bytes touched (default 2000)",
+    )  # fmt: skip
     return p
 
 
+def _delta_inputs(args: argparse.Namespace) -> DeltaInputs:
+    return DeltaInputs(
+        unchanged=args.unchanged, dtype=args.dtype, ratio=args.delta_ratio, apply_gbps=args.apply_gbps,
+        versions=args.versions, model=args.model,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    names = PAPER if args.scenario == "paper" else [args.scenario]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.deltas and args.scenario != "crossdc":
+        parser.error("--deltas goes with the crossdc scenario")
+    names = list(PAPER) if args.scenario == "paper" else [args.scenario]
     headlines = []
     violations = 0
     try:
+        inputs = _delta_inputs(args) if args.deltas else None  # refused before anything runs
+        if inputs is not None:
+            names.append("crossdc-deltas")
         for name in names:
             t0 = time.perf_counter()
             other = OTHERS.get(name)
-            result = other(args.seed, quick=args.quick) if other else run(name, args.seed, quick=args.quick)
+            result: Result
+            if name == "crossdc-deltas":
+                result = crossdc_deltas(args.seed, quick=args.quick, inputs=inputs)
+            elif other:
+                result = other(args.seed, quick=args.quick)
+            else:
+                result = run(name, args.seed, quick=args.quick)
             wall = time.perf_counter() - t0
             print(format_result(result))
             print(f"({wall:.1f} s wall, seed {args.seed})\n", flush=True)

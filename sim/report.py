@@ -36,6 +36,7 @@ def format_table(columns: list[str], rows: list[list[Any]]) -> str:
 
 def format_result(r: Result) -> str:
     out = [f"== {r.name}: {r.title}", format_table(r.columns, r.rows)]
+    out += [f"  {n}" for n in r.notes]
     if r.headlines:
         out.append(format_headlines(r.headlines))
     out.append(
@@ -75,6 +76,7 @@ def to_json(r: Result) -> dict[str, Any]:
         "digest": r.digest,
         "events": r.events,
         "invariant_checks": r.checks,
+        **({"notes": r.notes} if r.notes else {}),
     }
 
 
@@ -170,6 +172,14 @@ def plot(r: Result, path: str) -> str | None:
         labels = [row[0] for row in r.rows]
         ax.barh(labels, [row[4] for row in r.rows])
         ax.set(xlabel="total GPU stall (GPU·s)")
+    elif r.name == "crossdc-deltas":
+        # per version, bars of GB across and of total stall, full against deltas (log scale)
+        vs = [row[0] for row in r.rows]
+        for j, (col, label) in enumerate(((2, "GB across, full"), (3, "GB across, deltas"),
+                                          (9, "GPU·s stall, full"), (10, "GPU·s stall, deltas"))):  # fmt: skip
+            ax.bar([v + (j - 1.5) * 0.2 for v in vs], [row[col] for row in r.rows], width=0.2, label=label)
+        ax.set_xticks(vs, [f"v{v}" for v in vs])
+        ax.set(xlabel="version", ylabel="GB across / total GPU·s", yscale="log")
     elif r.name == "reshard":
         cases = d["cases"]
         y = range(len(cases))

@@ -92,6 +92,7 @@ class Result:
     digest: str = ""
     events: int = 0
     checks: int = 0
+    notes: list[str] = field(default_factory=list)  # printed under the table
 
 
 class World:

@@ -65,6 +65,7 @@ def open(
     convert_from: str | None = None,
     mapping: Any = None,
     convert_budget: int = 512 << 20,
+    deltas: bool | int = False,
 ) -> ShardHandle:
     """Open a shard handle (the synchronous facade of :class:`tensorhub.handles.api.AsyncShardHandle`,
     whose calls block; it runs on the process's background event loop).
@@ -101,6 +102,12 @@ def open(
             (:class:`tensorhub.scheduling.mapping.Mapping`, e.g. ``preset("qwen3", ...)``);
             None: same names, shapes and dtypes.
         convert_budget: temporary bytes a conversion may hold at once.
+        deltas: ship only what changed (README "Deltas"). A trainer's ``publish(v)`` also
+            publishes, in the background, the sparse delta from the version it published
+            before (``True``: the last 4 deltas stay published; an int: that many); a reader's
+            ``update()`` applies the chain of deltas the server plans for it where that is fewer
+            bytes than a full pull, verified against the version's checksums (``last_delta``
+            says what it did).
 
     Returns:
         the open :class:`~tensorhub.handles.api.ShardHandle`.
@@ -118,6 +125,7 @@ def open(
         model, replica, num_shards=num_shards, shard_idx=shard_idx, retain=retain, server=server,
         location=location, spot=spot, transports=transports, connect_timeout=connect_timeout,
         offload_seeding=offload_seeding, convert_from=convert_from, mapping=mapping, convert_budget=convert_budget,
+        deltas=deltas,
     )  # fmt: skip
 
 

@@ -165,6 +165,23 @@ def _worker(cmds: Any, results: Any, open_kw: dict) -> None:
 
                 value = {k: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
                          for k, t in tensors.items()}  # fmt: skip
+            elif cmd == "nudge":  # (seed, fraction): add 1 to that fraction of each tensor's elements
+                g = torch.Generator().manual_seed(args[0])
+                for t in tensors.values():
+                    flat = t.view(-1)
+                    idx = torch.randperm(flat.numel(), generator=g)[: int(flat.numel() * args[1])]
+                    flat[idx] += 1
+                value = None
+            elif cmd == "settle_deltas":  # wait for the background delta of the last publish
+                pub = h._delta_pub
+                value = None if pub is None else (h._run(pub.settle()), list(pub.published), pub.failed)[1:]
+            elif cmd == "last_delta":
+                d = h.last_delta
+                value = None if d is None else {"target": d.target, "versions": d.versions, "bytes": d.bytes,
+                                                "full": d.full_bytes, "landed": d.landed, "error": d.error}  # fmt: skip
+            elif cmd == "delta_sources":  # the sources of the last delta pulled through the reader's side
+                side = h._delta_reader.side if h._delta_reader is not None else None
+                value = list(side.last_pull.sources) if side is not None and side.last_pull else []
             elif cmd == "last_conversion":
                 c = h.last_conversion
                 value = None if c is None else {"version": c.version, "failures": c.failures, "sources": list(c.sources),

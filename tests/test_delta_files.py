@@ -20,10 +20,10 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 from tensorhub.core.errors import BaseMismatch, InvalidArgument, LayoutMismatch
-from tensorhub.runtime.deltafiles import Anchor, read, read_checkpoint, write_anchor, write_delta
+from tensorhub.runtime.deltafiles import Anchor, delta_bytes, from_bytes, read, read_checkpoint, write_anchor, write_delta
 from tensorhub.runtime.deltas import Delta, apply_chain, apply_delta, bits_of, compute_delta
 from tensorhub.tools.cli import main
 from tensorhub.transports.buffers import layout_of
@@ -75,6 +75,24 @@ def test_our_delta_files_are_trl_files_that_plain_torch_applies(tmp_path, seed):
         assert idx.dtype == torch.int32 and values.dtype == v0[name].dtype
         work[name].view(-1).index_copy_(0, idx.long(), values)
     assert all(same_bits(work[k], v1[k]) for k in v1)
+
+
+def test_delta_bytes_are_the_file_and_read_back(tmp_path, seed):
+    """What a delta model's shard holds (a delta's bytes) is its file, read without a file."""
+    v0, v1, _ = model_versions(seed)
+    delta = compute_delta(v0, v1, base_version=7, version=8)
+    data = delta_bytes(delta)
+    write_delta(tmp_path / "d.safetensors", delta)
+    assert load(data).keys() == load_file(tmp_path / "d.safetensors").keys()  # plain safetensors reads them
+    back = from_bytes(bytearray(data))
+    assert isinstance(back, Delta) and (back.base, back.version) == (7, 8)
+    assert back.checksums == delta.checksums and back.base_checksums == delta.base_checksums
+    work = {k: t.clone() for k, t in v0.items()}
+    apply_delta(work, back)
+    assert all(same_bits(work[k], v1[k]) for k in v1)
+    for bad, what in ((b"", "0 bytes"), (b"\xff" * 8 + b"{}", "header"), ((20).to_bytes(8, "little") + b"[not json" + b" " * 11, "not a safetensors")):
+        with pytest.raises(InvalidArgument, match=what):
+            from_bytes(bad, where="peer")
 
 
 def test_anchor_files_are_plain_checkpoints(tmp_path, seed):

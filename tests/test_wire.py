@@ -1072,6 +1072,7 @@ def open_shards(draw) -> m.OpenShard:
 BY_NAME: dict[str, st.SearchStrategy] = {
     "version": VERSIONS,
     "checksums": st.lists(U64S, max_size=5).map(tuple),
+    "held": st.lists(U64S, max_size=5).map(tuple),
     "verified": NONNEG,
     "unit": NONNEG,
     "timeout": TIMEOUTS,
@@ -1142,7 +1143,22 @@ def convert_sources(draw) -> m.ConvertSource:
                            tuple(draw(st.lists(U64S, max_size=4))), draw(st.none() | st.binary(max_size=64)), layout, placed)  # fmt: skip
 
 
+@st.composite
+def publishes(draw) -> m.Publish:
+    version = draw(VERSIONS)
+    base = draw(st.none() | st.integers(0, version - 1)) if version else None
+    return m.Publish(draw(INTS), draw(INTS), draw(INTS), version, draw(st.none() | st.lists(U64S, max_size=4).map(tuple)), base)
+
+
+@st.composite
+def delta_refs(draw) -> m.DeltaRef:
+    version = draw(st.integers(1, MAX_VERSION))
+    return m.DeltaRef(version, draw(st.integers(0, version - 1)), draw(NONNEG))
+
+
 BY_CLASS: dict[type, st.SearchStrategy] = {
+    m.Publish: publishes(),
+    m.DeltaRef: delta_refs(),
     m.Register: registers(),
     m.ConvertSource: convert_sources(),
     Location: LOCATIONS,

@@ -88,6 +88,23 @@ class VersionEntry:
 
 
 @struct
+class DeltaRef:
+    """One delta of a shard, as a reader pulls it: version ``version`` of the delta model, the
+    delta ``base -> version`` of ``nbytes`` bytes (its blob's size: the layout to register)."""
+
+    version: int
+    base: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        validate_version(self.base)
+        _nonneg("nbytes", self.nbytes)
+        if self.base >= self.version:
+            raise ValueError(f"a delta goes forward: base {self.base} is not before version {self.version}")
+
+
+@struct
 class Held:
     """A holding re-announced after failover."""
 
@@ -214,15 +231,24 @@ class Unregister:
 
 @message("publish")
 class Publish:
+    """``base``: a shard of a delta model (:func:`tensorhub.core.naming.delta_model`) publishes
+    the delta that takes its model's shard from version ``base`` to ``version`` (required there,
+    refused elsewhere)."""
+
     req: int
     session: int
     call: int
     version: int
     checksums: tuple[int, ...] | None
+    base: int | None = None
 
     def __post_init__(self) -> None:
         validate_version(self.version)
         _checksums(self.checksums)
+        if self.base is not None:
+            validate_version(self.base)
+            if self.base >= self.version:
+                raise ValueError(f"a delta goes forward: base {self.base} is not before version {self.version}")
 
 
 @message("checksums")
@@ -257,15 +283,21 @@ class PublishOffload:
 
 @message("replicate")
 class Replicate:
+    """``held``: the checksums of what this shard's registered buffers already hold (a delta
+    chain applied in place: :mod:`tensorhub.core.table.deltas`). Where they are the version's
+    declared checksums the shard holds it at once; else it pulls as usual."""
+
     req: int
     session: int
     call: int
     spec: int | str
     timeout: float | None
+    held: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _version_spec(self.spec)
         _timeout(self.timeout)
+        _checksums(self.held)
 
 
 @message("update")
@@ -280,6 +312,9 @@ class Update:
     spec: int | str
     timeout: float | None
     offload_seed: bool = False
+    #: the replica can apply deltas: the server may answer with a delta chain to pull instead of
+    #: moving (:class:`Updated` ``deltas``)
+    deltas: bool = False
 
     def __post_init__(self) -> None:
         _version_spec(self.spec)
@@ -603,6 +638,11 @@ class Updated:
     version: int | None
     skipped: int | None = None
     seed: int | None = None
+    #: the server planned a delta chain to ``target`` for this replica (an update with
+    #: ``deltas``): pull these versions of the delta model, in order, apply them, then
+    #: ``Replicate(target, held=...)``. The call did not move (``moved`` False).
+    deltas: tuple[DeltaRef, ...] | None = None
+    target: int | None = None
 
 
 @message("get_status")

@@ -22,11 +22,14 @@ __all__ = [
     "MAX_NAME_LEN",
     "MAX_SHARDS",
     "MAX_VERSION",
+    "DELTA_SUFFIX",
     "SEED_SUFFIX",
     "VersionSpec",
     "parse_version_spec",
     "parse_retain",
     "retain_to_str",
+    "delta_model",
+    "delta_owner",
     "seed_owner",
     "seed_replica",
     "validate_model",
@@ -87,6 +90,32 @@ def seed_replica(replica: str) -> str:
 def seed_owner(replica: str) -> str | None:
     """The replica an offload seed replica seeds for, or None if ``replica`` is not one."""
     return replica[: -len(SEED_SUFFIX)] or None if replica.endswith(SEED_SUFFIX) else None
+
+
+DELTA_SUFFIX = "@delta"
+"""The suffix of the model that holds a model's deltas (:mod:`tensorhub.core.table.deltas`):
+version ``v`` of ``m@delta``, shard ``i``, is the delta that takes shard ``i`` of ``m`` from the
+version published before ``v`` to ``v``, as one blob (a delta file's bytes)."""
+
+
+def delta_model(model: str) -> str:
+    """The name of the model holding ``model``'s deltas.
+
+    Raises:
+        InvalidName: the result would be longer than :data:`MAX_NAME_LEN`, or ``model`` is
+            itself a delta model.
+    """
+    if model.endswith(DELTA_SUFFIX):
+        raise InvalidName(f"model {model!r} is a delta model: deltas have no deltas of their own")
+    name = model + DELTA_SUFFIX
+    if len(name) > MAX_NAME_LEN:
+        raise InvalidName(f"model name {model!r} is too long for deltas (at most {MAX_NAME_LEN - len(DELTA_SUFFIX)} characters)")
+    return name
+
+
+def delta_owner(model: str) -> str | None:
+    """The model whose deltas ``model`` holds, or None if it is not a delta model."""
+    return model[: -len(DELTA_SUFFIX)] or None if model.endswith(DELTA_SUFFIX) else None
 
 
 def _is_int(x: object) -> TypeGuard[int]:

@@ -69,6 +69,7 @@ from tensorhub.core.errors import (
 from tensorhub.core.layout import Layout
 from tensorhub.core.log import get_logger
 from tensorhub.core.naming import (
+    delta_model,
     parse_retain,
     parse_version_spec,
     seed_replica,
@@ -79,6 +80,7 @@ from tensorhub.core.naming import (
 )
 from tensorhub.core.placement import PlacedTensor, TensorPlacement
 from tensorhub.core.shard import give_back, next_call
+from tensorhub.handles.deltas import DeltaPublisher, DeltaReader, DeltaStats, ring_size
 from tensorhub.core.topology import Location
 from tensorhub.runtime.actor import LoopThread
 from tensorhub.runtime.client import Call, ClientActor, Exchange
@@ -430,6 +432,7 @@ class AsyncShardHandle:
         convert_from: str | None = None,
         mapping: Mapping | None = None,
         convert_budget: int = DEFAULT_BUDGET,
+        deltas: bool | int = False,
     ) -> None:
         self.model = validate_model(model)
         self.replica = validate_replica(replica, model=self.model)
@@ -462,6 +465,17 @@ class AsyncShardHandle:
         self.convert_from = convert_from
         self.mapping = mapping if mapping is not None else IDENTITY
         self.convert_budget = convert_budget
+        # Deltas (tensorhub.handles.deltas): published after each publish, applied by update().
+        ring = ring_size(deltas, self.ctx)
+        if ring and convert_from is not None:
+            raise InvalidArgument("deltas= and convert_from= do not go together: a converted model pulls in full", **self.ctx)
+        if ring:
+            delta_model(self.model)  # the delta model's name must be valid too
+        self._delta_ring = ring
+        self._delta_pub: DeltaPublisher | None = None
+        self._delta_reader: DeltaReader | None = None
+        #: what the last update() planned as a delta chain did (None: it pulled in full, or no update yet)
+        self.last_delta: DeltaStats | None = None
         self.placements: tuple[PlacedTensor, ...] | None = None  # registered with the tensors, if given
         #: the newer version the last ``update()`` skipped because this datacenter is seeding it
         self.skipped: int | None = None
@@ -618,6 +632,7 @@ class AsyncShardHandle:
             self.buffers = None
             await self._drop_seed()
             await self._drop_shadow()
+            await self._drop_deltas()
             await self._release()
 
     async def __aenter__(self) -> AsyncShardHandle:
@@ -741,11 +756,21 @@ class AsyncShardHandle:
 
     async def publish(self, version: int) -> None:
         """Make the registered tensors visible as ``version``. Until :meth:`unpublish` returns,
-        they must not be modified (the mutability contract).
+        they must not be modified (the mutability contract). With ``deltas``, the delta from the
+        version published before is computed and published in the background (see
+        :mod:`tensorhub.handles.deltas`).
 
         Raises:
             NotRegistered, InvalidName, ContractViolation (holding another version), VersionConflict.
         """
+        await self._publish(version)
+        if self._delta_ring and self.session is not None:
+            if self._delta_pub is None:
+                self._delta_pub = DeltaPublisher(self, self._delta_ring)
+            self._delta_pub.after_publish(version)
+
+    async def _publish(self, version: int, base: int | None = None) -> None:
+        """:meth:`publish`; ``base``: a delta model's shard names the version its delta applies to."""
         with self._call("publish"):
             validate_version(version, **self.ctx)
             self._need_registered("publish")
@@ -760,7 +785,7 @@ class AsyncShardHandle:
                 buffers.progress.reset(version, 0)
             n = self._next_call()
             try:
-                await self._numbered(n, "publish", lambda req: m.Publish(req, self.session, n, version, None), version)
+                await self._numbered(n, "publish", lambda req: m.Publish(req, self.session, n, version, None, base), version)
             except BaseException:
                 if held_before is None:
                     buffers.progress.reset(None)
@@ -773,13 +798,18 @@ class AsyncShardHandle:
         """Withdraw the held version; returns once no reader is still reading these buffers
         (after an offload copy was made, if it was the last copy of a retained version)."""
         with self._call("unpublish"):
-            if self._engine is not None and self.session is not None:
-                await self._engine.ask(WaitPublished(self.session))  # its checksums are declared first
-            n = self._next_call()
-            await self._numbered(n, "unpublish", lambda req: m.Unpublish(req, self.session, n))
-            if self.buffers is not None:
-                self.buffers.progress.reset(None)  # readers across this change discard their bytes
-            self.version = None
+            if self._delta_pub is not None:
+                await self._delta_pub.settle()  # the delta's comparison reads the tensors
+            await self._unpublish_now()
+
+    async def _unpublish_now(self) -> None:
+        if self._engine is not None and self.session is not None:
+            await self._engine.ask(WaitPublished(self.session))  # its checksums are declared first
+        n = self._next_call()
+        await self._numbered(n, "unpublish", lambda req: m.Unpublish(req, self.session, n))
+        if self.buffers is not None:
+            self.buffers.progress.reset(None)  # readers across this change discard their bytes
+        self.version = None
 
     async def replicate(self, version: int | str = "latest", timeout: float | None = None) -> int:
         """Pull ``version`` into the registered tensors (waiting for it to exist), and hold it.
@@ -821,6 +851,12 @@ class AsyncShardHandle:
             before = self._engine.pull_mark(self.session) if self.session is not None else 0
             try:
                 reply = await self._pull(m.Update, version, timeout)
+                if reply.deltas is not None:  # the server planned a chain of deltas for this replica
+                    if self._delta_reader is None:
+                        self._delta_reader = DeltaReader(self)
+                    await self._delta_reader.land(reply, timeout)
+                    self.skipped = None
+                    return True
             except ServerUnavailable as err:
                 self.skipped = None
                 if client is None or not client.failing_over(self.session):
@@ -1103,6 +1139,14 @@ class AsyncShardHandle:
             self._retiring.add(fut)
             fut.add_done_callback(self._retiring.discard)
 
+    async def _drop_deltas(self) -> None:
+        pub, reader = self._delta_pub, self._delta_reader
+        self._delta_pub = self._delta_reader = None
+        if pub is not None:
+            await pub.close()
+        if reader is not None:
+            await reader.close()
+
     async def _drop_seed(self) -> None:
         seed, task = self._seed, self._seed_task
         self._seed = self._seed_task = None
@@ -1115,13 +1159,13 @@ class AsyncShardHandle:
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise InvalidArgument(f"timeout must be a number >= 0 or None, got {timeout!r}", **self.ctx)
 
-    async def _pull(self, cls: type, version: int | str, timeout: float | None) -> Any:
+    async def _pull(self, cls: type, version: int | str, timeout: float | None, held: tuple[int, ...] | None = None) -> Any:
         spec = parse_version_spec(version, **self.ctx).wire()
         self._check_timeout(timeout)
         self._need_registered(cls.__name__.lower())
         assert self._engine is not None and self.session is not None
         before = self._engine.pull_mark(self.session)
-        extra = (self.offload_seeding,) if cls is m.Update else ()
+        extra = (self.offload_seeding, self._delta_ring > 0) if cls is m.Update else (held,)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         for attempt in range(_RESUMES + 1):

@@ -53,6 +53,8 @@ from .deltas import Delta, TensorDelta, shard_checksums
 __all__ = [
     "FORMAT",
     "Anchor",
+    "delta_bytes",
+    "from_bytes",
     "read",
     "read_checkpoint",
     "write_anchor",
@@ -233,6 +235,23 @@ def write_delta(path: str | os.PathLike, delta: Delta) -> int:
     Raises:
         InvalidArgument: two tensors' file names collide (``x`` and ``x.indices``).
     """
+    out, meta = _delta_payload(delta)
+    _save(path, out, meta)
+    return os.path.getsize(path)
+
+
+def delta_bytes(delta: Delta) -> bytes:
+    """``delta`` as the bytes of its delta file (what a delta model's shard holds and serves:
+    :mod:`tensorhub.core.table.deltas`). :func:`from_bytes` reads them back.
+
+    Raises:
+        InvalidArgument: as :func:`write_delta`.
+    """
+    out, meta = _delta_payload(delta)
+    return bytes(_safetensors().torch.save(out, metadata=meta))
+
+
+def _delta_payload(delta: Delta) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     _writable(delta.layout, delta.version)
     out: dict[str, torch.Tensor] = {}
     names = []
@@ -258,8 +277,7 @@ def write_delta(path: str | os.PathLike, delta: Delta) -> int:
         meta["tensorhub.checksums"] = _sums_json(delta.checksums)
     if delta.base_checksums is not None:
         meta["tensorhub.base_checksums"] = _sums_json(delta.base_checksums)
-    _save(path, out, meta)
-    return os.path.getsize(path)
+    return out, meta
 
 
 # --- read -------------------------------------------------------------------------------------
@@ -324,45 +342,82 @@ def read(path: str | os.PathLike, *, layout: Layout | None = None) -> Anchor | D
     except Exception as err:  # safetensors raises its own error type (and OSError)
         raise InvalidArgument(f"{where}: not a safetensors file ({err})") from err
     with handle as f:
-        meta = f.metadata() or {}
-        keys = list(f.keys())
-        sparse = meta.get("sparse", "False").strip().lower() in ("true", "1")
-        version = _int(meta, "model_version", where)
-        file_layout = _layout_from_json(meta["tensorhub.layout"], where) if "tensorhub.layout" in meta else None
-        if file_layout is not None and layout is not None:
-            _check_same_specs(file_layout, layout, where)
-        checksums = _sums_from_json(meta.get("tensorhub.checksums"), where, "tensorhub.checksums")
-        if not sparse:
-            tensors = {k: f.get_tensor(k).contiguous() for k in keys}
-            if not tensors:
-                raise InvalidArgument(f"{where}: a checkpoint without tensors")
-            anchor_layout = layout_of(tensors)
-            if file_layout is not None:  # the file's tensors are what its layout says, in its order
-                _check_same_specs(anchor_layout, file_layout, where)
-                tensors = {t.name: tensors[t.name] for t in file_layout.tensors}
-                anchor_layout = file_layout
-            if layout is not None:
-                _check_same_specs(anchor_layout, layout, where)
-            return Anchor(anchor_layout, version, tensors, checksums)
-        if version is None:
-            raise InvalidArgument(f"{where}: a delta file without model_version")
-        layout = file_layout or layout
-        if layout is None:
-            raise InvalidArgument(f"{where}: this delta file does not carry its layout: give the layout of the "
-                                  f"tensors it applies to (the checkpoint or anchor it is based on)", version=version)  # fmt: skip
-        specs = {t.name: t for t in layout.tensors}
-        parts: dict[str, dict[str, torch.Tensor]] = {}
-        for k in keys:
-            if k.endswith(INDICES) and k[: -len(INDICES)] in specs:
-                parts.setdefault(k[: -len(INDICES)], {})["indices"] = f.get_tensor(k)
-            elif k.endswith(VALUES) and k[: -len(VALUES)] in specs:
-                parts.setdefault(k[: -len(VALUES)], {})["values"] = f.get_tensor(k)
-            elif k in specs:
-                parts.setdefault(k, {})["whole"] = f.get_tensor(k)
-            else:
-                raise LayoutMismatch(f"{where}: the delta has tensor {k!r}, which the layout does not", version=version)
-        base = _int(meta, "prev_model_version", where)
-        base_checksums = _sums_from_json(meta.get("tensorhub.base_checksums"), where, "tensorhub.base_checksums")
+        return _parse(where, f.metadata() or {}, list(f.keys()), f.get_tensor, layout)
+
+
+#: The largest header :func:`from_bytes` reads (safetensors' own limit).
+MAX_HEADER = 100 << 20
+
+
+def from_bytes(data: bytes | bytearray | memoryview, *, layout: Layout | None = None, where: str = "delta bytes") -> Anchor | Delta:
+    """Read an anchor or a delta from a file's bytes (pulled from a peer, read from a bucket):
+    :func:`read` without the file. Parsed as safetensors (a length, a JSON header, raw tensor
+    bytes), never unpickled.
+
+    Raises:
+        InvalidArgument: not the bytes of a file in this format (naming ``where``), and what
+            :func:`read` raises.
+    """
+    st = _safetensors()
+    buf = bytes(data)
+    if len(buf) < 8:
+        raise InvalidArgument(f"{where}: {len(buf)} bytes are no safetensors file")
+    n = int.from_bytes(buf[:8], "little")
+    if n > MAX_HEADER or 8 + n > len(buf):
+        raise InvalidArgument(f"{where}: a header of {n} bytes in {len(buf)} bytes")
+    try:
+        header = json.loads(buf[8 : 8 + n])
+        tensors = st.torch.load(buf)
+    except Exception as err:  # safetensors raises its own error type
+        raise InvalidArgument(f"{where}: not a safetensors file ({err})") from err
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise InvalidArgument(f"{where}: the metadata must map strings to strings")
+    return _parse(where, meta, list(tensors), tensors.__getitem__, layout)
+
+
+def _parse(
+    where: str, meta: Mapping[str, str], keys: list[str], get_tensor: Any, layout: Layout | None
+) -> Anchor | Delta:
+    sparse = meta.get("sparse", "False").strip().lower() in ("true", "1")
+    version = _int(meta, "model_version", where)
+    file_layout = _layout_from_json(meta["tensorhub.layout"], where) if "tensorhub.layout" in meta else None
+    if file_layout is not None and layout is not None:
+        _check_same_specs(file_layout, layout, where)
+    checksums = _sums_from_json(meta.get("tensorhub.checksums"), where, "tensorhub.checksums")
+    if not sparse:
+        tensors = {k: get_tensor(k).contiguous() for k in keys}
+        if not tensors:
+            raise InvalidArgument(f"{where}: a checkpoint without tensors")
+        anchor_layout = layout_of(tensors)
+        if file_layout is not None:  # the file's tensors are what its layout says, in its order
+            _check_same_specs(anchor_layout, file_layout, where)
+            tensors = {t.name: tensors[t.name] for t in file_layout.tensors}
+            anchor_layout = file_layout
+        if layout is not None:
+            _check_same_specs(anchor_layout, layout, where)
+        return Anchor(anchor_layout, version, tensors, checksums)
+    if version is None:
+        raise InvalidArgument(f"{where}: a delta file without model_version")
+    layout = file_layout or layout
+    if layout is None:
+        raise InvalidArgument(f"{where}: this delta file does not carry its layout: give the layout of the "
+                              f"tensors it applies to (the checkpoint or anchor it is based on)", version=version)  # fmt: skip
+    specs = {t.name: t for t in layout.tensors}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for k in keys:
+        if k.endswith(INDICES) and k[: -len(INDICES)] in specs:
+            parts.setdefault(k[: -len(INDICES)], {})["indices"] = get_tensor(k)
+        elif k.endswith(VALUES) and k[: -len(VALUES)] in specs:
+            parts.setdefault(k[: -len(VALUES)], {})["values"] = get_tensor(k)
+        elif k in specs:
+            parts.setdefault(k, {})["whole"] = get_tensor(k)
+        else:
+            raise LayoutMismatch(f"{where}: the delta has tensor {k!r}, which the layout does not", version=version)
+    base = _int(meta, "prev_model_version", where)
+    base_checksums = _sums_from_json(meta.get("tensorhub.base_checksums"), where, "tensorhub.base_checksums")
     entries = []
     for name, got in parts.items():
         spec = specs[name]

@@ -255,10 +255,13 @@ class AbortPull:
 
 @dataclass(frozen=True, slots=True)
 class StartPublish:
-    """The server took ``version`` from this slot: pack, hash and declare it in the background."""
+    """The server took ``version`` from this slot: pack, hash and declare it in the background.
+    ``checksums``: already known (a delta chain applied and verified in place, which the server
+    took as the version): pack, and serve with them; nothing to hash or declare."""
 
     session: int
     version: int
+    checksums: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -956,9 +959,9 @@ class EngineActor(Actor):
             return  # the same version again while its job runs
         if msg.version in slot.checksums and slot.buffers.progress.version == msg.version:
             return  # published again: already packed, hashed and declared
-        slot.publishing = self.spawn(self._publish_job(slot, msg.version), "publish")
+        slot.publishing = self.spawn(self._publish_job(slot, msg.version, msg.checksums), "publish")
 
-    async def _publish_job(self, slot: _Slot, version: int) -> None:
+    async def _publish_job(self, slot: _Slot, version: int, known: tuple[int, ...] | None = None) -> None:
         b = slot.buffers
         gen = b.progress.snapshot()[0]
         try:
@@ -966,7 +969,11 @@ class EngineActor(Actor):
                 await asyncio.to_thread(b.pack)
             if b.progress.snapshot()[:2] != (gen, version):
                 return  # unpublished meanwhile
+            if known is not None:
+                self._learn_checksums(slot, version, known)
             b.progress.advance(b.total_bytes)
+            if known is not None:
+                return
             sums = tuple(await asyncio.to_thread(checksum.compute, b))
         except (RuntimeError, ValueError, InvalidArgument) as err:
             self.log.error("publish job failed: the version stays without checksums", version=version, error=repr(err), **slot.ctx)

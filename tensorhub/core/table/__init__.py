@@ -72,6 +72,8 @@ own; the mixins share the records of :mod:`.records` and import nothing else of 
 - :mod:`.transactions`: the model-parallel calls, and the consistent list and wait built on them;
 - :mod:`.conversions`: converted models (another layout of a source model): their versions, the
   converter of each (version, shard), its grants on the source's holders;
+- :mod:`.deltas`: a model's deltas as the versions of its delta model (a layout per version), and
+  the per-reader plan of an update: a chain of deltas or a full pull;
 - :mod:`.pulls`: replicate and update: version resolution, the replica's decision, the
   cross-datacenter policy, moving each shard;
 - :mod:`.pins`: a replicate/update in flight keeps the version it decided (a pin), and moves to a
@@ -94,6 +96,7 @@ from .. import messages as m
 from ..errors import ProtocolError, ReplicaRemoved, TensorHubError
 from ..topology import LINK_CLASSES
 from .conversions import ConversionMixin
+from .deltas import DeltaMixin
 from .failover import FailoverMixin, Reign, ReignMixin
 from .grants import GrantMixin
 from .holders import HolderMixin
@@ -122,6 +125,7 @@ class ReferenceTable(
     PublishMixin,
     GrantMixin,
     ConversionMixin,
+    DeltaMixin,
     TransactionMixin,
     PullMixin,
     PinMixin,
@@ -182,7 +186,7 @@ class ReferenceTable(
         self.stats = {
             "grants": 0, "grants_ended": 0, "revoked": 0, "expired": 0, "quarantined": 0, "offloads": 0,
             "updates_skipped": 0, "offload_seeds": 0, "pins": 0, "pins_expired": 0, "redecided": 0,
-            "conversions": 0, "stragglers": 0,
+            "conversions": 0, "stragglers": 0, "delta_plans": 0, "deltas_landed": 0, "deltas_refused": 0,
         }  # fmt: skip
         self.pace: dict[int, Any] = {}  # grant id -> its recent progress (see :mod:`.stragglers`)
         self.pace_recent: dict[tuple[str, str], Any] = {}  # (model, link class) -> completed grants' rates

@@ -49,12 +49,14 @@ class PublishMixin:
                 )
             if msg.checksums is not None:
                 self._check_checksums(s, msg.version, msg.checksums)
+            self._check_delta_publish(s, msg.version, msg.base)
         except TensorHubError as err:
             self._finish_call(txn, call, m.Failed.of(msg.req, err))
             return
         if h is None:
             h = self._new_holder(s, msg.version, m.KIND_NORMAL, Event.PUBLISH)
             s.holder = h
+            self._record_delta(s, msg.version, msg.base)
             self._published(s.model, msg.version)
         if msg.checksums is not None:
             self._set_checksums(h, msg.checksums)

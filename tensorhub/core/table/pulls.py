@@ -61,6 +61,9 @@ class PullMixin:
         txn, call = self._join(s, msg.req, msg.call, kind, spec.wire())
         if kind == "update" and not txn.decided:
             txn.offload_seed = msg.offload_seed
+            txn.deltas = msg.deltas
+        elif kind == "replicate":
+            call.held = msg.held
         self._set_deadline(txn, msg.timeout)
         self._advance(txn, call)
 
@@ -93,7 +96,9 @@ class PullMixin:
                 moves = held is None or v > held
             else:
                 moves = v != held
-            if moves and v is not None:
+            if moves and v is not None and txn.deltas and self._plan_deltas(txn, v):
+                moves = False  # the replica applies a chain of deltas instead (see .deltas)
+            elif moves and v is not None:
                 moves = self._seeding_allows(txn, s, v)
             txn.version, txn.moved = (v if moves else held), moves
         txn.waiting = False
@@ -188,7 +193,9 @@ class PullMixin:
             if not txn.decided:
                 return  # parked: re-run when versions change
         if txn.kind == "update" and not txn.moved:
-            self._finish_call(txn, call, m.Updated(call.req, False, txn.version, txn.skipped, txn.seed))
+            plan = txn.delta_plan
+            deltas, target = (plan[1].get(s.shard_idx), plan[0]) if plan is not None else (None, None)
+            self._finish_call(txn, call, m.Updated(call.req, False, txn.version, txn.skipped, txn.seed, deltas, target))
             return
         v = txn.version
         assert v is not None
@@ -206,6 +213,16 @@ class PullMixin:
             return
         if h is not None:
             self._unpublish(h, lambda: self._advance(txn, call))
+            return
+        if self._holds_already(s, v, call.held):  # a delta chain applied in place (see .deltas)
+            h = s.holder = self._new_holder(s, v, m.KIND_NORMAL, Event.PUBLISH)
+            h.checksums = call.held
+            self._maybe_answer(txn)
+            return
+        try:
+            self._check_delta_layout(s, v)
+        except TensorHubError as err:
+            self._fail_txn(txn, err)
             return
         h = s.holder = self._new_holder(s, v, m.KIND_NORMAL, Event.GRANT)
         h.call = (txn, s.shard_idx)

@@ -32,7 +32,7 @@ from .. import messages as m
 from ..errors import InvalidArgument, InvalidTransition, TensorHubError, VersionUnavailable
 from ..layout import Layout
 from ..lifecycle import HolderState
-from ..naming import MAX_NAME_LEN, SEED_SUFFIX, VersionSpec, seed_replica
+from ..naming import MAX_NAME_LEN, SEED_SUFFIX, VersionSpec, delta_owner, seed_replica
 from ..placement import PlacedTensor
 from ..topology import Location
 
@@ -188,12 +188,14 @@ class _Session:
 
 
 class _ShardCall:
-    __slots__ = ("session", "req", "done")
+    __slots__ = ("session", "req", "done", "held")
 
     def __init__(self, session: _Session, req: int) -> None:
         self.session = session
         self.req = req
         self.done = False
+        #: replicate: the checksums the shard's buffers already hold (a delta chain applied)
+        self.held: tuple[int, ...] | None = None
 
 
 class CallState(enum.Enum):
@@ -236,6 +238,7 @@ class _Txn:
     __slots__ = (
         "n", "kind", "args", "replica", "state", "version", "answer", "error", "deadline",
         "shards", "consumed", "source_replica", "offered", "waiting", "offload_seed", "skipped", "seed", "pinned_until",
+        "deltas", "delta_plan",
     )  # fmt: skip
 
     def __init__(self, n: int, kind: str, args: Any, replica: "_Replica") -> None:
@@ -257,6 +260,10 @@ class _Txn:
         self.skipped: int | None = None  # update: the newer version it skipped (being seeded here)
         self.seed: int | None = None  # update: the version the replica is to offload-seed
         self.pinned_until: float | None = None  # replicate/update: its version is pinned until then
+        self.deltas = False  # update: the replica can apply deltas (the table may plan a chain)
+        #: update: the delta chain planned for the replica (see .deltas): the target, and each
+        #: shard's deltas to pull (the same versions for every shard)
+        self.delta_plan: tuple[int, dict[int, tuple[m.DeltaRef, ...]]] | None = None
 
     def fire(self, event: CallEvent) -> None:
         """Apply ``event``.
@@ -311,6 +318,7 @@ class _Version:
 
     __slots__ = (
         "version", "holders", "ever_available", "checksums", "serving", "shards_serving", "per_replica", "full", "index",
+        "bases", "layouts",
     )  # fmt: skip
 
     def __init__(self, version: int, num_shards: int, sources: Callable[[], "SourcePolicy"]) -> None:
@@ -323,6 +331,10 @@ class _Version:
         self.per_replica: dict[str, list[int]] = {}  # replica -> [serving shards, of which offload]
         self.full: dict[str, None] = {}  # replicas serving every shard
         self.index = [sources() for _ in range(num_shards)]  # grantable holders per shard
+        #: a delta model's version (:mod:`.deltas`): per shard, the version its delta applies
+        #: to and the layout of its blob (fixed per version, not per model)
+        self.bases: dict[int, int] = {}
+        self.layouts: dict[int, Layout] = {}
 
     @property
     def available(self) -> bool:
@@ -342,13 +354,14 @@ class _Model:
         "name", "num_shards", "layouts", "versions", "highest_published", "replicas", "declarations",
         "epoch", "listing", "available", "listing_stale", "changed", "availability_changed", "waits", "parked",
         "offload_holders", "dirty_shards", "retention_changed", "waiting_readers", "gc_needed", "seeds", "pins",
-        "source", "placements",
+        "source", "placements", "delta_of",
     )  # fmt: skip
 
     def __init__(self, name: str, num_shards: int, source: str | None = None) -> None:
         self.name = name
         self.num_shards = num_shards
         self.source = source  # the model this one is a converted layout of (:mod:`.conversions`)
+        self.delta_of = delta_owner(name)  # the model whose deltas this one holds (:mod:`.deltas`)
         self.layouts: dict[int, tuple[Layout, int]] = {}  # shard_idx -> (layout, sessions using it)
         #: shard_idx -> the placements registered with its layout (None: registered without)
         self.placements: dict[int, tuple[PlacedTensor, ...] | None] = {}

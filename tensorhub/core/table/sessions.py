@@ -119,6 +119,12 @@ class SessionMixin:
         if s.layout is not None:
             raise ContractViolation("already registered: unregister first", **s.ctx())
         model = s.model
+        if model.delta_of is not None:  # a delta model's layouts are per version (see .deltas)
+            s.layout = msg.layout
+            s.endpoint = msg.endpoint
+            s.grant_key = msg.grant_key
+            self._ack(s, msg.req)
+            return
         known = model.layouts.get(s.shard_idx)
         if known is not None and known[0] != msg.layout:
             raise LayoutMismatch(_layout_diff(known[0], msg.layout), **s.ctx())
@@ -155,6 +161,9 @@ class SessionMixin:
         if s.layout is None:
             return
         model = s.model
+        if model.delta_of is not None:
+            s.layout = None
+            return
         layout, users = model.layouts[s.shard_idx]
         if users <= 1:
             del model.layouts[s.shard_idx]

@@ -1,0 +1,160 @@
+"""Deltas: a model's deltas as the versions of its delta model, and the plan of each reader.
+
+Theory of operation
+-------------------
+What it owns: the **delta model** of a model ``m`` (named ``m@delta``,
+:func:`tensorhub.core.naming.delta_model`) and the **per-reader plan** of an ``update`` that
+can apply deltas.
+
+- **A delta is a shard of a version.** Version ``v`` of ``m@delta``, shard ``i``, is one blob:
+  the delta that takes shard ``i`` of ``m`` from ``base`` (the version its publisher published
+  before ``v``) to ``v``, in a delta file's bytes (:mod:`tensorhub.runtime.deltafiles`). The
+  delta model is an ordinary model of the table in everything else: its holders, grants,
+  checksums (of the blob), progress, pipelining (a reader pulling a delta serves it to the next
+  one, in its datacenter first), failures and re-grants are those of any shard. Only two
+  things differ. Its publish names the ``base`` (:class:`~tensorhub.core.messages.Publish`),
+  recorded per (version, shard) and the same for every holder; and its **layout is per
+  version**, not per model (each delta's blob has its own size): the first publisher of a
+  (version, shard) fixes it, a holder of another layout gets ``LayoutMismatch``, and a reader
+  registers the blob's layout before it replicates that version (its size is in the plan).
+- **The plan.** An ``update`` whose shards can apply deltas (``Update.deltas``) is decided as
+  any update; where it would move to ``v``, the table plans each shard of the replica with
+  :func:`tensorhub.core.deltas.plan_pull`: the version the shard holds completely, ``v``, the
+  deltas of that shard that a whole (complete or offload) holder of the delta model holds, and
+  the shard's full size. Where every shard's plan is a chain of deltas, the same chain of
+  versions for all (a model-parallel replica moves together), and ``v``'s checksums are known
+  for every shard, the replica gets the chain instead of a pull: the call does not move and
+  answers each shard with its :class:`~tensorhub.core.messages.DeltaRef` list (versions, bases,
+  blob sizes) and the target. Otherwise it moves as usual (a full pull). Across datacenters this
+  needs nothing more: the first replica of a datacenter to plan a chain pulls the deltas across,
+  and the next ones pull them from it (the ordinary source policy prefers a holder nearby).
+- **Landing.** The replica pulls the chain as replicates of the delta model, applies it in place
+  and verifies it, then makes ``Replicate(v, held=checksums)``: where ``held`` equals ``v``'s
+  declared checksums for the shard, the shard holds ``v`` at once (no bytes move); otherwise it
+  pulls ``v`` in full, as a replicate does. A delta applied to the wrong base can therefore never
+  be presented as ``v``: its checksums are not ``v``'s.
+
+Invariants: a (version, shard) of a delta model has one base and one layout; a plan is made
+only from deltas that a whole holder holds at the moment of the decision, and only for a
+replica whose every shard holds one version completely.
+
+What it must never do: plan a chain that differs between the shards of a replica, or take a
+``held`` claim for a version whose checksums are unknown.
+"""
+
+from __future__ import annotations
+
+from .. import messages as m
+from ..deltas import DELTAS, DeltaStep, plan_pull
+from ..errors import InvalidArgument, LayoutMismatch, VersionConflict
+from ..naming import DELTA_SUFFIX, MAX_NAME_LEN
+from .records import C, _Model, _Session, _Txn
+
+
+class DeltaMixin:
+    """Delta models and the per-reader plan. Mixed into
+    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+
+    def _check_delta_publish(self, s: _Session, version: int, base: int | None) -> None:
+        """A delta model's publish names its base (and its blob's layout is the version's);
+        any other model's names none.
+
+        Raises:
+            InvalidArgument, VersionConflict, LayoutMismatch: nothing changes.
+        """
+        model = s.model
+        ctx = s.ctx(version)
+        if model.delta_of is None:
+            if base is not None:
+                raise InvalidArgument(f"only a delta model ({model.name}{DELTA_SUFFIX}) publishes a base", **ctx)
+            return
+        if base is None:
+            raise InvalidArgument("a delta model's publish names the version its delta applies to (base)", **ctx)
+        ver = model.versions.get(version)
+        if ver is None:
+            return
+        known = ver.bases.get(s.shard_idx)
+        if known is not None and known != base:
+            raise VersionConflict(f"this delta was published with base {known}; this holder says {base}", **ctx)
+        layout = ver.layouts.get(s.shard_idx)
+        if layout is not None and layout != s.layout:
+            raise LayoutMismatch(f"this delta's blob has {layout.total_bytes} bytes; this holder's {s.layout.total_bytes if s.layout else 0}", **ctx)
+
+    def _record_delta(self, s: _Session, version: int, base: int | None) -> None:
+        if s.model.delta_of is None or base is None or s.layout is None:
+            return
+        ver = s.model.versions[version]
+        ver.bases.setdefault(s.shard_idx, base)
+        ver.layouts.setdefault(s.shard_idx, s.layout)
+
+    def _check_delta_layout(self, s: _Session, version: int) -> None:
+        """A reader of a delta model registered the layout of the version it pulls.
+
+        Raises:
+            LayoutMismatch: naming both sizes.
+        """
+        if s.model.delta_of is None:
+            return
+        ver = s.model.versions.get(version)
+        layout = ver.layouts.get(s.shard_idx) if ver is not None else None
+        if layout is not None and layout != s.layout:
+            have = s.layout.total_bytes if s.layout is not None else 0
+            raise LayoutMismatch(
+                f"delta {version} of this shard is a blob of {layout.total_bytes} bytes; the registered one has {have}: "
+                f"register the delta's layout before pulling it", **s.ctx(version)
+            )  # fmt: skip
+
+    def _deltas_of(self, model: _Model) -> _Model | None:
+        if len(model.name) + len(DELTA_SUFFIX) > MAX_NAME_LEN:
+            return None
+        return self.models.get(model.name + DELTA_SUFFIX)
+
+    def _plan_deltas(self, txn: _Txn, v: int) -> bool:
+        """Plan the replica of ``txn`` (an update moving to ``v``) a chain of deltas
+        (``txn.delta_plan``), if every shard's plan is the same chain; True if it did."""
+        model = txn.replica.model
+        dm = self._deltas_of(model)
+        if dm is None:
+            return False
+        target = model.versions.get(v)
+        if target is None:
+            return False
+        chain: tuple[int, ...] | None = None
+        refs: dict[int, tuple[m.DeltaRef, ...]] = {}
+        for idx in range(model.num_shards):
+            s = txn.replica.shards.get(idx)
+            h = s.holder if s is not None else None
+            if s is None or s.layout is None or h is None or h.state is not C or idx not in target.checksums:
+                return False
+            steps = [
+                DeltaStep(ver.bases[idx], d, ver.layouts[idx].total_bytes)
+                for d, ver in dm.versions.items()
+                if ver.serving[idx] > 0 and idx in ver.bases and idx in ver.layouts and ver.bases[idx] < d
+            ]
+            plan = plan_pull(h.version, v, steps, s.layout.total_bytes)
+            if plan.kind != DELTAS:
+                return False
+            versions = tuple(step.version for step in plan.steps)
+            if chain is None:
+                chain = versions
+            elif versions != chain:
+                return False
+            refs[idx] = tuple(m.DeltaRef(st.version, st.base, st.nbytes) for st in plan.steps)
+        if chain is None:
+            return False
+        txn.delta_plan = (v, refs)
+        self.stats["delta_plans"] += 1
+        return True
+
+    def _holds_already(self, s: _Session, version: int, held: tuple[int, ...] | None) -> bool:
+        """``held`` (what the shard's buffers hold, by its own verification) is ``version``'s
+        declared checksums for the shard."""
+        if held is None:
+            return False
+        ver = s.model.versions.get(version)
+        known = ver.checksums.get(s.shard_idx) if ver is not None else None
+        if known is not None and known == held:
+            self.stats["deltas_landed"] += 1
+            return True
+        self.stats["deltas_refused"] += 1
+        return False

@@ -1,0 +1,212 @@
+"""Deltas in the reference table (sans-IO): the delta model (a layout per version, a base per
+delta), the per-reader plan of an update, and landing a chain (``Replicate(held=...)``).
+
+The plan's decisions are property-tested against :func:`tensorhub.core.deltas.plan_pull` per
+shard: random published deltas (which versions, which shards, which sizes), random held
+versions; hypothesis takes its seed from ``tests/conftest.py``."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from .table_driver import Driver, make_layout
+from tensorhub.core import messages as m
+from tensorhub.core.deltas import DELTAS, DeltaStep, plan_pull
+from tensorhub.core.errors import InvalidArgument, LayoutMismatch, VersionConflict
+from tensorhub.core.invariants import check_invariants
+from tensorhub.core.naming import delta_model
+
+MODEL = "actor"
+DM = delta_model(MODEL)
+FULL = make_layout(4096, 8192)  # 12288 bytes a shard
+SUMS = {v: (v, v + 1) for v in range(1, 40)}  # a version's checksums (two units of FULL)
+
+
+def blob(nbytes: int):
+    return make_layout(nbytes)
+
+
+def publish_delta(d: Driver, replica: str, shards: int, version: int, base: int, sizes: list[int]) -> list:
+    """A trainer's delta side: one shard per delta version (the ring of the handles), publishing
+    ``base -> version`` blobs of ``sizes[i]`` bytes."""
+    out = []
+    for i in range(shards):
+        s = d.shard(f"{replica}@delta{version}", i, shards, model=DM, layout=blob(sizes[i]))
+        s.expect_ok(s.request(m.Publish, s.session, s.next_call(), version, (version * 100 + i,), base))
+        out.append(s)
+    return out
+
+
+def trainer_publish(trainer, version: int) -> None:
+    for s in trainer:
+        if s.call:
+            s.expect_ok(s.unpublish())
+        s.expect_ok(s.publish(version, SUMS[version]))
+
+
+def update_deltas(shards) -> list:
+    reqs = [s.request(m.Update, s.session, s.next_call(), "latest", None, False, True) for s in shards]
+    return [s.expect_ok(r) for s, r in zip(shards, reqs)]
+
+
+def test_plan_pull_apply_then_held_replicate_lands_without_bytes():
+    d = Driver()
+    trainer = d.replica("T", 2, layout=FULL)
+    reader = d.replica("R", 2, layout=FULL)
+    trainer_publish(trainer, 1)
+    reqs = [s.pull(1) for s in reader]
+    for s, r in zip(reader, reqs):
+        assert s.expect_ok(r) == m.Replicated(r, 1)
+    trainer_publish(trainer, 2)
+    publish_delta(d, "T", 2, 2, 1, [300, 500])
+
+    answers = update_deltas(reader)
+    for i, a in enumerate(answers):
+        assert a.moved is False and a.version == 1 and a.target == 2
+        assert a.deltas == (m.DeltaRef(2, 1, [300, 500][i]),)
+    assert d.table.stats["delta_plans"] == 1
+
+    # pull the deltas (the delta model, the blob's layout), unpublish, claim what was applied
+    side = [d.shard("R@delta", i, 2, model=DM, layout=blob([300, 500][i])) for i in range(2)]
+    reqs = [s.pull(2) for s in side]
+    for s, r in zip(side, reqs):
+        assert s.expect_ok(r) == m.Replicated(r, 2)
+    for s in reader:
+        s.expect_ok(s.unpublish())
+    reqs = [s.request(m.Replicate, s.session, s.next_call(), 2, None, SUMS[2]) for s in reader]
+    assert not any(s.grants() for s in reader)  # nothing to pull: the buffers hold it
+    for s, r in zip(reader, reqs):
+        assert s.expect_ok(r) == m.Replicated(r, 2)
+    assert d.table.stats["deltas_landed"] == 2
+    # the reader holds v2 whole: a third replica can pull it from the reader
+    listing = reader[0].list()
+    assert {e.replica for v in listing.versions if v.version == 2 for e in v.replicas} >= {"R", "T"}
+    check_invariants(d.table)
+
+
+def test_held_claim_that_is_not_the_version_pulls_in_full():
+    d = Driver()
+    trainer = d.replica("T", 1, layout=FULL)
+    reader = d.replica("R", 1, layout=FULL)
+    trainer_publish(trainer, 1)
+    trainer_publish(trainer, 2)
+    (r,) = reader
+    req = r.request(m.Replicate, r.session, r.next_call(), 2, None, (7, 7))
+    g = r.grant()  # refused: a full pull
+    assert g.version == 2
+    r.complete(g)
+    assert r.expect_ok(req) == m.Replicated(req, 2)
+    assert d.table.stats["deltas_refused"] == 1 and d.table.stats["deltas_landed"] == 0
+
+
+def test_without_deltas_or_without_a_chain_the_update_moves():
+    d = Driver()
+    trainer = d.replica("T", 1, layout=FULL)
+    (r,) = d.replica("R", 1, layout=FULL)
+    trainer_publish(trainer, 1)
+    r.expect_ok(r.pull(1))
+    trainer_publish(trainer, 2)
+    publish_delta(d, "T", 1, 2, 1, [100])
+    req = r.update()  # no deltas flag: a full pull
+    r.complete(r.grant())
+    assert r.expect_ok(req) == m.Updated(req, True, 2)
+    trainer_publish(trainer, 3)
+    publish_delta(d, "T", 1, 3, 2, [20000])  # bigger than the shard: full
+    req = r.request(m.Update, r.session, r.next_call(), "latest", None, False, True)
+    r.complete(r.grant())
+    assert r.expect_ok(req) == m.Updated(req, True, 3)
+    assert d.table.stats["delta_plans"] == 0
+
+
+def test_shards_with_different_chains_pull_in_full():
+    d = Driver()
+    trainer = d.replica("T", 2, layout=FULL)
+    reader = d.replica("R", 2, layout=FULL)
+    trainer_publish(trainer, 1)
+    for s, r in zip(reader, [s.pull(1) for s in reader]):
+        s.expect_ok(r)
+    trainer_publish(trainer, 2)
+    # only shard 0 has a delta: shard 1 would pull full, so the replica moves in full
+    s0 = d.shard("T@delta2", 0, 2, model=DM, layout=blob(100))
+    s0.expect_ok(s0.request(m.Publish, s0.session, s0.next_call(), 2, (1,), 1))
+    reqs = [s.request(m.Update, s.session, s.next_call(), "latest", None, False, True) for s in reader]
+    for s in reader:
+        s.complete(s.grant())
+    for s, r in zip(reader, reqs):
+        assert s.expect_ok(r) == m.Updated(r, True, 2)
+
+
+def test_delta_model_publish_and_register_errors():
+    d = Driver()
+    (t,) = d.replica("T", 1, layout=FULL)
+    err = t.expect_error(t.request(m.Publish, t.session, t.next_call(), 1, None, 0), InvalidArgument)
+    assert "only a delta model" in str(err)
+    (x,) = d.replica("X", 1, model=DM, layout=blob(100))
+    err = x.expect_error(x.request(m.Publish, x.session, x.next_call(), 2, None), InvalidArgument)
+    assert "base" in str(err)
+    x.expect_ok(x.request(m.Publish, x.session, x.next_call(), 2, (5,), 1))
+    (y,) = d.replica("Y", 1, model=DM, layout=blob(100))
+    y.expect_error(y.request(m.Publish, y.session, y.next_call(), 2, (5,), 0), VersionConflict)
+    (z,) = d.replica("Z", 1, model=DM, layout=blob(64))  # a delta model registers any blob layout
+    z.expect_error(z.request(m.Publish, z.session, z.next_call(), 2, (5,), 1), LayoutMismatch)
+    err = z.expect_error(z.replicate(2), LayoutMismatch)  # a reader must register the delta's own layout
+    assert "100 bytes" in str(err)
+    with pytest.raises(ValueError, match="goes forward"):
+        m.Publish(1, 1, 1, 2, None, 2)
+
+
+@given(
+    shards=st.integers(1, 3),
+    held=st.integers(0, 4),
+    wanted_ahead=st.integers(1, 4),
+    chain_sizes=st.none() | st.lists(st.integers(1, 6000), min_size=12, max_size=12),
+    deltas=st.lists(
+        st.tuples(st.integers(0, 8), st.integers(1, 3), st.integers(0, 2), st.integers(1, 15000)),
+        max_size=6,
+    ),
+)
+def test_plan_matches_plan_pull_per_shard(shards, held, wanted_ahead, chain_sizes, deltas):
+    """Property: the replica gets a chain exactly when plan_pull gives every shard a chain, the
+    same versions for all; each shard's refs are its own chain's steps."""
+    d = Driver()
+    wanted = held + wanted_ahead
+    trainer = d.replica("T", shards, layout=FULL)
+    reader = d.replica("R", shards, layout=FULL)
+    trainer_publish(trainer, held + 1)  # SUMS index from 1
+    for s, r in zip(reader, [s.pull(held + 1) for s in reader]):
+        s.expect_ok(r)
+    trainer_publish(trainer, wanted + 1)
+    published: dict[tuple[int, int], tuple[int, int]] = {}  # (version, shard) -> (base, size)
+    if chain_sizes is not None:  # one-step deltas held -> ... -> wanted on every shard
+        deltas = [(v, 1, i, chain_sizes[(v - held) * 3 + i]) for v in range(held, wanted) for i in range(shards)] + deltas
+    for k, (base, span, shard, size) in enumerate(deltas):
+        version = base + span + 1
+        base += 1
+        shard %= shards
+        if (version, shard) in published:
+            continue
+        published[(version, shard)] = (base, size)
+        s = d.shard(f"D{k}", shard, shards, model=DM, layout=blob(size))
+        s.expect_ok(s.request(m.Publish, s.session, s.next_call(), version, (1,), base))
+    plans = [
+        plan_pull(held + 1, wanted + 1,
+                  [DeltaStep(b, v, n) for (v, i), (b, n) in published.items() if i == idx], FULL.total_bytes)
+        for idx in range(shards)
+    ]  # fmt: skip
+    chains = {tuple(st.version for st in p.steps) for p in plans}
+    expect = all(p.kind == DELTAS for p in plans) and len(chains) == 1
+    answers = update_deltas(reader) if expect else None
+    if expect:
+        for idx, a in enumerate(answers):
+            assert a.moved is False and a.target == wanted + 1
+            assert a.deltas == tuple(m.DeltaRef(st.version, st.base, st.nbytes) for st in plans[idx].steps)
+    else:
+        reqs = [s.request(m.Update, s.session, s.next_call(), "latest", None, False, True) for s in reader]
+        for s in reader:
+            s.complete(s.grant())
+        for s, r in zip(reader, reqs):
+            assert s.expect_ok(r) == m.Updated(r, True, wanted + 1)
+    assert d.table.stats["delta_plans"] == int(expect)
+    check_invariants(d.table)
