@@ -66,6 +66,7 @@ def open(
     mapping: Any = None,
     convert_budget: int = 512 << 20,
     deltas: bool | int = False,
+    bucket: str | None = None,
 ) -> ShardHandle:
     """Open a shard handle (the synchronous facade of :class:`tensorhub.handles.api.AsyncShardHandle`,
     whose calls block; it runs on the process's background event loop).
@@ -108,6 +109,11 @@ def open(
             ``update()`` applies the chain of deltas the server plans for it where that is fewer
             bytes than a full pull, verified against the version's checksums (``last_delta``
             says what it did).
+        bucket: the bucket tier, an fsspec URL or a directory (README "Deltas"). A trainer's
+            shard also writes every version there in the background (an anchor every 8
+            versions, deltas between, chunks stored once by content); a reader's pull that no
+            peer can serve (unreachable, or no holder left) restores the version from it,
+            verified, and then serves it to peers like any holder (``last_bucket``).
 
     Returns:
         the open :class:`~tensorhub.handles.api.ShardHandle`.
@@ -125,7 +131,7 @@ def open(
         model, replica, num_shards=num_shards, shard_idx=shard_idx, retain=retain, server=server,
         location=location, spot=spot, transports=transports, connect_timeout=connect_timeout,
         offload_seeding=offload_seeding, convert_from=convert_from, mapping=mapping, convert_budget=convert_budget,
-        deltas=deltas,
+        deltas=deltas, bucket=bucket,
     )  # fmt: skip
 
 

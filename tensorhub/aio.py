@@ -49,6 +49,7 @@ def open(
     mapping: Any = None,
     convert_budget: int = 512 << 20,
     deltas: bool | int = False,
+    bucket: str | None = None,
 ) -> AsyncOpen:
     """Open a shard handle on the running loop. Arguments as :func:`tensorhub.open`; the
     handle is opened when awaited or entered."""
@@ -56,6 +57,6 @@ def open(
         "num_shards": num_shards, "shard_idx": shard_idx, "retain": retain, "server": server, "location": location,
         "spot": spot, "transports": transports, "connect_timeout": connect_timeout, "offload_seeding": offload_seeding,
         "convert_from": convert_from, "mapping": mapping, "convert_budget": convert_budget,
-        "deltas": deltas,
+        "deltas": deltas, "bucket": bucket,
     }  # fmt: skip
     return _AsyncOpen(model, replica, kw)

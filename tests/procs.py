@@ -179,6 +179,9 @@ def _worker(cmds: Any, results: Any, open_kw: dict) -> None:
                 d = h.last_delta
                 value = None if d is None else {"target": d.target, "versions": d.versions, "bytes": d.bytes,
                                                 "full": d.full_bytes, "landed": d.landed, "error": d.error}  # fmt: skip
+            elif cmd == "last_bucket":  # what the last pull restored from the bucket
+                b = h.last_bucket
+                value = None if b is None else {"version": b.version, "anchor": b.anchor, "deltas": [list(d) for d in b.deltas]}
             elif cmd == "delta_sources":  # the sources of the last delta pulled through the reader's side
                 side = h._delta_reader.side if h._delta_reader is not None else None
                 value = list(side.last_pull.sources) if side is not None and side.last_pull else []

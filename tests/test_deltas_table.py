@@ -11,12 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from .table_driver import Driver, make_layout
 from tensorhub.core import messages as m
 from tensorhub.core.deltas import DELTAS, DeltaStep, plan_pull
 from tensorhub.core.errors import InvalidArgument, LayoutMismatch, VersionConflict
 from tensorhub.core.invariants import check_invariants
 from tensorhub.core.naming import delta_model
+
+from .table_driver import Driver, make_layout
 
 MODEL = "actor"
 DM = delta_model(MODEL)
@@ -180,7 +181,9 @@ def test_plan_matches_plan_pull_per_shard(shards, held, wanted_ahead, chain_size
     trainer_publish(trainer, wanted + 1)
     published: dict[tuple[int, int], tuple[int, int]] = {}  # (version, shard) -> (base, size)
     if chain_sizes is not None:  # one-step deltas held -> ... -> wanted on every shard
-        deltas = [(v, 1, i, chain_sizes[(v - held) * 3 + i]) for v in range(held, wanted) for i in range(shards)] + deltas
+        deltas = [
+            (v, 1, i, chain_sizes[(v - held) * 3 + i]) for v in range(held, wanted) for i in range(shards)
+        ] + deltas
     for k, (base, span, shard, size) in enumerate(deltas):
         version = base + span + 1
         base += 1

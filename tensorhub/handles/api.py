@@ -61,6 +61,7 @@ from tensorhub.core.errors import (
     ServerUnavailable,
     TensorHubError,
     Timeout,
+    TransportError,
     UpdateAborted,
     UsageError,
     VersionConflict,
@@ -80,7 +81,8 @@ from tensorhub.core.naming import (
 )
 from tensorhub.core.placement import PlacedTensor, TensorPlacement
 from tensorhub.core.shard import give_back, next_call
-from tensorhub.handles.deltas import DeltaPublisher, DeltaReader, DeltaStats, ring_size
+from tensorhub.handles.deltas import DeltaPublisher, DeltaReader, DeltaStats, restore_from_bucket, ring_size
+from tensorhub.runtime.bucket import Restored
 from tensorhub.core.topology import Location
 from tensorhub.runtime.actor import LoopThread
 from tensorhub.runtime.client import Call, ClientActor, Exchange
@@ -433,6 +435,7 @@ class AsyncShardHandle:
         mapping: Mapping | None = None,
         convert_budget: int = DEFAULT_BUDGET,
         deltas: bool | int = False,
+        bucket: str | None = None,
     ) -> None:
         self.model = validate_model(model)
         self.replica = validate_replica(replica, model=self.model)
@@ -472,6 +475,11 @@ class AsyncShardHandle:
         if ring:
             delta_model(self.model)  # the delta model's name must be valid too
         self._delta_ring = ring
+        if bucket is not None and (not isinstance(bucket, str) or not bucket):
+            raise InvalidArgument(f"bucket must be an fsspec URL or a directory (a non-empty str), got {bucket!r}", **self.ctx)
+        self._bucket = bucket
+        #: what the last pull that fell back to the bucket restored (None: none did)
+        self.last_bucket: Restored | None = None
         self._delta_pub: DeltaPublisher | None = None
         self._delta_reader: DeltaReader | None = None
         #: what the last update() planned as a delta chain did (None: it pulled in full, or no update yet)
@@ -764,9 +772,9 @@ class AsyncShardHandle:
             NotRegistered, InvalidName, ContractViolation (holding another version), VersionConflict.
         """
         await self._publish(version)
-        if self._delta_ring and self.session is not None:
+        if (self._delta_ring or self._bucket is not None) and self.session is not None:
             if self._delta_pub is None:
-                self._delta_pub = DeltaPublisher(self, self._delta_ring)
+                self._delta_pub = DeltaPublisher(self, self._delta_ring, self._bucket)
             self._delta_pub.after_publish(version)
 
     async def _publish(self, version: int, base: int | None = None) -> None:
@@ -1160,6 +1168,16 @@ class AsyncShardHandle:
             raise InvalidArgument(f"timeout must be a number >= 0 or None, got {timeout!r}", **self.ctx)
 
     async def _pull(self, cls: type, version: int | str, timeout: float | None, held: tuple[int, ...] | None = None) -> Any:
+        try:
+            return await self._pull_once(cls, version, timeout, held)
+        except (TransportError, VersionUnavailable, UpdateAborted) as err:
+            if self._bucket is None or held is not None or err.version is None:
+                raise
+            # No peer could serve it (unreachable, or gone): the bucket tier, never before a peer.
+            reply = await restore_from_bucket(self, self._bucket, err, timeout)
+            return m.Updated(reply.req, True, reply.version) if cls is m.Update else reply
+
+    async def _pull_once(self, cls: type, version: int | str, timeout: float | None, held: tuple[int, ...] | None) -> Any:
         spec = parse_version_spec(version, **self.ctx).wire()
         self._check_timeout(timeout)
         self._need_registered(cls.__name__.lower())

@@ -49,11 +49,12 @@ import torch
 from tensorhub.core import messages as m
 from tensorhub.core.errors import BaseMismatch, InvalidArgument, TensorHubError
 from tensorhub.core.naming import delta_model
+from tensorhub.runtime.bucket import BucketReader, BucketWriter
 from tensorhub.runtime.deltafiles import delta_bytes, from_bytes
 from tensorhub.runtime.deltas import Delta, apply_chain, apply_delta, compute_delta
 from tensorhub.runtime.engine import Holdings, StartPublish, WaitPublished
 
-__all__ = ["DEFAULT_RING", "DeltaPublisher", "DeltaReader", "DeltaStats", "ring_size"]
+__all__ = ["DEFAULT_RING", "DeltaPublisher", "DeltaReader", "DeltaStats", "restore_from_bucket", "ring_size"]
 
 #: deltas a trainer's shard keeps published (readers up to this many versions behind get a chain)
 DEFAULT_RING = 4
@@ -67,7 +68,9 @@ def ring_size(deltas: object, ctx: dict) -> int:
     if deltas is False or deltas is None:
         return 0
     if type(deltas) is not int or not 0 <= deltas <= 64:
-        raise InvalidArgument(f"deltas must be a bool or an int in [0, 64] (deltas kept published), got {deltas!r}", **ctx)
+        raise InvalidArgument(
+            f"deltas must be a bool or an int in [0, 64] (deltas kept published), got {deltas!r}", **ctx
+        )
     return deltas
 
 
@@ -101,7 +104,11 @@ async def _hold_blob(h: Any, nbytes: int, data: bytes | None = None) -> torch.Te
     if h.buffers is not None and h.buffers.layout.total_bytes != nbytes:
         await h.unregister()
     if h.buffers is None:
-        blob = torch.empty(nbytes, dtype=torch.uint8) if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        blob = (
+            torch.empty(nbytes, dtype=torch.uint8)
+            if data is None
+            else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        )
         await h.register({_BLOB: blob})
     elif data is not None:
         h.tensors[_BLOB].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
@@ -111,9 +118,12 @@ async def _hold_blob(h: Any, nbytes: int, data: bytes | None = None) -> torch.Te
 class DeltaPublisher:
     """A trainer shard's deltas (see the module docstring)."""
 
-    def __init__(self, owner: Any, ring: int) -> None:
+    def __init__(self, owner: Any, ring: int, bucket: str | None = None) -> None:
         self.owner = owner
         self.ring: list[Any] = [None] * ring
+        #: the bucket tier (:mod:`tensorhub.runtime.bucket`): every version (an anchor every
+        #: few, deltas between) is also written there, in the background
+        self.writer = BucketWriter(bucket) if bucket is not None else None
         self.turn = 0
         self.snapshot: dict[str, torch.Tensor] | None = None
         self.snapshot_version: int | None = None
@@ -123,7 +133,7 @@ class DeltaPublisher:
         self.published: list[int] = []  #: versions whose delta this shard published
 
     def after_publish(self, version: int) -> None:
-        if self.failed is None and self.task is None:
+        if self.task is None:
             self.task = asyncio.ensure_future(self._run(version))
 
     async def settle(self) -> None:
@@ -134,28 +144,48 @@ class DeltaPublisher:
 
     async def _run(self, version: int) -> None:
         owner = self.owner
+        await owner._engine.ask(WaitPublished(owner.session))
+        sums_by_version, _ = await owner._engine.ask(Holdings(owner.session))
+        sums = sums_by_version.get(version)
+        delta = await self._delta(version, sums) if self.ring and self.failed is None else None
+        if self.writer is not None:
+            try:
+                await asyncio.to_thread(
+                    self.writer.put, owner.model, version, owner.shard_idx, owner.tensors,
+                    layout=owner.buffers.layout, checksums=sums, delta=delta,
+                )  # fmt: skip
+            except TensorHubError as err:  # an earlier write failed: said once; the writer goes on
+                owner.log.warning("bucket write failed", version=version, error=f"{type(err).__name__}: {err.message}")
+
+    async def _delta(self, version: int, sums: tuple[int, ...] | None) -> Delta | None:
+        owner = self.owner
+        delta = None
         try:
-            await owner._engine.ask(WaitPublished(owner.session))
-            sums_by_version, _ = await owner._engine.ask(Holdings(owner.session))
-            sums = sums_by_version.get(version)
             tensors = owner.tensors
-            layout = owner.buffers.layout
             snap = self.snapshot
             if snap is None or self.snapshot_version is None or self.snapshot_version >= version or sums is None:
                 self.snapshot = await asyncio.to_thread(_copy_to_cpu, tensors)
             else:
                 delta, self.snapshot = await asyncio.to_thread(
-                    _compare, snap, tensors, self.snapshot_version, version, layout, self.snapshot_sums, sums
+                    _compare,
+                    snap,
+                    tensors,
+                    self.snapshot_version,
+                    version,
+                    owner.buffers.layout,
+                    self.snapshot_sums,
+                    sums,
                 )
                 await self._publish(delta)
             self.snapshot_version, self.snapshot_sums = version, sums
         except TensorHubError as err:
             self.failed = f"{type(err).__name__}: {err.message}"
-        except Exception as err:  # a device error, memory: deltas stop, the trainer goes on
+        except Exception as err:  # noqa: BLE001 - a device error, memory: deltas stop, the trainer goes on
             self.failed = repr(err)
         if self.failed is not None:
             owner.log.warning("deltas stop for this handle (readers pull in full)", version=version, error=self.failed)
             self.snapshot = None
+        return delta
 
     async def _publish(self, delta: Delta) -> None:
         data = await asyncio.to_thread(delta_bytes, delta)
@@ -175,6 +205,14 @@ class DeltaPublisher:
             if h is not None:
                 await h.close()
         self.ring = [None] * len(self.ring)
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                await asyncio.to_thread(writer.close)
+            except TensorHubError as err:
+                self.owner.log.warning(
+                    "bucket writer: the last writes failed", error=f"{type(err).__name__}: {err.message}"
+                )
 
 
 def _copy_to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -237,11 +275,7 @@ class DeltaReader:
         owner.last_delta = stats
         before = owner._engine.pull_mark(owner.session)
         await owner._pull(m.Replicate, reply.target, timeout, held=held)
-        stats.landed = held is not None and not owner._engine.pull_began(owner.session, before)
-        if stats.landed:  # the engine serves the buffers as the target, with its checksums
-            assert held is not None
-            owner.buffers.progress.reset(reply.target, 0)
-            owner._engine.tell(StartPublish(owner.session, reply.target, held))
+        stats.landed = _serve_held(owner, reply.target, held, before)
         return stats
 
     async def _pull(self, ref: m.DeltaRef, timeout: float | None) -> Delta:
@@ -262,6 +296,57 @@ class DeltaReader:
 
     async def close(self) -> None:
         await self._drop_side()
+
+
+async def restore_from_bucket(owner: Any, url: str, err: TensorHubError, timeout: float | None) -> m.Replicated:
+    """No peer could serve ``err.version`` to ``owner`` (unreachable, or gone): restore it from
+    the bucket at ``url`` (the latest anchor at or before it, then the deltas after it,
+    verified), then ``Replicate(version, held=checksums)`` so that the server takes the shard as
+    a holder of it. Every shard of the replica got the same error and makes the same calls: a
+    shard whose restore fails claims nothing and pulls again (which fails like the first time,
+    for every shard: the first error is raised, the bucket's chained).
+
+    Raises:
+        What the pull raises, when the restore failed or the server did not take the claim.
+    """
+    version = err.version
+    assert version is not None
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    held = None
+    restored = None
+    try:
+        restored = await asyncio.to_thread(
+            BucketReader(url).restore, owner.model, version, owner.shard_idx, owner.tensors
+        )
+        held = restored.checksums
+    except TensorHubError as berr:
+        owner.log.warning(
+            "no peer and no bucket copy",
+            version=version,
+            error=str(err),
+            bucket=f"{type(berr).__name__}: {berr.message}",
+        )
+    owner.log.info(
+        "restored from the bucket" if held else "bucket restore failed",
+        version=version,
+        seconds=round(loop.time() - t0, 3),
+    )
+    before = owner._engine.pull_mark(owner.session)
+    reply = await owner._pull_once(m.Replicate, version, timeout, held)
+    if _serve_held(owner, version, held, before):
+        owner.last_bucket = restored
+    return reply
+
+
+def _serve_held(owner: Any, version: int, held: tuple[int, ...] | None, before: int) -> bool:
+    """After ``Replicate(version, held=...)``: True if the server took the claim (no pull began);
+    the engine then serves the buffers as ``version``, with those checksums."""
+    if held is None or owner._engine.pull_began(owner.session, before):
+        return False
+    owner.buffers.progress.reset(version, 0)
+    owner._engine.tell(StartPublish(owner.session, version, held))
+    return True
 
 
 def _mismatch(ref: m.DeltaRef, got: object) -> TensorHubError:

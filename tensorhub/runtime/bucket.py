@@ -77,13 +77,11 @@ import hashlib
 import json
 import math
 import queue
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Self
 
 import fsspec
@@ -565,21 +563,14 @@ def _cut(data: bytes, size: int) -> Iterable[memoryview]:
 
 
 def _delta_bytes(delta: Delta) -> bytes:
-    # deltafiles writes paths; the bytes are small (a few % of the shard)
-    with tempfile.TemporaryDirectory(prefix="tensorhub-bucket-") as d:
-        path = Path(d) / "delta.safetensors"
-        deltafiles.write_delta(path, delta)
-        return path.read_bytes()
+    return deltafiles.delta_bytes(delta)
 
 
 def _delta_from_bytes(data: bytes, layout: Layout, where: str) -> Delta:
-    with tempfile.TemporaryDirectory(prefix="tensorhub-bucket-") as d:
-        path = Path(d) / "delta.safetensors"
-        path.write_bytes(data)
-        try:
-            got = deltafiles.read(path, layout=layout)
-        except InvalidArgument as err:
-            raise MalformedMessage(f"{where}: {err.message.replace(str(path), 'the delta file')}") from err
+    try:
+        got = deltafiles.from_bytes(data, layout=layout, where=where)
+    except InvalidArgument as err:
+        raise MalformedMessage(err.message) from err
     if not isinstance(got, Delta):
         raise MalformedMessage(f"{where}: an anchor file where a delta file was expected")
     return got

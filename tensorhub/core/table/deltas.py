@@ -78,7 +78,10 @@ class DeltaMixin:
             raise VersionConflict(f"this delta was published with base {known}; this holder says {base}", **ctx)
         layout = ver.layouts.get(s.shard_idx)
         if layout is not None and layout != s.layout:
-            raise LayoutMismatch(f"this delta's blob has {layout.total_bytes} bytes; this holder's {s.layout.total_bytes if s.layout else 0}", **ctx)
+            raise LayoutMismatch(
+                f"this delta's blob has {layout.total_bytes} bytes; this holder's {s.layout.total_bytes if s.layout else 0}",
+                **ctx,
+            )
 
     def _record_delta(self, s: _Session, version: int, base: int | None) -> None:
         if s.model.delta_of is None or base is None or s.layout is None:
