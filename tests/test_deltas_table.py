@@ -213,3 +213,31 @@ def test_plan_matches_plan_pull_per_shard(shards, held, wanted_ahead, chain_size
             assert s.expect_ok(r) == m.Updated(r, True, wanted + 1)
     assert d.table.stats["delta_plans"] == int(expect)
     check_invariants(d.table)
+
+
+def test_a_full_pull_waits_while_its_datacenter_lands_the_version_through_deltas():
+    d = Driver()
+    trainer = d.replica("T", 1, layout=FULL, dc="a")
+    (b1,) = d.replica("B1", 1, layout=FULL, dc="b")
+    (b2,) = d.replica("B2", 1, layout=FULL, dc="b")  # holds nothing: must pull in full
+    trainer_publish(trainer, 1)
+    b1.expect_ok(b1.pull(1))
+    trainer_publish(trainer, 2)
+    publish_delta(d, "T", 1, 2, 1, [100])
+    (a,) = update_deltas([b1])
+    assert a.deltas == (m.DeltaRef(2, 1, 100),)
+    (side,) = [d.shard("B1@delta", 0, 1, model=DM, layout=blob(100), dc="b")]
+    req = side.replicate(2)  # pulling the delta across: a partial delta holder in dc b
+    g = side.grant()
+    r = b2.update()
+    assert b2.expect_ok(r) == m.Updated(r, False, None, 2)  # skipped: dc b is landing 2 through deltas
+    side.complete(g)
+    side.expect_ok(req)
+    b1.expect_ok(b1.unpublish())
+    r1 = b1.request(m.Replicate, b1.session, b1.next_call(), 2, None, SUMS[2])
+    b1.expect_ok(r1)
+    r = b2.update()  # now a holder of 2 is in dc b: pull from it
+    g = b2.grant()
+    assert g.source.replica == "B1"
+    b2.complete(g)
+    assert b2.expect_ok(r) == m.Updated(r, True, 2)

@@ -265,7 +265,7 @@ class DeltaReader:
             try:
                 # The base is checked on the bytes themselves (one hashing pass), not on what
                 # was verified when they landed: bytes that rotted since are refused too.
-                await asyncio.to_thread(apply_chain, owner.tensors, deltas, ctx=owner.ctx)
+                await _unstoppable(asyncio.to_thread(apply_chain, owner.tensors, deltas, ctx=owner.ctx))
                 held = deltas[-1].checksums
             except TensorHubError as err:
                 stats.error = f"applying the deltas: {type(err).__name__}: {err.message}"
@@ -337,6 +337,17 @@ async def restore_from_bucket(owner: Any, url: str, err: TensorHubError, timeout
     if _serve_held(owner, version, held, before):
         owner.last_bucket = restored
     return reply
+
+
+async def _unstoppable(work: Any) -> Any:
+    """Await ``work`` (a thread writing into the registered tensors); if the caller is
+    cancelled meanwhile, the cancellation waits until the thread has stopped writing."""
+    fut = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
 
 
 def _serve_held(owner: Any, version: int, held: tuple[int, ...] | None, before: int) -> bool:

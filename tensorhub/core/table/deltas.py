@@ -25,9 +25,12 @@ can apply deltas.
   versions for all (a model-parallel replica moves together), and ``v``'s checksums are known
   for every shard, the replica gets the chain instead of a pull: the call does not move and
   answers each shard with its :class:`~tensorhub.core.messages.DeltaRef` list (versions, bases,
-  blob sizes) and the target. Otherwise it moves as usual (a full pull). Across datacenters this
-  needs nothing more: the first replica of a datacenter to plan a chain pulls the deltas across,
-  and the next ones pull them from it (the ordinary source policy prefers a holder nearby).
+  blob sizes) and the target. Otherwise it moves as usual (a full pull). Across datacenters the
+  first replica of a datacenter to plan a chain pulls the deltas across, and the next ones pull
+  them from it (the ordinary source policy prefers a holder nearby); a replica there that must
+  pull ``v`` in full (it holds nothing) is told "not yet" while a delta to ``v`` is held or pulled
+  in its datacenter (smart skipping, as behind a seeder), then pulls ``v`` from the replica that
+  landed it, inside the datacenter.
 - **Landing.** The replica pulls the chain as replicates of the delta model, applies it in place
   and verifies it, then makes ``Replicate(v, held=checksums)``: where ``held`` equals ``v``'s
   declared checksums for the shard, the shard holds ``v`` at once (no bytes move); otherwise it
@@ -148,6 +151,13 @@ class DeltaMixin:
         txn.delta_plan = (v, refs)
         self.stats["delta_plans"] += 1
         return True
+
+    def _delta_seeding(self, model: _Model, version: int, dc: str) -> bool:
+        """A replica of datacenter ``dc`` holds or pulls a delta to ``version`` (it is landing
+        ``version`` there through deltas): a full pull there waits for it, as for a seeder."""
+        dm = self._deltas_of(model)
+        ver = dm.versions.get(version) if dm is not None else None
+        return ver is not None and any(any(index.in_datacenter(dc)) for index in ver.index)
 
     def _holds_already(self, s: _Session, version: int, held: tuple[int, ...] | None) -> bool:
         """``held`` (what the shard's buffers hold, by its own verification) is ``version``'s

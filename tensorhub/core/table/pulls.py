@@ -128,7 +128,9 @@ class PullMixin:
         does not skip (no pipelining, or skipping off), it moves. Where a replica of the
         datacenter is seeding ``v`` (some shard has only partial holders there, or a replica
         was told to offload-seed it and its pull has not shown up yet), it does not (smart
-        skipping: ``txn.skipped``). Where nobody there has any shard of ``v``, this replica is
+        skipping: ``txn.skipped``), and so it does where a replica of the datacenter is landing
+        ``v`` through deltas (it holds or pulls a delta to ``v``: :mod:`.deltas`). Where nobody
+        there has any shard of ``v``, this replica is
         the seeder: it moves (pulls across), or with offload seeding it is told to seed into a
         CPU copy in the background (``txn.seed``) and does not move. When the replica's own seed
         holds ``v``, its shards are pulled from it.
@@ -152,6 +154,8 @@ class PullMixin:
         if not absent:
             model.seeds.pop((v, dc), None)
             return True
+        if self._delta_seeding(model, v, dc):
+            return self._skip(txn, v)  # a replica here is landing v through deltas: pull it from it next
         reserved = model.seeds.get((v, dc))
         if reserved is not None:
             owner, until = reserved

@@ -1,0 +1,133 @@
+"""Deltas through the async API in one process (a real server actor, real sockets): what an
+update does when applying the chain is cancelled or fails after writing, and bad arguments.
+
+- cancelled mid-apply: the cancellation waits for the writes to stop, and the handle is empty
+  (as after an aborted update); the next update pulls the version in full;
+- the apply fails after writing (the result does not verify): the shard pulls the version in
+  full in the same update, never presenting the written bytes as the version;
+- ``deltas=`` and ``bucket=`` misuse are typed errors naming the argument.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from tensorhub import aio
+from tensorhub.core.errors import ChecksumMismatch, InvalidArgument
+from tensorhub.handles import deltas as hd
+
+from .procs import InprocServer
+
+
+@pytest.fixture
+def server():
+    srv = InprocServer(heartbeat_interval=0.5, heartbeat_timeout=5.0)
+    yield srv
+    srv.close()
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(256, 256, generator=g).to(torch.bfloat16), "b": torch.randn(1024, generator=g)}
+
+
+async def step(trainer, w: dict[str, torch.Tensor], version: int, g: torch.Generator) -> None:
+    await trainer.unpublish()
+    idx = torch.randperm(w["w"].numel(), generator=g)[:200]
+    w["w"].view(-1)[idx] += 1
+    await trainer.publish(version)
+    await trainer._delta_pub.settle()
+
+
+async def setup(address: str, seed: int):
+    w = weights(seed)
+    trainer = await aio.open("m", "trainer", server=address, deltas=True)
+    reader = await aio.open("m", "rollout", server=address, deltas=True)
+    r = {k: torch.zeros_like(v) for k, v in w.items()}
+    await trainer.register(w)
+    await reader.register(r)
+    await trainer.publish(1)
+    await trainer._delta_pub.settle()
+    assert await reader.update() and reader.version == 1
+    return trainer, reader, w, r
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+def test_an_update_cancelled_mid_apply_waits_for_the_writes_and_leaves_the_handle_empty(server, seed, monkeypatch):
+    real = hd.apply_chain
+    entered, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_apply(*args, **kw):
+        entered.set()
+        release.wait(10)
+        try:
+            return real(*args, **kw)
+        finally:
+            done.set()
+
+    async def run() -> None:
+        trainer, reader, w, r = await setup(server.address, seed)
+        g = torch.Generator().manual_seed(seed)
+        await step(trainer, w, 2, g)
+        monkeypatch.setattr(hd, "apply_chain", slow_apply)
+        task = asyncio.ensure_future(reader.update())
+        await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done()  # the cancellation waits for the thread writing into the tensors
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert done.is_set() and reader.empty and reader.version is None
+        monkeypatch.setattr(hd, "apply_chain", real)
+        assert await reader.update() and reader.version == 2
+        assert reader.last_delta is None or reader.last_delta.target != 2 or not reader.last_delta.landed
+        assert same(r, w)
+        await reader.close()
+        await trainer.close()
+
+    asyncio.run(run())
+
+
+def test_an_apply_that_fails_after_writing_pulls_the_version_in_full(server, seed, monkeypatch):
+    def broken_apply(tensors, deltas, **kw):
+        for t in tensors.values():  # half-written, then the verification fails
+            t.view(-1)[:7] = 0
+        raise ChecksumMismatch("the result does not verify (injected)")
+
+    async def run() -> None:
+        trainer, reader, w, r = await setup(server.address, seed)
+        g = torch.Generator().manual_seed(seed)
+        await step(trainer, w, 2, g)
+        monkeypatch.setattr(hd, "apply_chain", broken_apply)
+        assert await reader.update() and reader.version == 2
+        d = reader.last_delta
+        assert d is not None and not d.landed and "ChecksumMismatch" in d.error
+        assert same(r, w)  # pulled in full: the written bytes were never presented as version 2
+        monkeypatch.undo()
+        await step(trainer, w, 3, g)
+        assert await reader.update() and reader.last_delta.landed and reader.last_delta.versions == [3]
+        assert same(r, w)
+        assert server.stats()["deltas_landed"] == 1
+        await reader.close()
+        await trainer.close()
+
+    asyncio.run(run())
+
+
+def test_bad_delta_and_bucket_arguments_are_typed_errors():
+    for bad in (-1, 65, "yes", 1.5):
+        with pytest.raises(InvalidArgument, match="deltas"):
+            aio.AsyncShardHandle("m", "r", deltas=bad)
+    for bad in ("", 3):
+        with pytest.raises(InvalidArgument, match="bucket"):
+            aio.AsyncShardHandle("m", "r", bucket=bad)
+    with pytest.raises(InvalidArgument, match="convert_from"):
+        aio.AsyncShardHandle("m", "r", deltas=True, convert_from="src")
