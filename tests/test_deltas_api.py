@@ -74,24 +74,26 @@ def test_an_update_cancelled_mid_apply_waits_for_the_writes_and_leaves_the_handl
 
     async def run() -> None:
         trainer, reader, w, r = await setup(server.address, seed)
-        g = torch.Generator().manual_seed(seed)
-        await step(trainer, w, 2, g)
-        monkeypatch.setattr(hd, "apply_chain", slow_apply)
-        task = asyncio.ensure_future(reader.update())
-        await asyncio.to_thread(entered.wait, 10)
-        task.cancel()
-        await asyncio.sleep(0.05)
-        assert not task.done()  # the cancellation waits for the thread writing into the tensors
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert done.is_set() and reader.empty and reader.version is None
-        monkeypatch.setattr(hd, "apply_chain", real)
-        assert await reader.update() and reader.version == 2
-        assert reader.last_delta is None or reader.last_delta.target != 2 or not reader.last_delta.landed
-        assert same(r, w)
-        await reader.close()
-        await trainer.close()
+        try:
+            g = torch.Generator().manual_seed(seed)
+            await step(trainer, w, 2, g)
+            monkeypatch.setattr(hd, "apply_chain", slow_apply)
+            task = asyncio.ensure_future(reader.update())
+            await asyncio.to_thread(entered.wait, 10)
+            task.cancel()
+            await asyncio.sleep(0.05)
+            assert not task.done()  # the cancellation waits for the thread writing into the tensors
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert done.is_set() and reader.empty and reader.version is None
+            monkeypatch.setattr(hd, "apply_chain", real)
+            assert await reader.update() and reader.version == 2
+            assert reader.last_delta is None or reader.last_delta.target != 2 or not reader.last_delta.landed
+            assert same(r, w)
+        finally:
+            await reader.close()
+            await trainer.close()
 
     asyncio.run(run())
 
@@ -104,20 +106,22 @@ def test_an_apply_that_fails_after_writing_pulls_the_version_in_full(server, see
 
     async def run() -> None:
         trainer, reader, w, r = await setup(server.address, seed)
-        g = torch.Generator().manual_seed(seed)
-        await step(trainer, w, 2, g)
-        monkeypatch.setattr(hd, "apply_chain", broken_apply)
-        assert await reader.update() and reader.version == 2
-        d = reader.last_delta
-        assert d is not None and not d.landed and "ChecksumMismatch" in d.error
-        assert same(r, w)  # pulled in full: the written bytes were never presented as version 2
-        monkeypatch.undo()
-        await step(trainer, w, 3, g)
-        assert await reader.update() and reader.last_delta.landed and reader.last_delta.versions == [3]
-        assert same(r, w)
-        assert server.stats()["deltas_landed"] == 1
-        await reader.close()
-        await trainer.close()
+        try:
+            g = torch.Generator().manual_seed(seed)
+            await step(trainer, w, 2, g)
+            monkeypatch.setattr(hd, "apply_chain", broken_apply)
+            assert await reader.update() and reader.version == 2
+            d = reader.last_delta
+            assert d is not None and not d.landed and "ChecksumMismatch" in d.error
+            assert same(r, w)  # pulled in full: the written bytes were never presented as version 2
+            monkeypatch.undo()
+            await step(trainer, w, 3, g)
+            assert await reader.update() and reader.last_delta.landed and reader.last_delta.versions == [3]
+            assert same(r, w)
+            assert server.stats()["deltas_landed"] == 1
+        finally:
+            await reader.close()
+            await trainer.close()
 
     asyncio.run(run())
 
@@ -131,3 +135,31 @@ def test_bad_delta_and_bucket_arguments_are_typed_errors():
             aio.AsyncShardHandle("m", "r", bucket=bad)
     with pytest.raises(InvalidArgument, match="convert_from"):
         aio.AsyncShardHandle("m", "r", deltas=True, convert_from="src")
+
+
+def test_the_standby_set_of_replicate_then_flip_lands_through_deltas_too(server, seed):
+    async def run() -> None:
+        trainer, reader, w, r = await setup(server.address, seed)
+        try:
+            g = torch.Generator().manual_seed(seed)
+            await reader.register_shadow()
+            await step(trainer, w, 2, g)
+            assert await reader.prefetch("latest") == 2  # the standby holds nothing: in full
+            assert await reader.flip() is True and same(reader.tensors, w)
+            for v in (3, 4):
+                await step(trainer, w, v, g)
+            assert await reader.prefetch("latest") == 4  # the standby holds 1: the chain 2, 3, 4
+            for _ in range(1000):
+                if reader.prefetched == 4:
+                    break
+                await asyncio.sleep(0.02)
+            assert reader._shadow.last_delta.versions == [2, 3, 4] and reader._shadow.last_delta.landed
+            assert await reader.flip() is True and reader.version == 4 and same(reader.tensors, w)
+            await step(trainer, w, 5, g)
+            assert await reader.update() and reader.last_delta.versions == [5] and reader.last_delta.landed
+            assert same(reader.tensors, w)
+        finally:
+            await reader.close()
+            await trainer.close()
+
+    asyncio.run(run())

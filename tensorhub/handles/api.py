@@ -947,6 +947,7 @@ class AsyncShardHandle:
                 retain=None, server=self._server, location=self.location, spot=self.spot, transports=self._transports,
                 connect_timeout=self.connect_timeout, convert_from=self.convert_from,
                 mapping=self.mapping if self.convert_from is not None else None, convert_budget=self.convert_budget,
+                deltas=self._delta_ring, bucket=self._bucket,
             )  # fmt: skip
             shadow._base_replica = self._base_replica
             await shadow._open()
@@ -1004,7 +1005,9 @@ class AsyncShardHandle:
                 if target == self.version:
                     return None
             self._prefetch_version, self._prefetch_newer = target, spec.relative
-            self._prefetch = asyncio.ensure_future(shadow.replicate(target, timeout))
+            # With deltas, an update: the server may plan the standby set a chain from what it holds.
+            pull = _update_into(shadow, target, timeout) if self._delta_ring else shadow.replicate(target, timeout)
+            self._prefetch = asyncio.ensure_future(pull)
             self.log.debug("prefetching", version=target, into=shadow.replica)
             return target
 
@@ -1086,6 +1089,10 @@ class AsyncShardHandle:
         self.__dict__.update(mine)
         other.__dict__.update(theirs)
         self._owner.target, other._owner.target = self, other
+        for h in (self, other):  # a bank's delta sides go with its session
+            for side in (h._delta_pub, h._delta_reader):
+                if side is not None:
+                    side.owner = h
 
     async def _drop_shadow(self) -> None:
         """Stop a prefetch and close the shadow set (its readers are re-granted elsewhere)."""
