@@ -91,7 +91,6 @@ from tensorhub.core.errors import (
     ChecksumMismatch,
     ContractViolation,
     InvalidArgument,
-    LayoutMismatch,
     MalformedMessage,
     TensorHubError,
     Timeout,
@@ -105,7 +104,7 @@ from tensorhub.core.naming import validate_model, validate_version
 from tensorhub.transports.buffers import ShardBuffers, layout_of
 
 from . import checksum, deltafiles
-from .deltas import Delta, apply_chain, compute_delta, shard_checksums
+from .deltas import Delta, apply_chain, check_specs, compute_delta, shard_checksums
 
 __all__ = [
     "ANCHOR",
@@ -579,23 +578,8 @@ def _delta_from_bytes(data: bytes, layout: Layout, where: str) -> Delta:
 def _check_into(into: Mapping[str, torch.Tensor], layout: Layout, ctx: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """``into`` in layout order, after checking it has the layout's tensors (naming the first
     that differs)."""
-    names = {t.name for t in layout.tensors}
-    extra = [n for n in into if n not in names]
-    if extra:
-        raise LayoutMismatch(f"tensor {extra[0]!r} is not in the bucket's layout of this shard", **ctx)
-    out = {}
-    for spec in layout.tensors:
-        t = into.get(spec.name)
-        if t is None:
-            raise LayoutMismatch(f"tensor {spec.name!r} of the bucket's layout is missing", **ctx)
-        got = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
-        if got != (spec.dtype, spec.shape):
-            raise LayoutMismatch(f"tensor {spec.name!r} is {got[0]}{list(got[1])}, the bucket's layout says "
-                                 f"{spec.dtype}{list(spec.shape)}", **ctx)  # fmt: skip
-        if not t.is_contiguous():
-            raise InvalidArgument(f"tensor {spec.name!r} is not contiguous", **ctx)
-        out[spec.name] = t
-    return out
+    check_specs(into, layout, dict(ctx), whose="the bucket's")
+    return {spec.name: into[spec.name] for spec in layout.tensors}
 
 
 # --- writing ----------------------------------------------------------------------------------

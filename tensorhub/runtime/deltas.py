@@ -65,6 +65,7 @@ __all__ = [
     "apply_delta",
     "bits_of",
     "changed_indices",
+    "check_specs",
     "compute_delta",
     "describe",
     "shard_checksums",
@@ -268,19 +269,20 @@ def _ordered(tensors: Mapping[str, torch.Tensor], layout: Layout) -> dict[str, t
     return {t.name: tensors[t.name] for t in layout.tensors}
 
 
-def _check_specs(tensors: Mapping[str, torch.Tensor], layout: Layout, ctx: dict) -> None:
-    """Raise LayoutMismatch naming the first tensor whose name, dtype or shape is not the layout's."""
+def check_specs(tensors: Mapping[str, torch.Tensor], layout: Layout, ctx: dict, whose: str = "the delta's") -> None:
+    """Raise LayoutMismatch naming the first tensor whose name, dtype or shape is not the layout's
+    (``whose`` layout, in the message), InvalidArgument for one that is not contiguous."""
     names = {t.name for t in layout.tensors}
     extra = [n for n in tensors if n not in names]
     if extra:
-        raise LayoutMismatch(f"tensor {extra[0]!r} is not in the delta's layout", **ctx)
+        raise LayoutMismatch(f"tensor {extra[0]!r} is not in {whose} layout", **ctx)
     for spec in layout.tensors:
         t = tensors.get(spec.name)
         if t is None:
-            raise LayoutMismatch(f"tensor {spec.name!r} of the delta's layout is missing", **ctx)
+            raise LayoutMismatch(f"tensor {spec.name!r} of {whose} layout is missing", **ctx)
         got = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
         if got != (spec.dtype, spec.shape):
-            raise LayoutMismatch(f"tensor {spec.name!r} is {got[0]}{list(got[1])}, the delta's layout says "
+            raise LayoutMismatch(f"tensor {spec.name!r} is {got[0]}{list(got[1])}, {whose} layout says "
                                  f"{spec.dtype}{list(spec.shape)}", **ctx)  # fmt: skip
         if not t.is_contiguous():
             raise InvalidArgument(f"tensor {spec.name!r} is not contiguous", **ctx)
@@ -339,8 +341,8 @@ def compute_delta(
     """
     layout = layout or layout_of(dict(target))
     ctx: dict[str, Any] = {"version": version}
-    _check_specs(target, layout, ctx)
-    _check_specs(base, layout, {"version": base_version})
+    check_specs(target, layout, ctx)
+    check_specs(base, layout, {"version": base_version})
     entries = []
     for spec in layout.tensors:
         a, b = base[spec.name], target[spec.name]
@@ -467,7 +469,7 @@ def apply_chain(
     ctx = {k: v for k, v in (ctx or {}).items() if k != "version"}  # each error names its own version
     first, last = deltas[0], deltas[-1]
     layout = first.layout
-    _check_specs(tensors, layout, {"version": first.base, **ctx})
+    check_specs(tensors, layout, {"version": first.base, **ctx})
     for prev, nxt in itertools.pairwise(deltas):
         _link(prev, nxt, {"version": nxt.version, **ctx})
     for d in deltas:
