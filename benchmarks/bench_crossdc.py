@@ -1,7 +1,7 @@
 """Cross-datacenter replication on the emulated cluster (the paper's Fig. 12): trainers in dc-a,
 rollouts in dc-b, every byte over ``tcp`` across the emulated links.
 
-Three ways to get each new version to the rollouts of dc-b, each with its own server and
+Four ways to get each new version to the rollouts of dc-b, each with its own server and
 processes on the same cluster:
 
 - ``p2p``: the point-to-point baseline. The server runs ``--no-pipeline``: only complete holders
@@ -12,6 +12,12 @@ processes on the same cluster:
 - ``offload``: rollouts open with ``offload_seeding=True``. The seeder's ``update()`` returns at
   once too and a CPU copy is pulled across in the background; a later ``update()`` of every
   rollout takes the version inside dc-b (the seeder from its own CPU copy).
+- ``deltas`` (issue 21): the trainer and the rollouts open with ``deltas=True``. After each
+  ``publish(v)`` the trainer publishes, in the background, the sparse delta from the version
+  before; when a rollout holding that version calls ``update()``, the server plans it the
+  delta, pulled peer to peer (the first rollout of dc-b pulls it across, the others from it),
+  applied in place and verified against v's checksums. The first version is a full pull (with
+  seeding, as ``seeding``): no rollout holds a base yet.
 
 Each rollout is a loop of "inference" (``--poll-ms``) and ``update("latest")``, as a rollout
 server polls. A rollout's **stall** for a version is the time spent inside ``update()`` calls
@@ -22,6 +28,31 @@ from the server's status (``tensorhub status``: bytes of ended grants per link c
 and after. The **intra-datacenter pull** the goals compare with is measured in the same run: a
 probe rollout on a host of dc-b replicates each version alone, from a dc-b holder, after the
 others hold it.
+
+**Weights.** By default (``--dtype bfloat16 --change-fraction 0.0165``) the trainer evolves bf16
+weights as an RL step at lr 1e-6 does: each version changes a seeded random 1.65 % of the
+elements (the unchanged fraction ``benchmarks/bench_delta.py`` measures on a real decoder is
+98.35 %), the same evolution in every mode of the run (``--seed``). A sparse delta is then int32
+indices + bf16 values, 6 bytes per changed element against 2 per element: about 1/20 of a full
+copy (1 / (3 x 0.0165) = 20.2) before the file's header.
+
+**Deltas against full seeding** (``--modes seeding,deltas``, both in one run): for every version
+after the first, the bytes that crossed (GB), their ratio full/deltas, each rollout's stall
+(median, max), the ratio of the medians and of the maxima, and whether each rollout landed the
+version through the delta (its ``last_delta``). Goals (issue 21): bytes across at most 1/20 of
+full seeding's (ratio >= 20, over the later versions together), the rollouts' stall at most 1/5
+(ratio of medians >= 5). The trainer announces a version once its delta is published
+(``--settle-deltas``, the default): a rollout that polls before the delta exists is planned a full
+pull (the server plans from the deltas that are held at the moment of the update), so without it
+the figure would measure the race between the trainer's background comparison and the first
+poll; the time the trainer waits for its delta is reported (``settle``), as what deltas add to a
+version's latency. ``--no-settle-deltas`` announces at once, as a trainer that does not wait
+(measured: the first rollout of dc-b to poll is planned a full pull and seeds the version across,
+the others' deltas then share the link with it: 1.05 copies across per version, no gain). The
+ratio of the medians follows the ratio of the links: full seeding's non-seeders skip while the
+version crosses and then stall only for a pull inside dc-b, whereas every rollout's delta update
+waits for the delta's crossing (the others pipeline it from the first), so with faster hosts
+(``--host-rate 2gbit``) the medians come close while the maxima keep their ratio.
 
 Goals (the issue's): with seeding, inter-datacenter bytes per version about one copy of the
 shard (checked: at most 1.2 copies), not one per rollout; rollouts other than the seeder stall
@@ -40,8 +71,10 @@ bandwidth-bound link (the case of the paper's Fig. 12: a 200 Gbit/s VPC NIC shar
 flows). ``--inter-dc-delay`` adds one when the kernel can.
 
 Usage: python benchmarks/bench_crossdc.py [--rollouts 4] [--size-mib 32] [--versions 3]
-       [--modes p2p,seeding,offload] [--host-rate 400mbit] [--inter-dc-rate 100mbit]
-       [--inter-dc-delay 10ms] [--poll-ms 100] [--json FILE] [--dag-dir DIR] [--keep-logs]
+       [--modes p2p,seeding,offload,deltas] [--host-rate 400mbit] [--inter-dc-rate 100mbit]
+       [--inter-dc-delay 10ms] [--poll-ms 100] [--dtype bfloat16] [--change-fraction 0.0165]
+       [--seed 0] [--no-settle-deltas] [--json FILE] [--dag-dir DIR] [--keep-logs]
+       python benchmarks/bench_crossdc.py --modes seeding,deltas --versions 5   (issue 21's figure)
 """
 
 from __future__ import annotations
@@ -68,9 +101,15 @@ MODES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "p2p": (("--no-pipeline",), {}),
     "seeding": ((), {}),
     "offload": ((), {"offload_seeding": True}),
+    "deltas": ((), {"deltas": True}),
 }
+TRAINER_KW: dict[str, dict[str, Any]] = {"deltas": {"deltas": True}}  # the trainer's open(), per mode
 BYTES_GOAL = 1.2  # inter-datacenter bytes per version, in copies of the shard, with seeding
 STALL_GOAL = 1.5  # non-seeders' stall, in intra-datacenter pulls
+DELTA_BYTES_GOAL = 20.0  # full seeding's bytes across over the deltas' (issue 21: <= 1/20)
+DELTA_STALL_GOAL = 5.0  # full seeding's median stall over the deltas' (issue 21: <= 1/5)
+UNCHANGED_LR_1E6 = 0.9835  # bench_delta.py's unchanged fraction of bf16 elements per step at lr 1e-6
+GB = 1e9
 
 
 def spec(rollouts: int) -> dict[str, list[str]]:
@@ -113,12 +152,27 @@ def save_dag(cluster: Cluster, server: str, version: int, stem: Path) -> None:
     tensorhub_cli(cluster, *args)
 
 
+def _first_source(ev: dict[str, Any]) -> str | None:
+    """The replica a rollout's version came from first: the delta's source where it landed
+    through a delta, else its pull's."""
+    d = ev.get("delta")
+    sources = d["sources"] if d and d["landed"] else ev["sources"]
+    return sources[0].split("/")[0] if sources else None
+
+
 def run_mode(cluster: Cluster, mode: str, rollouts: int, versions: int, size: int, *, poll_ms: int,
              chunk: int, timeout: float = 300.0, keep_logs: bool = False, dag_dir: Path | None = None,
-             log: Callable[[str], None] = print) -> list[dict[str, Any]]:  # fmt: skip
+             log: Callable[[str], None] = print, weights: Sequence[str] = (),
+             settle_deltas: bool = True) -> list[dict[str, Any]]:  # fmt: skip
     """Every version of one mode; one record per (version, rollout), and the probe's pulls.
     With ``dag_dir``, the replication DAG of the last version goes there (``<mode>.json``,
     ``.dot``, ``.png``).
+
+    Args:
+        weights: worker options of the weights' evolution (``--dtype``, ``--change-fraction``,
+            ``--seed``: see ``cluster_jobs``), the same for every worker (the dtype) and mode;
+            none: float32, every byte changing per version.
+        settle_deltas: (``deltas``) the trainer announces a version once its delta is published.
 
     Raises:
         JobError: a process failed or a version did not arrive within ``timeout``.
@@ -129,10 +183,13 @@ def run_mode(cluster: Cluster, mode: str, rollouts: int, versions: int, size: in
     with Job(cluster, env=env, keep_logs=keep_logs) as job:
         srv = job.server("ctl", flags)
         hosts = [f"b{i}" for i in range(1, rollouts + 1)]
-        specs = [{"host": "t1", "role": "trainer", "replica": "trainer", "server": srv.address, "size_bytes": size}]
+        settle = ["--settle-deltas"] if settle_deltas and mode in TRAINER_KW else []
+        specs = [{"host": "t1", "role": "trainer", "replica": "trainer", "server": srv.address, "size_bytes": size,
+                  "open_kw": TRAINER_KW.get(mode), "extra": [*weights, *settle]}]  # fmt: skip
         specs += [{"host": h, "role": "rollout", "replica": f"rollout-{h}", "server": srv.address, "size_bytes": size,
-                   "open_kw": open_kw, "extra": ["--poll-ms", str(poll_ms)]} for h in hosts]  # fmt: skip
-        specs.append({"host": "probe", "role": "rollout", "replica": "probe", "server": srv.address, "size_bytes": size})
+                   "open_kw": open_kw, "extra": ["--poll-ms", str(poll_ms), *weights]} for h in hosts]  # fmt: skip
+        specs.append({"host": "probe", "role": "rollout", "replica": "probe", "server": srv.address, "size_bytes": size,
+                      "extra": list(weights)})  # fmt: skip
         procs = job.workers(specs, timeout=240.0)
         trainer, rs, probe = procs[0], procs[1:-1], procs[-1]
         for v in range(1, versions + 1):
@@ -156,11 +213,12 @@ def run_mode(cluster: Cluster, mode: str, rollouts: int, versions: int, size: in
             bad = [ev["replica"] for ev in [*mine, alone] if ev["hash"] != published[0]["hash"]]
             if bad:
                 raise JobError(f"{mode} v{v}: content differs from the trainer's on {bad}")
-            # the seeder: pulled across itself, or from its own CPU copy (p2p: everyone pulls across)
-            seeders = [ev["replica"] for ev in mine if ev["sources"] and ev["sources"][0].split("/")[0]
-                       in ("trainer", ev["replica"] + "@seed")]  # fmt: skip
+            # the seeder: pulled across itself (the version, or its delta from the trainer's ring
+            # of delta replicas), or from its own CPU copy (p2p: everyone pulls across)
+            seeders = [ev["replica"] for ev in mine
+                       if (_first_source(ev) or "").split("@d")[0] == "trainer" or _first_source(ev) == ev["replica"] + "@seed"]  # fmt: skip
             seeder = seeders[0] if mode != "p2p" and len(seeders) == 1 else None
-            if mode != "p2p" and seeder is None:
+            if mode not in ("p2p", "deltas") and seeder is None:
                 raise JobError(f"{mode} v{v}: expected one seeder in dc-b, got {seeders}: {[ev['sources'] for ev in mine]}")
             for ev in mine:
                 records.append({
@@ -169,10 +227,16 @@ def run_mode(cluster: Cluster, mode: str, rollouts: int, versions: int, size: in
                     "latency_s": ev["latency_s"], "sources": ev["sources"], "transports": ev["transports"],
                     "seeder": ev["replica"] == seeder, "intra_pull_s": alone["stall_s"],
                     "intra_sources": alone["sources"], "remote_bytes": remote, "size": size,
+                    "delta": ev.get("delta"), "seeders": len(seeders), "changed": published[0].get("changed"),
+                    "elements": published[0].get("elements"), "settle_s": published[0].get("settle_s"),
+                    "delta_published": published[0].get("delta_published"),
                 })  # fmt: skip
-            stalls = ", ".join(f"{ev['replica'].split('-')[-1]} {ev['stall_s']:.2f}" for ev in mine)
-            log(f"  {mode:8s} v{v}: stall s [{stalls}]; intra pull {alone['stall_s']:.2f} s; "
-                f"across {remote / size:.2f} copies")  # fmt: skip
+            stalls = ", ".join(f"{ev['replica'].split('-')[-1]} {ev['stall_s']:.2f}"
+                               + ("" if ev.get("delta") is None else " (delta)" if ev["delta"]["landed"] else " (delta failed)")
+                               for ev in mine)  # fmt: skip
+            settled = published[0].get("settle_s") if published[0].get("delta_published") else None
+            log(f"  {mode:8s} v{v}: stall s [{stalls}]; intra pull {alone['stall_s']:.2f} s; across {remote / size:.3f} "
+                f"copies" + (f"; the trainer's delta was out {settled:.2f} s after publish()" if settled is not None else ""))  # fmt: skip
         if dag_dir is not None:
             dag_dir.mkdir(parents=True, exist_ok=True)
             save_dag(cluster, srv.address, versions, dag_dir.resolve() / mode)
@@ -226,6 +290,80 @@ def table(records: list[dict[str, Any]], rollouts: int) -> tuple[str, list[str],
     return "\n".join(lines), verdicts, ok
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.inf if a else math.nan
+
+
+def deltas_table(records: list[dict[str, Any]]) -> tuple[str, list[str], bool]:
+    """Deltas against full seeding (issue 21), version by version: the printed table, the
+    PASS/MISS lines and whether both goals were met. The first version is a full pull in both
+    modes and is shown apart; the goals are over the later versions together (bytes: their sums;
+    stall: the medians of every rollout's stall)."""
+    full = {(r["version"], r["replica"]): r for r in records if r["mode"] == "seeding"}
+    delta = {(r["version"], r["replica"]): r for r in records if r["mode"] == "deltas"}
+    versions = sorted({v for v, _ in full} & {v for v, _ in delta})
+    if not versions:
+        return "", [], True
+    head = (f"{'version':10s} {'full GB':>9s} {'deltas GB':>10s} {'ratio':>7s}   {'full stall med/max s':>21s}   "
+            f"{'deltas stall med/max s':>23s}   {'ratio med/max':>13s}   landed via delta")  # fmt: skip
+    lines = [head]
+    later_full, later_delta, fb, db, landed, total = [], [], 0, 0, 0, 0
+    for v in versions:
+        f = [r for (w, _), r in sorted(full.items()) if w == v]
+        d = [r for (w, _), r in sorted(delta.items()) if w == v]
+        fs, ds = [r["stall_s"] for r in f], [r["stall_s"] for r in d]
+        got = [r for r in d if r["delta"] and r["delta"]["landed"]]
+        label = f"v{v}" + (" (first)" if v == versions[0] else "")
+        lines.append(f"{label:10s} {f[0]['remote_bytes'] / GB:9.4f} {d[0]['remote_bytes'] / GB:10.4f} "
+                     f"{_ratio(f[0]['remote_bytes'], d[0]['remote_bytes']):7.1f}   "
+                     f"{median(fs):10.2f} /{max(fs):8.2f}   {median(ds):11.2f} /{max(ds):9.2f}   "
+                     f"{_ratio(median(fs), median(ds)):6.1f} /{_ratio(max(fs), max(ds)):5.1f}   "
+                     f"{len(got)}/{len(d)}")  # fmt: skip
+        lines.append(" " * 11 + "stalls: full [" + ", ".join(f"{r['replica'].split('-')[-1]} {r['stall_s']:.2f}" for r in f)
+                     + "]; deltas [" + ", ".join(f"{r['replica'].split('-')[-1]} {r['stall_s']:.2f}"
+                                                 + ("" if r["delta"] and r["delta"]["landed"] else " FULL") for r in d) + "]")  # fmt: skip
+        if v == versions[0]:
+            continue
+        later_full += fs
+        later_delta += ds
+        fb += f[0]["remote_bytes"]
+        db += d[0]["remote_bytes"]
+        landed += len(got)
+        total += len(d)
+    if len(versions) < 2:
+        return "\n".join(lines), ["MISS: deltas vs full seeding: no version after the first (--versions >= 2)"], False
+    later = [r for r in delta.values() if r["version"] != versions[0]]
+    changed = [r["changed"] / r["elements"] for r in later if r.get("changed") is not None and r.get("elements")]
+    settles = [r["settle_s"] for r in later if r.get("settle_s") is not None and r.get("delta_published")]
+    blobs = [r["delta"] for r in later if r["delta"]]
+    b_ratio = _ratio(fb, db)
+    s_ratio = _ratio(median(later_full), median(later_delta))
+    m_ratio = _ratio(max(later_full), max(later_delta))
+    verdicts = [
+        (f"{'PASS' if b_ratio >= DELTA_BYTES_GOAL else 'MISS'}: deltas: bytes across per version {db / GB / (len(versions) - 1):.4f} GB "
+        f"against full seeding's {fb / GB / (len(versions) - 1):.4f} GB: {b_ratio:.1f}x fewer (goal >= {DELTA_BYTES_GOAL:g}x)"),
+        (f"{'PASS' if s_ratio >= DELTA_STALL_GOAL else 'MISS'}: deltas: rollouts' update stall, median {median(later_delta):.2f} s "
+        f"against full seeding's {median(later_full):.2f} s: {s_ratio:.1f}x less (goal >= {DELTA_STALL_GOAL:g}x); "
+        f"max {max(later_delta):.2f} s against {max(later_full):.2f} s: {m_ratio:.1f}x"),
+        (f"{'PASS' if landed == total else 'MISS'}: deltas: {landed} of {total} rollout updates after the first version "
+        "landed through a delta (the others pulled in full)"),
+        "PASS: content hash of every rollout equal to the trainer's, every version, both modes",
+    ]  # fmt: skip
+    if changed:
+        verdicts.append(f"info: elements changed per version {100 * median(changed):.2f} % (bench_delta.py at lr 1e-6: "
+                        f"{100 * (1 - UNCHANGED_LR_1E6):.2f} %)")  # fmt: skip
+    if blobs:
+        verdicts.append(f"info: a delta blob is {median(b['bytes'] for b in blobs) / 1e6:.2f} MB, "
+                        f"{median(b['bytes'] / b['full_bytes'] for b in blobs):.4f} of the shard (sparse: int32 index + value)")  # fmt: skip
+        verdicts.append(f"info: in the deltas' update, pulling the delta {median(b['pull_s'] for b in blobs):.2f} s, applying "
+                        f"(base check, index_copy_, verify) {median(b['apply_s'] for b in blobs):.2f} s (medians)")  # fmt: skip
+    if settles:
+        verdicts.append(f"info: the trainer's delta was published {median(settles):.2f} s (median, max {max(settles):.2f} s) "
+                        "after publish() returned; versions were announced then (--settle-deltas)")  # fmt: skip
+    ok = b_ratio >= DELTA_BYTES_GOAL and s_ratio >= DELTA_STALL_GOAL and landed == total
+    return "\n".join(lines), verdicts, ok
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rollouts", type=int, default=4, help="rollout hosts in dc-b (one replica each)")
@@ -242,6 +380,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dag-dir", default=None, help="write each mode's replication DAG of its last version here (JSON, dot, PNG)")
     ap.add_argument("--no-control-priority", action="store_true",
                     help="the server's port gets no priority class on the shaped links (its RPCs queue behind bulk bytes)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="the weights' dtype")
+    ap.add_argument("--change-fraction", type=float, default=1 - UNCHANGED_LR_1E6,
+                    help="elements the trainer changes per version (seeded; the same evolution in every mode)")
+    ap.add_argument("--seed", type=int, default=0, help="the seed of the weights and of the elements that change")
+    ap.add_argument("--no-settle-deltas", action="store_true",
+                    help="deltas: announce a version when publish() returns, not once its delta is published")
     ap.add_argument("--keep-logs", action="store_true")
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -257,14 +401,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = int(a.size_mib * MIB)
     delay = a.inter_dc_delay or "none (rate only)"
     print(f"cross-datacenter: trainer in dc-a, {a.rollouts} rollouts in dc-b; {size / MIB:.0f} MiB per version; "
-          f"hosts {a.host_rate}, inter-datacenter {a.inter_dc_rate}, delay {delay}; poll every {a.poll_ms} ms")  # fmt: skip
+          f"hosts {a.host_rate}, inter-datacenter {a.inter_dc_rate}, delay {delay}; poll every {a.poll_ms} ms; "
+          f"{a.dtype} weights, {100 * a.change_fraction:.2f} % of elements changing per version (seed {a.seed})")  # fmt: skip
+    weights = ["--dtype", a.dtype, "--change-fraction", str(a.change_fraction), "--seed", str(a.seed)]
     records: list[dict[str, Any]] = []
     with Cluster(spec(a.rollouts), host_rate=a.host_rate, inter_dc_rate=a.inter_dc_rate, inter_dc_delay=a.inter_dc_delay,
                  priority_ports=() if a.no_control_priority else (SERVER_PORT,)) as c:
         prefix = c.prefix
         for mode in modes:
             records += run_mode(c, mode, a.rollouts, a.versions, size, poll_ms=a.poll_ms, chunk=int(a.chunk_mib * MIB),
-                                timeout=a.timeout, keep_logs=a.keep_logs,
+                                timeout=a.timeout, keep_logs=a.keep_logs, weights=weights,
+                                settle_deltas=not a.no_settle_deltas,
                                 dag_dir=Path(a.dag_dir) if a.dag_dir else None)  # fmt: skip
     left = leftovers(prefix)
     text, verdicts, ok = table(records, a.rollouts)
@@ -272,6 +419,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     print()
     print("\n".join(verdicts))
+    dtext, dverdicts, dok = deltas_table(records)
+    if dtext:
+        print()
+        print("deltas against full seeding (issue 21), per version:")
+        print(dtext)
+        print()
+        print("\n".join(dverdicts))
+        verdicts += dverdicts
+        ok &= dok
     if left:
         print(f"FAIL: the cluster left {left}")
         ok = False

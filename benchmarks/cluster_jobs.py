@@ -49,6 +49,21 @@ A failed command prints ``error`` (``op``, ``type``, ``message``) and the worker
 ``--progress-ms`` a thread prints ``progress`` (``version``, ``verified``, ``total``) whenever
 the shard's verified prefix moves (read from the handle's progress counter).
 
+**Weights.** By default a shard is float32 tensors and ``publish V`` rewrites every byte (the
+version's number added to random base bytes): every version differs everywhere. With
+``--change-fraction F`` (and ``--dtype bfloat16``, ``--seed S``) the trainer evolves its weights
+as an RL step does: version 1 is seeded random weights (normal, std 0.02), and each later version
+moves a seeded random ``F`` of the elements by one unit in the last place (their raw bits +-1;
+which ones is drawn per version, tensor and shard from ``S``), so that consecutive versions
+differ in about ``F`` of the elements and the same seed gives the same evolution in every run.
+``published`` then also carries ``changed`` and ``elements`` (elements changed since the previous
+version, of all). With ``--settle-deltas`` (a trainer opened with ``deltas``) ``publish V``
+waits for the background delta of V before printing ``published``, which carries ``settle_s``,
+``delta_published`` (V's delta was published) and ``delta_failed``. A rollout opened with
+``deltas`` adds ``delta`` to ``pulled``: None where the update was a plain pull, else what the
+handle's ``last_delta`` says (``versions``, ``bytes``, ``full_bytes``, ``landed``, ``error``,
+``pull_s``, ``apply_s``) and ``sources``, where the last delta came from.
+
 Options for ``open(...)`` go through unchanged with ``--open-kw JSON`` (``retain``, ``spot``,
 ...); a ``transports`` entry there is merged into the default ``{"tcp": {"host": <address>}}``
 (``{"transports": {"tcp": {"streams": 1}}}`` adds to it); ``--default-transports`` passes no
@@ -146,6 +161,8 @@ class _Worker:
         self.base: dict[str, Any] = {}
         self.total = 0
         self.stop_progress = threading.Event()
+        self.content_version: int | None = None  # the version the evolving weights hold (--change-fraction)
+        self.changed = 0  # elements changed by the last step of the evolution
 
     # ---- output ------------------------------------------------------------------------
 
@@ -183,13 +200,15 @@ class _Worker:
         t0 = time.monotonic()
         self.h = tensorhub.open(a.model, a.replica, server=a.server, transports=transports, **kw)
         t1 = time.monotonic()
+        dtype = getattr(torch, a.dtype)
+        per4 = 4 // torch.empty(0, dtype=dtype).element_size()  # elements per float32 element's bytes
         for name, numel in _shapes(a.size_bytes, a.tensor_bytes, a.tiny):
-            self.tensors[name] = torch.zeros(numel, dtype=torch.float32)
-        if a.role == "trainer":
+            self.tensors[name] = torch.zeros(numel * per4, dtype=dtype)
+        if a.role == "trainer" and a.change_fraction <= 0:
             for i, (name, t) in enumerate(self.tensors.items()):
                 g = torch.Generator().manual_seed(1_000_003 * (a.shard_idx + 1) + i)
-                self.base[name] = torch.randint(0, 256, (t.numel() * 4,), dtype=torch.uint8, generator=g)
-        self.total = sum(t.numel() * 4 for t in self.tensors.values())
+                self.base[name] = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=g)
+        self.total = sum(t.numel() * t.element_size() for t in self.tensors.values())
         self.h.register(self.tensors)
         endpoint = getattr(self.h, "_endpoint", None) or {}
         advertised = {name: f"{ep['host']}:{ep['port']}" if "host" in ep else ep.get("side")
@@ -200,11 +219,12 @@ class _Worker:
             threading.Thread(target=self._progress, daemon=True, name="progress").start()
 
     def content_hash(self) -> str:
+        import torch
         import xxhash
 
         h = xxhash.xxh3_128()
         for t in self.tensors.values():
-            h.update(t.view(-1).numpy().view("uint8"))
+            h.update(t.view(-1).view(torch.uint8).numpy())  # raw bytes: numpy has no bfloat16
         return h.hexdigest()
 
     def _progress(self) -> None:
@@ -229,15 +249,49 @@ class _Worker:
         if h.version is not None:
             h.unpublish()
         t1 = time.monotonic()
-        for name, t in self.tensors.items():
-            u8 = t.view(-1).view(torch.uint8)
-            u8.copy_(self.base[name])
-            u8.add_(version % 251)
+        more: dict[str, Any] = {}
+        if self.a.change_fraction > 0:
+            self._evolve(version)
+            more = {"changed": self.changed, "elements": sum(t.numel() for t in self.tensors.values())}
+        else:
+            for name, t in self.tensors.items():
+                u8 = t.view(-1).view(torch.uint8)
+                u8.copy_(self.base[name])
+                u8.add_(version % 251)
         digest = self.content_hash()
         t2 = time.monotonic()
         h.publish(version)
         t3 = time.monotonic()
-        self.emit("published", version=version, hash=digest, unpublish_s=t1 - t0, publish_s=t3 - t2, t_published=t3)
+        pub = getattr(h, "_delta_pub", None)
+        if self.a.settle_deltas and pub is not None:  # the version is announced once its delta is out
+            h._run(pub.settle())
+            more.update(settle_s=time.monotonic() - t3, delta_published=version in pub.published,
+                        delta_failed=pub.failed)  # fmt: skip
+        self.emit("published", version=version, hash=digest, unpublish_s=t1 - t0, publish_s=t3 - t2, t_published=t3,
+                  **more)  # fmt: skip
+
+    def _evolve(self, version: int) -> None:
+        """Bring the tensors to ``version`` of the seeded evolution (see the module docstring):
+        one step from the version before, else from version 1."""
+        import torch
+
+        a = self.a
+        if self.content_version is None or self.content_version != version - 1 or version <= 1:
+            for i, t in enumerate(self.tensors.values()):
+                g = torch.Generator().manual_seed(a.seed * 7_919 + 1_000_003 * (a.shard_idx + 1) + i)
+                t.copy_(torch.randn(t.numel(), generator=g).mul_(0.02).to(t.dtype))
+            self.content_version, self.changed = 1, 0
+        words = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        for v in range(self.content_version + 1, version + 1):
+            changed = 0
+            for i, t in enumerate(self.tensors.values()):
+                g = torch.Generator().manual_seed(((a.seed * 1_000_003 + v) * 1_009 + a.shard_idx) * 4_099 + i)
+                idx = (torch.rand(t.numel(), generator=g) < a.change_fraction).nonzero().view(-1)
+                step = torch.randint(0, 2, (idx.numel(),), generator=g, dtype=torch.int64).mul_(2).sub_(1)
+                bits = t.view(-1).view(words[t.element_size()])
+                bits.index_copy_(0, idx, (bits.index_select(0, idx).to(torch.int64) + step).to(bits.dtype))
+                changed += idx.numel()
+            self.content_version, self.changed = v, changed
 
     def series(self, first: int, count: int, interval: float) -> None:
         t0 = time.monotonic()
@@ -259,15 +313,23 @@ class _Worker:
         return True
 
     def _pulled(self, mode: str, version: int, stall: float, t_want: float | None, t_end: float,
-                calls: int, move: float | None = None) -> None:  # fmt: skip
+                calls: int, move: float | None = None, delta_before: Any = None) -> None:  # fmt: skip
         p = self.h.last_pull
         digest = self.content_hash() if not self.a.no_hash else None
+        d = getattr(self.h, "last_delta", None)
+        delta = None
+        if d is not None and d is not delta_before and d.target == version:  # this call planned a chain
+            reader = getattr(self.h, "_delta_reader", None)
+            side = reader.side if reader is not None else None
+            delta = {"versions": list(d.versions), "bytes": d.bytes, "full_bytes": d.full_bytes, "landed": d.landed,
+                     "error": d.error, "pull_s": d.pull_s, "apply_s": d.apply_s,
+                     "sources": list(side.last_pull.sources) if side is not None and side.last_pull else []}  # fmt: skip
         self.emit("pulled", mode=mode, version=version, stall_s=stall,
                   latency_s=(t_end - t_want) if t_want is not None else None, t_want=t_want, t_end=t_end,
                   bytes=p.bytes if p else 0, grants=p.grants if p else 0, sources=list(p.sources) if p else [],
                   transports=list(p.transports) if p else [], reads=p.reads if p else 0,
                   verify_s=p.verify_s if p else 0.0, calls=calls, move_s=stall if move is None else move,
-                  hash=digest)  # fmt: skip
+                  hash=digest, delta=delta)  # fmt: skip
 
     def replicate(self, spec: str, wait_first: bool) -> None:
         version: int | str = int(spec) if spec.lstrip("-").isdigit() else spec
@@ -277,23 +339,25 @@ class _Worker:
                 raise ValueError("await takes an integer version")
             self.h.wait(lambda vs, v=version: v in vs, timeout=self.a.call_timeout)
             t_want = time.monotonic()
+        before = getattr(self.h, "last_delta", None)
         t0 = time.monotonic()
         got = self.h.replicate(version, timeout=self.a.call_timeout)
         t1 = time.monotonic()
-        self._pulled("await" if wait_first else "replicate", got, t1 - t0, t_want, t1, 1)
+        self._pulled("await" if wait_first else "replicate", got, t1 - t0, t_want, t1, 1, delta_before=before)
 
     def poll(self, until: int, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         period = self.a.poll_ms / 1000
         stall, calls, reason = 0.0, 0, "deadline"
         for _ in range(int(seconds / max(period, 1e-3)) + 2):  # bounded by count and by time
+            before = getattr(self.h, "last_delta", None)
             t0 = time.monotonic()
             moved = self.h.update("latest", timeout=self.a.call_timeout)
             t1 = time.monotonic()
             stall += t1 - t0
             calls += 1
             if moved:
-                self._pulled("poll", self.h.version, stall, None, t1, calls, t1 - t0)
+                self._pulled("poll", self.h.version, stall, None, t1, calls, t1 - t0, delta_before=before)
                 stall, calls = 0.0, 0
             if self.h.version is not None and self.h.version >= until:
                 reason = "reached"
@@ -402,6 +466,12 @@ def worker_main(argv: Sequence[str]) -> int:
     p.add_argument("--call-timeout", type=float, default=300.0, help="timeout of each replicate/update/wait call")
     p.add_argument("--progress-ms", type=float, default=0.0, help="print the verified prefix this often (0: never)")
     p.add_argument("--no-hash", action="store_true", help="do not hash the pulled bytes")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the tensors' dtype")
+    p.add_argument("--change-fraction", type=float, default=0.0,
+                   help="trainer: evolve seeded weights, this fraction of elements changing per version (0: every byte)")
+    p.add_argument("--seed", type=int, default=0, help="trainer: the seed of the evolving weights")
+    p.add_argument("--settle-deltas", action="store_true",
+                   help="trainer with deltas: print published once the version's delta is published")
     p.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long whatever happens")
     a = p.parse_args(argv)
     return _Worker(a).run()

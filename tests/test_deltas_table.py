@@ -241,3 +241,55 @@ def test_a_full_pull_waits_while_its_datacenter_lands_the_version_through_deltas
     assert g.source.replica == "B1"
     b2.complete(g)
     assert b2.expect_ok(r) == m.Updated(r, True, 2)
+
+
+def test_readers_wait_for_an_announced_delta_then_plan_it_and_skip_behind_their_datacenter():
+    d = Driver()
+    (t,) = d.replica("T", 1, layout=FULL, dc="a")
+    (b1,) = d.replica("B1", 1, layout=FULL, dc="b")
+    (b2,) = d.replica("B2", 1, layout=FULL, dc="b")
+    trainer_publish([t], 1)
+    for b in (b1, b2):
+        b.expect_ok(b.pull(1))
+    t.expect_ok(t.unpublish())
+    t.expect_ok(t.request(m.Publish, t.session, t.next_call(), 2, SUMS[2], None, 1))  # its delta follows
+    (a,) = update_deltas([b1])
+    assert a == m.Updated(a.req, False, 1, 2)  # not yet: the delta is on its way
+    publish_delta(d, "T", 1, 2, 1, [100])
+    (a,) = update_deltas([b1])
+    assert a.deltas == (m.DeltaRef(2, 1, 100),)
+    side = d.shard("B1@delta", 0, 1, model=DM, layout=blob(100), dc="b")
+    req = side.replicate(2)
+    g = side.grant()  # across, from dc a
+    (a,) = update_deltas([b2])
+    assert a.deltas is None and a.skipped == 2  # dc b is pulling the delta across: wait for it
+    side.complete(g)
+    side.expect_ok(req)
+    (a,) = update_deltas([b2])
+    assert a.deltas == (m.DeltaRef(2, 1, 100),)
+    side2 = d.shard("B2@delta", 0, 1, model=DM, layout=blob(100), dc="b")
+    req = side2.replicate(2)
+    g = side2.grant()
+    assert g.source.replica == "B1@delta"  # inside dc b
+    d.clock.t += 60
+    trainer_publish([t], 3)  # announced nothing: no wait
+    t2 = d.table.models[MODEL].versions[3]
+    assert not t2.delta_pending
+
+
+def test_an_announced_delta_that_never_comes_is_waited_for_a_bounded_time():
+    d = Driver()
+    (t,) = d.replica("T", 1, layout=FULL)
+    (r,) = d.replica("R", 1, layout=FULL)
+    trainer_publish([t], 1)
+    r.expect_ok(r.pull(1))
+    t.expect_ok(t.unpublish())
+    t.expect_ok(t.request(m.Publish, t.session, t.next_call(), 2, SUMS[2], None, 1))
+    (a,) = update_deltas([r])
+    assert a.skipped == 2
+    d.run_for(d.table.config.heartbeat_timeout + 1)
+    t.heartbeat()
+    r.heartbeat()
+    req = r.request(m.Update, r.session, r.next_call(), "latest", None, False, True)
+    r.complete(r.grant())
+    assert r.expect_ok(req) == m.Updated(req, True, 2)

@@ -1146,8 +1146,10 @@ def convert_sources(draw) -> m.ConvertSource:
 @st.composite
 def publishes(draw) -> m.Publish:
     version = draw(VERSIONS)
-    base = draw(st.none() | st.integers(0, version - 1)) if version else None
-    return m.Publish(draw(INTS), draw(INTS), draw(INTS), version, draw(st.none() | st.lists(U64S, max_size=4).map(tuple)), base)
+    prev = draw(st.none() | st.integers(0, version - 1)) if version else None
+    base, delta_from = (prev, None) if draw(st.booleans()) else (None, prev)
+    sums = draw(st.none() | st.lists(U64S, max_size=4).map(tuple))
+    return m.Publish(draw(INTS), draw(INTS), draw(INTS), version, sums, base, delta_from)
 
 
 @st.composite

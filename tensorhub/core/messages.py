@@ -233,7 +233,8 @@ class Unregister:
 class Publish:
     """``base``: a shard of a delta model (:func:`tensorhub.core.naming.delta_model`) publishes
     the delta that takes its model's shard from version ``base`` to ``version`` (required there,
-    refused elsewhere)."""
+    refused elsewhere). ``delta_from``: a shard of any other model says that the delta from
+    ``delta_from`` to ``version`` is being computed and will be published shortly."""
 
     req: int
     session: int
@@ -241,14 +242,18 @@ class Publish:
     version: int
     checksums: tuple[int, ...] | None
     base: int | None = None
+    delta_from: int | None = None
 
     def __post_init__(self) -> None:
         validate_version(self.version)
         _checksums(self.checksums)
-        if self.base is not None:
-            validate_version(self.base)
-            if self.base >= self.version:
-                raise ValueError(f"a delta goes forward: base {self.base} is not before version {self.version}")
+        for prev in (self.base, self.delta_from):
+            if prev is not None:
+                validate_version(prev)
+                if prev >= self.version:
+                    raise ValueError(f"a delta goes forward: base {prev} is not before version {self.version}")
+        if self.base is not None and self.delta_from is not None:
+            raise ValueError("a publish is of a delta (base) or announces one (delta_from), not both")
 
 
 @message("checksums")

@@ -771,14 +771,16 @@ class AsyncShardHandle:
         Raises:
             NotRegistered, InvalidName, ContractViolation (holding another version), VersionConflict.
         """
-        await self._publish(version)
+        pub = self._delta_pub
+        await self._publish(version, delta_from=pub.announce(version) if pub is not None else None)
         if (self._delta_ring or self._bucket is not None) and self.session is not None:
             if self._delta_pub is None:
                 self._delta_pub = DeltaPublisher(self, self._delta_ring, self._bucket)
             self._delta_pub.after_publish(version)
 
-    async def _publish(self, version: int, base: int | None = None) -> None:
-        """:meth:`publish`; ``base``: a delta model's shard names the version its delta applies to."""
+    async def _publish(self, version: int, base: int | None = None, delta_from: int | None = None) -> None:
+        """:meth:`publish`; ``base``: a delta model's shard names the version its delta applies to;
+        ``delta_from``: the delta from that version to this one will follow (readers wait for it)."""
         with self._call("publish"):
             validate_version(version, **self.ctx)
             self._need_registered("publish")
@@ -793,7 +795,7 @@ class AsyncShardHandle:
                 buffers.progress.reset(version, 0)
             n = self._next_call()
             try:
-                await self._numbered(n, "publish", lambda req: m.Publish(req, self.session, n, version, None, base), version)
+                await self._numbered(n, "publish", lambda req: m.Publish(req, self.session, n, version, None, base, delta_from), version)
             except BaseException:
                 if held_before is None:
                     buffers.progress.reset(None)

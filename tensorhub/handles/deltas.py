@@ -132,6 +132,15 @@ class DeltaPublisher:
         self.failed: str | None = None
         self.published: list[int] = []  #: versions whose delta this shard published
 
+    def announce(self, version: int) -> int | None:
+        """The version whose delta to ``version`` this shard will publish (told to the server
+        with the publish, so that readers holding it wait for the delta rather than pull in
+        full), or None."""
+        v = self.snapshot_version
+        if not self.ring or self.failed is not None or v is None or v >= version:
+            return None
+        return v
+
     def after_publish(self, version: int) -> None:
         if self.task is None:
             self.task = asyncio.ensure_future(self._run(version))

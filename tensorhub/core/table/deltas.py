@@ -31,6 +31,14 @@ can apply deltas.
   pull ``v`` in full (it holds nothing) is told "not yet" while a delta to ``v`` is held or pulled
   in its datacenter (smart skipping, as behind a seeder), then pulls ``v`` from the replica that
   landed it, inside the datacenter.
+- **Waiting for a delta.** A trainer's shard that will publish the delta ``b -> v`` says so with
+  ``v``'s publish (``Publish.delta_from``). A replica whose every shard holds ``b`` and whose
+  update would pull ``v`` in full before that delta exists is told "not yet" (``skipped``),
+  for at most ``heartbeat_timeout`` after the publish; then it pulls in full. Without this,
+  rollouts that poll right after a publish would each pull the version in full.
+- **Smart skipping of deltas.** Where a replica of the reader's datacenter is pulling a delta of
+  the planned chain across (a partial holder there, no whole one), the reader is told "not
+  yet" too, as behind a seeder of a full version: the next update pulls the delta from it.
 - **Landing.** The replica pulls the chain as replicates of the delta model, applies it in place
   and verifies it, then makes ``Replicate(v, held=checksums)``: where ``held`` equals ``v``'s
   declared checksums for the shard, the shard holds ``v`` at once (no bytes move); otherwise it
@@ -86,10 +94,12 @@ class DeltaMixin:
                 **ctx,
             )
 
-    def _record_delta(self, s: _Session, version: int, base: int | None) -> None:
+    def _record_delta(self, s: _Session, version: int, base: int | None, delta_from: int | None) -> None:
+        ver = s.model.versions[version]
+        if delta_from is not None and s.model.delta_of is None:
+            ver.delta_pending[s.shard_idx] = (delta_from, self.clock() + self.config.heartbeat_timeout)
         if s.model.delta_of is None or base is None or s.layout is None:
             return
-        ver = s.model.versions[version]
         ver.bases.setdefault(s.shard_idx, base)
         ver.layouts.setdefault(s.shard_idx, s.layout)
 
@@ -149,7 +159,40 @@ class DeltaMixin:
         if chain is None:
             return False
         txn.delta_plan = (v, refs)
-        self.stats["delta_plans"] += 1
+        return True
+
+    def _delta_coming(self, txn: _Txn, v: int) -> bool:
+        """Every shard of the replica holds the version whose delta to ``v`` its publisher
+        announced (``Publish.delta_from``) and is still computing: ask again shortly rather than
+        pull in full (bounded by ``heartbeat_timeout`` from the publish)."""
+        ver = txn.replica.model.versions.get(v)
+        if ver is None or not ver.delta_pending:
+            return False
+        now = self.clock()
+        for idx in range(txn.replica.num_shards):
+            s = txn.replica.shards.get(idx)
+            h = s.holder if s is not None else None
+            pending = ver.delta_pending.get(idx)
+            if h is None or h.state is not C or pending is None or pending[0] != h.version or pending[1] <= now:
+                return False
+        return True
+
+    def _delta_seeding_allows(self, txn: _Txn, s: _Session) -> bool:
+        """Smart skipping for a planned chain (DESIGN §5.6, as :meth:`_seeding_allows` for full
+        pulls): where a replica of the reader's datacenter is pulling a delta of the chain across
+        (a partial holder there and no whole one), this one waits for it rather than queue
+        behind the slow link too."""
+        plan = txn.delta_plan
+        dm = self._deltas_of(txn.replica.model)
+        if plan is None or dm is None or not (self.config.pipeline and self.config.smart_skipping):
+            return True
+        dc = s.location.datacenter
+        for ref in plan[1].get(s.shard_idx, ()):
+            ver = dm.versions.get(ref.version)
+            for index in ver.index if ver is not None else ():
+                whole, partial = index.in_datacenter(dc)
+                if partial and not whole:
+                    return False
         return True
 
     def _delta_seeding(self, model: _Model, version: int, dc: str) -> bool:

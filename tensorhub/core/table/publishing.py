@@ -56,7 +56,7 @@ class PublishMixin:
         if h is None:
             h = self._new_holder(s, msg.version, m.KIND_NORMAL, Event.PUBLISH)
             s.holder = h
-            self._record_delta(s, msg.version, msg.base)
+            self._record_delta(s, msg.version, msg.base, msg.delta_from)
             self._published(s.model, msg.version)
         if msg.checksums is not None:
             self._set_checksums(h, msg.checksums)

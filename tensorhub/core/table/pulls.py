@@ -98,6 +98,13 @@ class PullMixin:
                 moves = v != held
             if moves and v is not None and txn.deltas and self._plan_deltas(txn, v):
                 moves = False  # the replica applies a chain of deltas instead (see .deltas)
+                if self._delta_seeding_allows(txn, s):
+                    self.stats["delta_plans"] += 1
+                else:  # a replica of its datacenter is pulling the chain across: next time, from it
+                    txn.delta_plan = None
+                    self._skip(txn, v)
+            elif moves and v is not None and txn.deltas and self._delta_coming(txn, v):
+                moves = self._skip(txn, v)  # its delta is on its way: ask again shortly
             elif moves and v is not None:
                 moves = self._seeding_allows(txn, s, v)
             txn.version, txn.moved = (v if moves else held), moves

@@ -318,7 +318,7 @@ class _Version:
 
     __slots__ = (
         "version", "holders", "ever_available", "checksums", "serving", "shards_serving", "per_replica", "full", "index",
-        "bases", "layouts",
+        "bases", "layouts", "delta_pending",
     )  # fmt: skip
 
     def __init__(self, version: int, num_shards: int, sources: Callable[[], "SourcePolicy"]) -> None:
@@ -335,6 +335,8 @@ class _Version:
         #: to and the layout of its blob (fixed per version, not per model)
         self.bases: dict[int, int] = {}
         self.layouts: dict[int, Layout] = {}
+        #: per shard, (base, until): its publisher computes the delta base -> this version
+        self.delta_pending: dict[int, tuple[int, float]] = {}
 
     @property
     def available(self) -> bool:
