@@ -18,7 +18,9 @@ v the relay is healed and finishes too. Fault-free runs of the same layout alter
 runs in the same invocation (``--rounds`` of each, medians).
 
 Reported: each reader's latency (from its ``replicate`` call to holding v) with and without the
-slow relay, their ratio, the ratio of the last reader's completion (from the relay's go), the
+slow relay, their ratio, the longest each reader's pull stood still after the slowing (``stood``:
+the detection, the move, and the read it had in flight from the relay, which lands first at the
+relay's slowed pace), the ratio of the last reader's completion (from the relay's go), the
 server's re-grants (its ``stragglers`` counter, from ``tensorhub status --json``, per run), each
 reader's grants, and the seeds. Goal: ratio <= 1.5 (issue 23). Every reader's bytes are checked
 against the trainer's content hash.
@@ -31,6 +33,7 @@ Usage: python benchmarks/bench_stragglers.py [--size-mib 96] [--host-rate 100mbi
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import subprocess
@@ -110,13 +113,24 @@ def one_run(cluster: Cluster, trainer: Proc, relay: Proc, readers: Sequence[Proc
     for d, ev in zip(readers, pulled):
         hosts.append({"host": d.host, "replica": ev["replica"], "latency_s": ev["latency_s"], "bytes": ev["bytes"],
                       "grants": ev["grants"], "sources": ev["sources"], "transports": ev["transports"],
-                      "bytes_ok": ev["hash"] == trainer_hash})  # fmt: skip
+                      "bytes_ok": ev["hash"] == trainer_hash,
+                      "stood_s": _stood(d, version, slowed["t"], ev["t_end"]) if slowed is not None else None})  # fmt: skip
     chained = bool(pulled[0]["sources"]) and pulled[0]["sources"][0].startswith(f"{relay.name}/")
     chained = chained and all(ev["sources"] and ev["sources"][0].startswith(f"{prev.name}/")
                               for prev, ev in zip(readers, pulled[1:]))  # fmt: skip
     return {"version": version, "slow_at": slow_at, "slowed": slowed, "chained": chained, "hosts": hosts,
             "all_s": max(ev["t_end"] for ev in pulled) - t_go, "relay_s": relay_pulled["latency_s"],
             "relay_ok": relay_pulled["hash"] == trainer_hash, "hash": trainer_hash}  # fmt: skip
+
+
+def _stood(p: Proc, version: int, t0: float, t_end: float) -> float:
+    """The longest ``p``'s verified prefix stood still between ``t0`` (the relay slowed) and
+    ``t_end`` (it held the version): the detection, the move, and the read it had in flight
+    from the relay, which lands first at the relay's slowed pace."""
+    times = sorted(ev["t"] for ev in list(p.events) if ev.get("event") == "progress" and ev.get("version") == version
+                   and t0 < ev["t"] <= t_end)  # fmt: skip
+    marks = [t0, *times, t_end]
+    return max(b - a for a, b in itertools.pairwise(marks))
 
 
 def run_stragglers(cluster: Cluster, size: int, rounds: int, *, readers: int, slow_fraction: float,
@@ -161,8 +175,9 @@ def run_stragglers(cluster: Cluster, size: int, rounds: int, *, readers: int, sl
             runs.append(r)
             what = (f"relay slowed to {slow_rate} at d1 {r['slowed']['d1_verified'] / size:.0%} "
                     f"(relay {r['slowed']['relay_verified'] / size:.0%})" if r["slowed"] else "no fault")  # fmt: skip
-            log(f"  v{version}: {what}: " + ", ".join(f"{h['host']} {h['latency_s']:.2f} s ({h['grants']} grants)"
-                                                      for h in r["hosts"])
+            log(f"  v{version}: {what}: " + ", ".join(f"{h['host']} {h['latency_s']:.2f} s ({h['grants']} grants"
+                                                      + (f", stood still {h['stood_s']:.1f} s" if h["stood_s"] is not None else "")
+                                                      + ")" for h in r["hosts"])
                 + f", all {r['all_s']:.2f} s, relay {r['relay_s']:.2f} s, re-grants {r['regrants']}"
                 + ("" if r["chained"] else "  (NOT CHAINED)")
                 + ("" if all(h["bytes_ok"] for h in r["hosts"]) and r["relay_ok"] else "  WRONG BYTES"))  # fmt: skip
@@ -179,8 +194,10 @@ def summarize(runs: Sequence[dict[str, Any]], readers: int) -> dict[str, Any]:
     for i in range(readers):
         a = median(r["hosts"][i]["latency_s"] for r in free)
         b = median(r["hosts"][i]["latency_s"] for r in slow)
+        stood = [r["hosts"][i]["stood_s"] for r in slow if r["hosts"][i].get("stood_s") is not None]
         rows.append({"reader": f"d{i + 1}", "free_s": a, "slow_s": b, "ratio": b / a,
-                     "grants": median(r["hosts"][i]["grants"] for r in slow)})  # fmt: skip
+                     "grants": median(r["hosts"][i]["grants"] for r in slow),
+                     "stood_s": median(stood) if stood else None})  # fmt: skip
     a, b = median(r["all_s"] for r in free), median(r["all_s"] for r in slow)
     return {"readers": rows, "all": {"free_s": a, "slow_s": b, "ratio": b / a},
             "ratio": max([b / a, *(row["ratio"] for row in rows)]),
@@ -188,9 +205,10 @@ def summarize(runs: Sequence[dict[str, Any]], readers: int) -> dict[str, Any]:
 
 
 def print_table(summary: dict[str, Any], out: Callable[[str], None] = print) -> None:
-    out(f"  {'reader':<12} {'fault-free s':>12} {'relay slow s':>12} {'ratio':>6} {'grants':>6}")
+    out(f"  {'reader':<12} {'fault-free s':>12} {'relay slow s':>12} {'ratio':>6} {'grants':>6} {'stood s':>8}")
     for row in summary["readers"]:
-        out(f"  {row['reader']:<12} {row['free_s']:>12.2f} {row['slow_s']:>12.2f} {row['ratio']:>6.2f} {row['grants']:>6.0f}")
+        stood = f"{row['stood_s']:>8.2f}" if row.get("stood_s") is not None else f"{'-':>8}"
+        out(f"  {row['reader']:<12} {row['free_s']:>12.2f} {row['slow_s']:>12.2f} {row['ratio']:>6.2f} {row['grants']:>6.0f} {stood}")
     a = summary["all"]
     out(f"  {'all readers':<12} {a['free_s']:>12.2f} {a['slow_s']:>12.2f} {a['ratio']:>6.2f}")
 

@@ -221,3 +221,73 @@ def test_a_late_progress_report_is_not_a_stall():
     r1.progress(grants[r1], 7 * step)
     wait(8)  # r2's source went silent: 4 s without a report (twice its intervals) is a stall
     assert any("stalled" in rv.reason for rv in r2.take(m.Revoke))
+
+
+def _slow_relay_chain() -> tuple[Driver, dict, object, object, object]:
+    """trainer -> relay -> d1 -> d2; the relay verified 10 MB, then its link all but stops: d1
+    moves to the trainer (d2 follows d1). Returns the driver, the grants and relay, d1, d2."""
+    d = driver()
+    source(d, "t")
+    relay = d.shard("relay", layout=BIG)
+    relay.replicate(1)
+    grants = {relay: relay.grant()}
+    run(d, 1.0, {relay: 10 * MB}, grants)
+    d1, d2 = d.shard("d1", layout=BIG), d.shard("d2", layout=BIG)
+    for r in (d1, d2):
+        r.replicate(1)
+        grants[r] = r.grant()
+    assert (grants[d1].source.replica, grants[d2].source.replica) == ("relay", "d1")
+    run(d, 6.0, {relay: 0, d1: 0, d2: 0}, grants)
+    assert d1.take(m.Revoke) and grants[d1].source.replica == "t"
+    assert not d2.take(m.Revoke) and grants[d2].source.replica == "d1"
+    return d, grants, relay, d1, d2
+
+
+def test_a_reader_moved_off_a_slow_relay_may_drain_its_reads_from_it_before_reporting():
+    """d1's read in flight from the slowed relay lands at the relay's pace before its new grant's
+    reads begin: its first report on the new grant comes late. Neither it nor d2, behind it, is
+    moved for that (d2 used to be, to the trainer beside d1: two pulls on one link instead of a
+    pipeline); they move on once the reports come."""
+    d, grants, relay, d1, d2 = _slow_relay_chain()
+    run(d, 25.0, {relay: 0, d1: 0, d2: 0}, grants)  # five windows without a report from d1
+    assert not d1.take(m.Revoke) and not d2.take(m.Revoke)
+    assert grants[d2].source.replica == "d1" and d.table.stats["stragglers"] == 1
+    run(d, 10.0, {relay: 0, d1: 10 * MB, d2: 10 * MB}, grants)
+    assert not d1.take(m.Revoke) and not d2.take(m.Revoke)
+
+
+def test_a_slow_relay_is_not_moved_onto_readers_that_have_less_than_it():
+    """The stalled relay's own pull has no fast alternative: d1 (moved to the trainer) and d2 are
+    partial and behind it, so pulling from them would only hold it back again; it stays (it used
+    to be moved to d1 as soon as d1 left it)."""
+    d, grants, relay, d1, d2 = _slow_relay_chain()
+    run(d, 6.0, {relay: 0, d1: 1 * MB, d2: 1 * MB}, grants)  # d1 at ~6 MB: behind the relay's 10 MB
+    assert not relay.take(m.Revoke) and grants[relay].source.replica == "t"
+    assert d.table.stats["stragglers"] == 1
+
+
+def test_behind_a_relay_far_ahead_whose_link_slows_the_next_reader_moves_and_the_rest_follow_it():
+    """trainer -> relay -> d1 -> d2 with the relay far ahead of d1 (d1 is judged on its own pull,
+    not as caught up); the relay's link stops both ways: its own pull and d1's from it stall.
+    d1's pull is slow because its source's is (the relay's link explains both): d1 moves to the
+    trainer and d2, behind d1, follows it; nobody is granted the relay (d2 used to avoid d1 and be
+    granted the relay, the least loaded holder)."""
+    d = driver()
+    source(d, "t")
+    relay = d.shard("relay", layout=BIG)
+    relay.replicate(1)
+    grants = {relay: relay.grant()}
+    run(d, 9.0, {relay: 10 * MB}, grants)  # 90 MB: more than a report step ahead of d1
+    d1, d2 = d.shard("d1", layout=BIG), d.shard("d2", layout=BIG)
+    for r in (d1, d2):
+        r.replicate(1)
+        grants[r] = r.grant()
+    assert (grants[d1].source.replica, grants[d2].source.replica) == ("relay", "d1")
+    run(d, 2.0, {relay: 10 * MB, d1: 10 * MB, d2: 10 * MB}, grants)
+    run(d, 10.0, {relay: 0, d1: 0, d2: 0}, grants)
+    (rv,) = d1.take(m.Revoke)
+    assert "straggler" in rv.reason and grants[d1].source.replica == "t"
+    assert not d2.take(m.Revoke) and grants[d2].source.replica == "d1"  # it follows d1
+    assert not relay.take(m.Revoke)  # d1 and d2 have less than the relay: no faster source for it
+    assert not any(g.source.replica.name == "relay" for g in d.table.grants.values())
+    assert d.table.stats["stragglers"] == 1

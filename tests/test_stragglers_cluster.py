@@ -20,7 +20,8 @@ if _REASON:
 
 #: The slow run must end within this share of the time the slowed relay alone would take to
 #: serve the readers the rest of the shard (at 5 % of 100 Mbit/s): proof that they moved (not
-#: a speed figure: a moved reader's new grant may wait up to three windows for its first report).
+#: a speed figure: a moved reader first lets the read it had in flight from the slowed relay land,
+#: at the relay's pace, before its new grant's reads begin).
 SHARE = 0.8
 
 

@@ -41,6 +41,12 @@ The rules it owns:
   same order, so the server can match the shards' calls; a call the server never answered
   because it was lost gives its number back (made again on the next server, it gets what the
   other shards were given).
+- **Progress reports.** Besides the session's reports (every eighth of the shard), a pull
+  whose verified prefix grew reports it at least every :data:`PROGRESS_INTERVAL` seconds
+  (:meth:`ShardCore.report_progress`; the caller's clock drives it), under its live grant only:
+  the server judges stragglers on these reports, and one every eighth is minutes apart on a slow
+  link. A grant waiting for the last grant's reads to drain is live (what lands meanwhile is
+  reported under it); a revoked or failed one is not.
 - **Offload seeding** (:func:`seed_step`): an ``update`` answer that names a seed version starts
   a seed (retiring an older one); once the replica itself holds the seed's version or a newer
   one, the seed is retired.
@@ -75,6 +81,7 @@ from .session import (
 )
 
 __all__ = [
+    "PROGRESS_INTERVAL",
     "Advance",
     "Drained",
     "DropPull",
@@ -98,6 +105,12 @@ __all__ = [
 
 #: How a pull knows a grant: ``(term, grant id)``.
 GrantKey = tuple[int, int]
+
+#: Seconds: a pull whose verified prefix grew reports it at least this often (see the module
+#: docstring). A fraction of any sensible straggler window (the server's default is 5 s), so
+#: the server reads rates over many reports and tells a silent grant from a late report soon;
+#: at most a few messages a second per pulling shard.
+PROGRESS_INTERVAL = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +275,7 @@ class ShardCore:
         self.held: list[IssueRead] = []  # reads of the current pull that wait for the draining
         self.began = 0  #: pulls and conversions begun (see :class:`PullOutcome`)
         self.calls = 0  #: the last model-parallel call number given
+        self.reported_at: float | None = None  #: when :meth:`report_progress` last reported
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -285,6 +299,45 @@ class ShardCore:
     def grant_key(self) -> GrantKey | None:
         g = self.grant
         return (g.term, g.grant) if g is not None else None
+
+    @property
+    def live_grant(self) -> GrantKey | None:
+        """The grant the current pull may report progress under: the one it reads with, or the
+        one waiting for the last grant's reads to drain; None when it has neither (revoked and not
+        granted again, failed, done)."""
+        pull, key = self.pull, self.grant_key
+        if pull is None or pull.done or key is None:
+            return None
+        for g in (pull.grant, pull.pending):
+            if g is not None and g.id == key:
+                return key
+        return None
+
+    @property
+    def progress_unreported(self) -> bool:
+        """The current pull verified more than it last reported, under a live grant."""
+        pull = self.pull
+        return pull is not None and self.live_grant is not None and pull.verified > pull.reported
+
+    def report_progress(self, now: float) -> list[ShardAction]:
+        """A progress report of the current pull, if one is due at ``now``: its verified prefix
+        grew since the last report, under a live grant, and the last report made here is at
+        least :data:`PROGRESS_INTERVAL` old (the caller asks again later while
+        :attr:`progress_unreported`).
+
+        Args:
+            now: the caller's clock, in seconds (monotonic).
+        Returns:
+            ``[ReportProgress]`` or nothing.
+        """
+        pull, key = self.pull, self.live_grant
+        if pull is None or key is None or pull.verified <= pull.reported:
+            return []
+        if self.reported_at is not None and now - self.reported_at < PROGRESS_INTERVAL:
+            return []
+        self.reported_at = now
+        pull.reported = pull.verified  # the session's own per-eighth reports count from here
+        return [ReportProgress(key, pull.verified)]
 
     # ---- what the server says ------------------------------------------------------------------
 

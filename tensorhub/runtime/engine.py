@@ -30,7 +30,9 @@ before the publisher has hashed). A transport that reports landing (``local``) l
 hash each piece in the thread that copied it, while it is still in that core's cache
 (:class:`~tensorhub.runtime.checksum.LandingHasher`); verifying such a read is then only comparing its
 digests with the declared checksums; verified bytes advance the progress counter; progress,
-complete, source-failed and checksum-failed go to the server through the client actor. Before
+complete, source-failed and checksum-failed go to the server through the client actor (progress
+at least every :data:`~tensorhub.core.shard.PROGRESS_INTERVAL` while it grows: the server judges
+stragglers on it). Before
 complete is reported, copied packs are copied out into the caller's tiny tensors (in-place
 packs received into them directly; :attr:`EngineActor.packs_in_place`). A pull that is
 aborted (its call failed or was cancelled) is finished only when none of its reads can still
@@ -73,6 +75,7 @@ from tensorhub.core.layout import Read
 from tensorhub.core.messages import GRANT_KEY
 from tensorhub.core.session import ReplicationSession
 from tensorhub.core.shard import (
+    PROGRESS_INTERVAL,
     Advance,
     Drained,
     DropPull,
@@ -141,6 +144,7 @@ class _Slot:
         "parked",
         "peer",
         "peer_generation",
+        "progress_timer",
         "publishing",
         "reads",
         "region",
@@ -179,6 +183,7 @@ class _Slot:
         self.token: bytes | None = None  # the current grant's token, shown to its source
         self.convert: ConvertSpec | None = None  # a converted model's shard: how it converts
         self.conversion: Conversion | None = None  # its conversion in progress (or the last one)
+        self.progress_timer: asyncio.TimerHandle | None = None  # a time-based progress report pending
 
 
 def _no_pulls(version: int) -> ReplicationSession:
@@ -715,6 +720,7 @@ class EngineActor(Actor):
                 self._verify(slot, a)
             elif isinstance(a, Advance):
                 slot.buffers.progress.advance(a.verified)
+                self._report_progress(slot)
             elif isinstance(a, ReportProgress):
                 self._report(slot, lambda req, a=a: report_message(a, slot.session, req), True)
             elif isinstance(a, ReportComplete):
@@ -744,6 +750,28 @@ class EngineActor(Actor):
                     self.log.warning("source failed", grant=a.grant[1], source=where, verified=a.verified, reason=a.reason,
                                      version=version, **slot.ctx)  # fmt: skip
                 self._report(slot, lambda req, a=a: report_message(a, slot.session, req))
+
+    def _report_progress(self, slot: _Slot) -> None:
+        """Report the pull's progress now if a report is due (:meth:`ShardCore.report_progress`),
+        else once :data:`PROGRESS_INTERVAL` allows, while it has grown unreported: the server judges
+        stragglers on these reports, so they must not wait for the next eighth of the shard."""
+        core = slot.core
+        now = time.monotonic()
+        self._run(slot, core.report_progress(now))
+        if slot.progress_timer is not None or not core.progress_unreported:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven without a loop (a test): the next advance reports
+            return
+
+        def due() -> None:
+            slot.progress_timer = None
+            if self.slots.get(slot.session) is slot:
+                self._report_progress(slot)
+
+        wait = PROGRESS_INTERVAL - (now - core.reported_at) if core.reported_at is not None else 0.0
+        slot.progress_timer = loop.call_later(max(wait, 0.0), due)
 
     def _verify(self, slot: _Slot, a: VerifyRead) -> None:
         expected = slot.checksums.get(a.version)

@@ -7,22 +7,37 @@ time they arrived), the rates of recently completed grants per (model, link clas
 decision, at every :meth:`~tensorhub.core.table.ReferenceTable.tick`, to move a reader off a
 source that is too slow.
 
-How slow is told from busy. A grant is judged only after ``straggler_window`` seconds, on the
-bytes its reader verified over the last window (a grant without any progress report yet only
-after three windows: a busy source takes longer to a reader's first report). A source serving several readers splits its
-link between them, so each of its grants is slow while the source is not: what is judged is the
-source's **aggregate** rate (the sum over its judged grants), against the **reference** rate of
-the same model and link class (the best of the recently completed grants' rates and of the
-other sources' aggregates). Below ``straggler_ratio`` of it the source is slow; a grant with no
-progress at all over the window is stalled whatever the reference. A reader that has caught up
-with a partial source (it has verified what the source has) is held back by the source's own
-upstream, not by the source: it is judged as its source's own pull is (a slow relay's
-downstream readers move too, to a faster source, so a slow reader holds back its downstream
-readers for at most about a window).
+How slow is told from busy. A reader reports its verified prefix at least every half second
+while it grows (:data:`tensorhub.core.shard.PROGRESS_INTERVAL`, and every eighth of the shard);
+the prefix grows in whole reads. A grant is judged only after ``straggler_window`` seconds, on
+the bytes its reader verified over the last window, read over whole report intervals. A grant
+without any progress report yet is judged only after three windows (a source sharing its link
+with several readers takes that many times longer to a reader's first verified read), or ten
+for a reader just moved off a straggler (its reads in flight from the slow source land first,
+at that source's pace, and its rate counts from its first report). A source serving several
+readers splits its link between them, so each of its grants is slow while the source is not:
+what is judged is the source's **aggregate** rate (the sum over its judged grants), against the
+**reference** rate of the same model and link class (the best of the recently completed grants'
+rates and of the other sources' aggregates). Below ``straggler_ratio`` of it the source is
+slow. A grant with no progress at all is stalled whatever the reference: its silence since its
+last report exceeds both the window and twice its longest interval between reports (a busy
+machine reports late, not never). A reader that has caught up with a partial source (it has
+verified what the source has) is held back by the source's own upstream, not by the source: it
+is judged as its source's own pull is.
 
-A slow or stalled grant whose reader has another eligible source is revoked (the reader keeps
-what it verified, as with any revoke) and the reader is granted elsewhere, with the slow source
-excluded for it like a source that failed it; with no alternative it stays.
+Where a reader moves. A slow or stalled grant whose reader has another eligible source is
+revoked (the reader keeps what it verified, as with any revoke) and the reader is granted
+elsewhere, with the slow source excluded for it like a source that failed it; with no
+alternative it stays. The readers held back by a slow pull move in the same tick, upstream
+first: the first reader below the slow pull goes straight to a fast source, and the readers
+pipelined behind it follow it (they stay; one still held back avoids the whole slow chain). A
+reader whose own pull is slow is a *slow puller* (moving it may not make it fast: its own link
+may be what is slow), unless the holder it pulls from has a slow pull too (then that holder's
+link explains both, and the readers behind it follow it wherever it moves). A moved reader is
+never granted a slow puller, a holder below the slow pull (a sibling held back by the same
+pull), nor a partial holder that has not verified more than it has (it would be held back by
+that holder's pull at once: a relay whose own link is slow is not helped by pulling from its
+own downstream readers); these are barred for that move only.
 
 Invariants: only active grants are judged; a reader is moved at most once per window (its new
 grant is judged after a window of its own); nothing here changes a holder's state but through
@@ -34,18 +49,41 @@ What it must never do: judge a grant on the wall clock, or move a reader to nowh
 from __future__ import annotations
 
 from collections import deque
-from typing import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 
 from .. import messages as m
 from ..topology import link_class
 from .records import P, _Grant, _Holder
 
-_SAMPLES = 32  # progress reports kept per grant
+_SAMPLES = 64  # progress reports kept per grant (a window's worth at a report every half second)
 _RECENT = 16  # completed-grant rates kept per (model, link class)
 #: Windows a grant may go without its first progress report before it counts as stalled (a
-#: first report comes after about an eighth of the shard, which a source whose link is shared by
+#: first report comes with the first verified read, which a source whose link is shared by
 #: several readers takes several times longer to move: busy, not slow).
 _FIRST_REPORT = 3
+#: The same for the grant of a reader just moved off a straggler: its reads in flight from the
+#: slow source land before the new grant's begin (they are kept), at the slow source's pace, which
+#: no other source makes faster (a whole read at a few percent of a link: many seconds). Until
+#: then it is not judged, so the readers pipelined behind it stay behind it too; the bound is for
+#: a new source that is itself stalled.
+_FIRST_REPORT_MOVED = 10
+
+
+class _Pace:
+    """A grant's progress as the table saw it: ``(arrival time, reader's verified)`` per
+    report; ``drains``: its reader was moved off a straggler, so what it verified up to its
+    first report under this grant came from the slow source (rates count from that report)."""
+
+    __slots__ = ("drains", "samples")
+
+    def __init__(self, drains: bool = False) -> None:
+        self.samples: deque[tuple[float, int]] = deque(maxlen=_SAMPLES)
+        self.drains = drains
+
+    @property
+    def first(self) -> int:
+        """Windows the grant may go without a first report before it counts as stalled."""
+        return _FIRST_REPORT_MOVED if self.drains else _FIRST_REPORT
 
 
 class StragglerMixin:
@@ -57,19 +95,21 @@ class StragglerMixin:
         super()._on_progress(peer, msg)  # type: ignore[misc]
         g = self.grants.get(msg.grant)
         if g is not None:
-            samples = self.pace.get(g.id)
-            if samples is None:
-                samples = self.pace[g.id] = deque(maxlen=_SAMPLES)
-            samples.append((self.clock(), g.reader.verified))
+            pace = self.pace.get(g.id)
+            if pace is None:
+                pace = self.pace[g.id] = _Pace()
+            pace.samples.append((self.clock(), g.reader.verified))
 
     def _record(self, g: _Grant, how: str, reached: int | None) -> None:
         super()._record(g, how, reached)  # type: ignore[misc]
-        self.pace.pop(g.id, None)
+        pace = self.pace.pop(g.id, None)
         if how != "completed":
             return
         layout = g.reader.session.layout
         took = self.clock() - g.created
         moved = (layout.total_bytes if layout is not None else 0) - g.start
+        if pace is not None and pace.drains and pace.samples:  # from its first report (see _Pace)
+            took, moved = self.clock() - pace.samples[0][0], moved - (pace.samples[0][1] - g.start)
         if took > 0 and moved > 0:
             key = (g.reader.session.model.name, link_class(g.reader.session.location, g.source.session.location))
             recent = self.pace_recent.get(key)
@@ -81,21 +121,25 @@ class StragglerMixin:
         """Bytes per second the reader verified under ``g`` over (at least) the last window;
         0 when it is stalled.
 
-        A reader reports its progress in steps (about an eighth of the shard), so between two
-        reports its rate read on the clock falls to nothing and jumps back: the rate is read
-        over whole report intervals, up to the last report, and the grant is stalled only once
-        the silence since its last report exceeds both the window and twice the longest
-        interval between its earlier reports (a late report, not a slow one)."""
-        samples = self.pace.get(g.id)
-        if not samples:
+        A reader's verified prefix grows in whole reads and is reported at intervals, so
+        between two reports its rate read on the clock falls to nothing and jumps back: the
+        rate is read over whole report intervals, up to the last report, and the grant is
+        stalled only once the silence since its last report exceeds both the window and twice
+        the longest interval between its earlier reports (a late report, not a slow one). The
+        grant of a reader moved off a straggler counts from its first report (see
+        :class:`_Pace`)."""
+        pace = self.pace.get(g.id)
+        if pace is None or not pace.samples:
             return max(0, g.reader.verified - g.start) / max(now - g.created, 1e-9)
-        gap, prev = 0.0, g.created
+        samples = pace.samples
+        origin = samples[0] if pace.drains else (g.created, g.start)
+        gap, prev = 0.0, origin[0]
         for t, _ in samples:
             gap, prev = max(gap, t - prev), t
         t_last, v_last = samples[-1]
         if now - t_last > max(window, 2 * gap):
             return 0.0
-        t0, v0 = g.created, g.start
+        t0, v0 = origin
         for t, v in samples:
             if t > t_last - window:
                 break
@@ -114,10 +158,15 @@ class StragglerMixin:
                 continue
             src, r = g.source, g.reader
             layout = r.session.layout
-            slack = (layout.total_bytes // 8) if layout is not None else 0  # a reader reports every ~1/8
+            slack = (layout.total_bytes // 8) if layout is not None else 0  # at most a report step behind
             caught_up = src.state is P and r.verified + slack >= src.verified
-            if not caught_up and g.id not in self.pace and now - g.created < _FIRST_REPORT * window:
-                continue  # no report yet: a source sharing its link may take longer to a first eighth
+            pace = self.pace.get(gid)
+            if not caught_up and (pace is None or not pace.samples):
+                first = pace.first if pace is not None else _FIRST_REPORT
+                if now - g.created < first * window:
+                    continue  # no report yet: a source sharing its link takes longer to a first read
+            elif not caught_up and pace is not None and pace.drains and now - pace.samples[0][0] < window:
+                continue  # moved off a straggler: judged a window after its first report
             rate = self._rate(g, now, window)
             judged[gid] = (rate, caught_up)
             if not caught_up:
@@ -143,15 +192,22 @@ class StragglerMixin:
             agg = aggregate.get(g.source.id, 0.0)
             if ref > 0 and agg < cfg.straggler_ratio * ref:
                 slow[gid] = f"slow source: {agg / 1e6:.1f} MB/s against {ref / 1e6:.1f} MB/s"
-        pullers = {self.grants[gid].reader.id: why for gid, why in slow.items()}  # holders whose own pull is slow
+        # Holders whose own pull is slow, as far as the table can tell: a reader pulling from a
+        # holder whose own pull is slow too is explained by it (the holder's link, both ways),
+        # and is fast again once it moves.
+        pullers: dict[int, str] = {}
+        for gid, why in slow.items():
+            up = self.grants[gid].source.upstream
+            if up is None or up.id not in slow:
+                pullers[self.grants[gid].reader.id] = why
         behind: list[tuple[int, int]] = []  # (depth, grant id) of caught-up readers held back
         for gid, (_, caught_up) in judged.items():
             if caught_up and self._held_back(self.grants[gid], slow, pullers, judged) is not None:
                 behind.append((self._depth(self.grants[gid]), gid))
-        for gid in list(slow):
+        for _, gid in sorted((self._depth(self.grants[gid]), gid) for gid in slow):  # upstream first
             g = self.grants.get(gid)
             if g is not None:
-                self._move_reader(g, slow[gid])
+                self._move_reader(g, slow[gid], barred=pullers)
         # Upstream first, judged again as the grants now stand: a reader whose source was only
         # held back and has just moved to a faster source follows it and stays; one still held
         # back (or behind a slow puller, moved or not) avoids the whole slow chain.
@@ -159,7 +215,7 @@ class StragglerMixin:
             g = self.grants.get(gid)
             held = self._held_back(g, slow, pullers, judged) if g is not None else None
             if g is not None and held is not None:
-                self._move_reader(g, f"its source's own pull is {held[1]}", avoid=held[0])
+                self._move_reader(g, f"its source's own pull is {held[1]}", avoid=held[0], barred=pullers)
 
     def _held_back(self, g: _Grant, slow: dict[int, str], pullers: dict[int, str],
                    judged: dict[int, tuple[float, bool]]) -> tuple[list[_Holder], str] | None:  # fmt: skip
@@ -191,22 +247,35 @@ class StragglerMixin:
             n, up = n + 1, up.source.upstream
         return n
 
-    def _move_reader(self, g: _Grant, why: str, avoid: Sequence[_Holder] = ()) -> None:
-        """Re-grant ``g``'s reader elsewhere, if it has another eligible source (not ``g``'s
-        source, nor a holder in ``avoid``: they stay excluded for it once it moved)."""
+    def _move_reader(self, g: _Grant, why: str, avoid: Sequence[_Holder] = (), barred: Collection[int] = ()) -> None:
+        """Re-grant ``g``'s reader elsewhere, if it has another eligible source: not ``g``'s
+        source, nor a holder in ``avoid`` (``g``'s source first, the slow puller last); they
+        stay excluded for it once it moved. Barred for this move only: the holders in
+        ``barred`` (ids: the slow pullers of this tick), the holders below the slow pull
+        (``avoid``'s last, else ``g``'s source) and the partial holders that have not verified
+        more than the reader (see the module docstring)."""
         reader, source = g.reader, g.source
         if reader.call is None:
             return
-        added = []
-        for h in (source, *avoid):
+        below = self._downstream(avoid[-1] if avoid else source)
+        holders = self._holder_set(reader.session.model, reader.version, reader.shard_idx)
+        bar = [h for h in holders.values() if h.state is P and (
+            h.id in below or h.id in barred or h.verified <= reader.verified)]  # fmt: skip
+        kept: list[int] = []  # stay excluded once it moved
+        added: list[int] = []  # barred for this move only
+        for i, h in enumerate((source, *avoid, *bar)):
             if h.id not in reader.excluded:
                 reader.excluded[h.id] = False
-                added.append(h.id)
+                (kept if i <= len(avoid) else added).append(h.id)
         alt = self._select(reader, None, retry_failed=False)
         if alt is None or alt is source:
-            for hid in added:
+            for hid in (*kept, *added):
                 del reader.excluded[hid]
             return
         self.stats["stragglers"] += 1
         self._revoke(g, f"straggler: {why}")
         self._regrant(reader)
+        for hid in added:
+            del reader.excluded[hid]
+        if reader.upstream is not None:  # its reads in flight from the slow source land first
+            self.pace[reader.upstream.id] = _Pace(drains=True)
