@@ -41,18 +41,13 @@ after the first, the bytes that crossed (GB), their ratio full/deltas, each roll
 (median, max), the ratio of the medians and of the maxima, and whether each rollout landed the
 version through the delta (its ``last_delta``). Goals (issue 21): bytes across at most 1/20 of
 full seeding's (ratio >= 20, over the later versions together), the rollouts' stall at most 1/5
-(ratio of medians >= 5). The trainer announces a version once its delta is published
-(``--settle-deltas``, the default): a rollout that polls before the delta exists is planned a full
-pull (the server plans from the deltas that are held at the moment of the update), so without it
-the figure would measure the race between the trainer's background comparison and the first
-poll; the time the trainer waits for its delta is reported (``settle``), as what deltas add to a
-version's latency. ``--no-settle-deltas`` announces at once, as a trainer that does not wait
-(measured: the first rollout of dc-b to poll is planned a full pull and seeds the version across,
-the others' deltas then share the link with it: 1.05 copies across per version, no gain). The
-ratio of the medians follows the ratio of the links: full seeding's non-seeders skip while the
-version crosses and then stall only for a pull inside dc-b, whereas every rollout's delta update
-waits for the delta's crossing (the others pipeline it from the first), so with faster hosts
-(``--host-rate 2gbit``) the medians come close while the maxima keep their ratio.
+(ratio of medians >= 5). The trainer announces a version when ``publish()`` returns, as a
+trainer that does not wait: its publish tells the server that the delta will follow
+(``Publish.delta_from``), so a rollout that polls before the delta exists is told "not yet"
+rather than planned a full pull, and while the first rollout of dc-b pulls the delta across the
+others are told "not yet" too and then pull it inside dc-b (smart skipping of deltas).
+``--settle-deltas`` announces a version only once its delta is published (the time the trainer
+waits for it is reported, ``settle``, as what deltas add to a version's latency).
 
 Goals (the issue's): with seeding, inter-datacenter bytes per version about one copy of the
 shard (checked: at most 1.2 copies), not one per rollout; rollouts other than the seeder stall
@@ -73,7 +68,7 @@ flows). ``--inter-dc-delay`` adds one when the kernel can.
 Usage: python benchmarks/bench_crossdc.py [--rollouts 4] [--size-mib 32] [--versions 3]
        [--modes p2p,seeding,offload,deltas] [--host-rate 400mbit] [--inter-dc-rate 100mbit]
        [--inter-dc-delay 10ms] [--poll-ms 100] [--dtype bfloat16] [--change-fraction 0.0165]
-       [--seed 0] [--no-settle-deltas] [--json FILE] [--dag-dir DIR] [--keep-logs]
+       [--seed 0] [--settle-deltas] [--json FILE] [--dag-dir DIR] [--keep-logs]
        python benchmarks/bench_crossdc.py --modes seeding,deltas --versions 5   (issue 21's figure)
 """
 
@@ -163,7 +158,7 @@ def _first_source(ev: dict[str, Any]) -> str | None:
 def run_mode(cluster: Cluster, mode: str, rollouts: int, versions: int, size: int, *, poll_ms: int,
              chunk: int, timeout: float = 300.0, keep_logs: bool = False, dag_dir: Path | None = None,
              log: Callable[[str], None] = print, weights: Sequence[str] = (),
-             settle_deltas: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+             settle_deltas: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """Every version of one mode; one record per (version, rollout), and the probe's pulls.
     With ``dag_dir``, the replication DAG of the last version goes there (``<mode>.json``,
     ``.dot``, ``.png``).
@@ -384,8 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--change-fraction", type=float, default=1 - UNCHANGED_LR_1E6,
                     help="elements the trainer changes per version (seeded; the same evolution in every mode)")
     ap.add_argument("--seed", type=int, default=0, help="the seed of the weights and of the elements that change")
-    ap.add_argument("--no-settle-deltas", action="store_true",
-                    help="deltas: announce a version when publish() returns, not once its delta is published")
+    ap.add_argument("--settle-deltas", action="store_true",
+                    help="deltas: announce a version once its delta is published, not when publish() returns")
     ap.add_argument("--keep-logs", action="store_true")
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -411,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for mode in modes:
             records += run_mode(c, mode, a.rollouts, a.versions, size, poll_ms=a.poll_ms, chunk=int(a.chunk_mib * MIB),
                                 timeout=a.timeout, keep_logs=a.keep_logs, weights=weights,
-                                settle_deltas=not a.no_settle_deltas,
+                                settle_deltas=a.settle_deltas,
                                 dag_dir=Path(a.dag_dir) if a.dag_dir else None)  # fmt: skip
     left = leftovers(prefix)
     text, verdicts, ok = table(records, a.rollouts)

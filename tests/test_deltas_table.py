@@ -293,3 +293,25 @@ def test_an_announced_delta_that_never_comes_is_waited_for_a_bounded_time():
     req = r.request(m.Update, r.session, r.next_call(), "latest", None, False, True)
     r.complete(r.grant())
     assert r.expect_ok(req) == m.Updated(req, True, 2)
+
+
+def test_the_first_replica_of_a_datacenter_planned_a_chain_is_its_delta_seeder_at_once():
+    """Its pull shows up only after a few round trips: the others skip from the plan on."""
+    d = Driver()
+    (t,) = d.replica("T", 1, layout=FULL, dc="a")
+    b = [d.replica(f"B{i}", 1, layout=FULL, dc="b")[0] for i in range(3)]
+    trainer_publish([t], 1)
+    for x in b:
+        x.expect_ok(x.pull(1))
+    trainer_publish([t], 2)
+    publish_delta(d, "T", 1, 2, 1, [100])
+    (a0,) = update_deltas([b[0]])
+    assert a0.deltas == (m.DeltaRef(2, 1, 100),)  # the seeder: nothing of the chain in dc b yet
+    (a1,) = update_deltas([b[1]])
+    assert a1.deltas is None and a1.skipped == 2  # before the seeder's pull even began
+    side = d.shard("B0@delta", 0, 1, model=DM, layout=blob(100), dc="b")
+    side.expect_ok(side.pull(2))  # the delta is whole in dc b now
+    for x in b[1:]:
+        (a,) = update_deltas([x])
+        assert a.deltas == (m.DeltaRef(2, 1, 100),)
+    assert not d.table.models[MODEL].delta_seeds  # forgotten once the chain is in the datacenter

@@ -179,20 +179,38 @@ class DeltaMixin:
 
     def _delta_seeding_allows(self, txn: _Txn, s: _Session) -> bool:
         """Smart skipping for a planned chain (DESIGN §5.6, as :meth:`_seeding_allows` for full
-        pulls): where a replica of the reader's datacenter is pulling a delta of the chain across
-        (a partial holder there and no whole one), this one waits for it rather than queue
-        behind the slow link too."""
+        pulls). Where every delta of the chain has a whole holder in the reader's datacenter, it
+        pulls them there. Otherwise the first replica of the datacenter planned the chain is its
+        **delta seeder** (reserved at once, for ``heartbeat_timeout``, since its pulls show up
+        only after a few round trips): it pulls across, and the others are told "not yet" while
+        it does (while a delta of the chain has a partial holder there, or the reservation
+        holds), rather than queue behind the slow link too."""
         plan = txn.delta_plan
-        dm = self._deltas_of(txn.replica.model)
+        model = txn.replica.model
+        dm = self._deltas_of(model)
         if plan is None or dm is None or not (self.config.pipeline and self.config.smart_skipping):
             return True
         dc = s.location.datacenter
+        target = plan[0]
+        here, partial = True, False
         for ref in plan[1].get(s.shard_idx, ()):
             ver = dm.versions.get(ref.version)
             for index in ver.index if ver is not None else ():
-                whole, partial = index.in_datacenter(dc)
-                if partial and not whole:
-                    return False
+                w, p = index.in_datacenter(dc)
+                here = here and w
+                partial = partial or p
+        if here:
+            model.delta_seeds.pop((target, dc), None)
+            return True
+        now = self.clock()
+        seeder = model.delta_seeds.get((target, dc))
+        if seeder is not None and seeder[0] != txn.replica.name and seeder[1] > now and seeder[0] in model.replicas:
+            return False
+        if partial and seeder is None:
+            return False  # a replica of the datacenter pulls a delta of the chain across already
+        for key in [k for k in model.delta_seeds if k[1] == dc and k[0] < target]:
+            del model.delta_seeds[key]  # older versions' seeds are of no more interest
+        model.delta_seeds[(target, dc)] = (txn.replica.name, now + self.config.heartbeat_timeout)
         return True
 
     def _delta_seeding(self, model: _Model, version: int, dc: str) -> bool:

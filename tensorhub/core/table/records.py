@@ -356,7 +356,7 @@ class _Model:
         "name", "num_shards", "layouts", "versions", "highest_published", "replicas", "declarations",
         "epoch", "listing", "available", "listing_stale", "changed", "availability_changed", "waits", "parked",
         "offload_holders", "dirty_shards", "retention_changed", "waiting_readers", "gc_needed", "seeds", "pins",
-        "source", "placements", "delta_of",
+        "source", "placements", "delta_of", "delta_seeds",
     )  # fmt: skip
 
     def __init__(self, name: str, num_shards: int, source: str | None = None) -> None:
@@ -364,6 +364,9 @@ class _Model:
         self.num_shards = num_shards
         self.source = source  # the model this one is a converted layout of (:mod:`.conversions`)
         self.delta_of = delta_owner(name)  # the model whose deltas this one holds (:mod:`.deltas`)
+        #: (version, datacenter) -> (the replica planned to pull the delta chain to it across, until
+        #: when the datacenter counts as seeding it before that pull shows up): see .deltas
+        self.delta_seeds: dict[tuple[int, str], tuple[str, float]] = {}
         self.layouts: dict[int, tuple[Layout, int]] = {}  # shard_idx -> (layout, sessions using it)
         #: shard_idx -> the placements registered with its layout (None: registered without)
         self.placements: dict[int, tuple[PlacedTensor, ...] | None] = {}
