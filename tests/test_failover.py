@@ -22,7 +22,7 @@ import pytest
 import tensorhub
 from tensorhub.core import errors as e
 
-from .procs import RemoteError, ServerProcess
+from .procs import RemoteError, ServerProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -360,7 +360,8 @@ def test_a_server_restarted_at_once_at_its_address_is_moved_to_not_taken_as_remo
         second = ServerProcess(*slow, "--bind", address)
         for h in (trainer, rollout):
             until_moved(h, timeout=8.0)  # well inside the 10 s silence
-        assert rollout.call("list") == {1: ["rollout", "trainer"]}  # both re-announced version 1
+        # both re-announce version 1 (each once it moved: the second may still be on its way)
+        wait_until(lambda: rollout.call("list") == {1: ["rollout", "trainer"]}, 10, "both to re-announce version 1")
         trainer.call("fill", 2)
         trainer.call("unpublish")
         trainer.call("publish", 2)

@@ -89,7 +89,8 @@ read across a generation change.
 
 **What must be overridden:** ``start``, ``endpoint``, ``read_blocking`` (or ``read_range``),
 ``close``; two-sided transports also use ``serve``. **What may be:** the read's hooks
-(``describe_read``, ``check_read``, ``read_closed``, ``read_executor``, ``release_read``, above), ``available`` (a probe of optional libraries; import them
+(``describe_read``, ``check_read``, ``read_closed``, ``read_executor``, ``release_read``, above),
+``abort_reads`` (below), ``available`` (a probe of optional libraries; import them
 only inside the plugin), ``probe`` (below), ``expose``/``withdraw``, and
 ``guard`` (rarely: the base class stores the check ``admit`` asks), and
 ``reaches(peer_endpoint) -> bool`` (can
@@ -129,6 +130,20 @@ length)`` of the read were written into ``into``'s CPU memory, covering every by
 exactly once (pieces in any order, from any threads). Never report bytes that are not final
 (a later write to the same range would go unhashed); for CUDA destinations the engine passes no
 callback. A callback that raises fails the read.
+
+**Aborting reads** (optional: ``abort_reads(into)``). When the server revokes a grant (its
+source is going away, or is too slow: a straggler), the engine waits for the grant's reads in
+flight to return before the next grant reads those ranges; behind a slow source that is a whole
+read at the slow rate. A transport that can end its reads early implements
+:meth:`Transport.abort_reads`: end every read of this process running into ``into`` now. Each
+read it ends must raise :class:`TransportError` (the engine counts it a failed read of the old
+grant and reads the range again under the next one: nothing is blamed, checksums are unchanged),
+must not write into ``into`` after it raised, and must not leave anything it used for another
+read (a connection, a staging slot) in a state that a later read could trip on. A read that
+already returned, or returns meanwhile, is not counted. It is called on the event loop: it must
+not block. The engine calls it only when the revoked grant still has reads in flight (or a pull
+is aborted with reads in flight). The base implementation ends nothing and returns 0: the engine
+then simply waits for the reads, as before. ``tcp`` implements it.
 
 **Probing** (``probe()``, a classmethod; cheap, no side effects, never raises). It answers
 three things as a :class:`Probe`: whether the transport can run in this process at all
@@ -392,6 +407,20 @@ class Transport:
 
     def release_read(self, call: ReadCall) -> None:
         """Release what the read held (a hook of :meth:`read`, called in ``finally``, once)."""
+
+    def abort_reads(self, into: ShardBuffers) -> int:
+        """Optional: end this process's reads running into ``into`` now (see "Aborting reads" in
+        the manual). Called on the event loop; must not block.
+
+        Each read it ends raises :class:`TransportError` from :meth:`read`, writes nothing into
+        ``into`` once it raised, and leaves nothing it used (a pooled connection) to a later read.
+
+        Args:
+            into: the buffers whose reads end (reads into other buffers go on).
+        Returns:
+            How many reads it ended. The base implementation ends none and returns 0.
+        """
+        return 0
 
     async def close(self) -> None:
         raise NotImplementedError

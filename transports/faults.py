@@ -164,6 +164,9 @@ class FaultyTransport(Transport):
     def withdraw(self, buffers: ShardBuffers) -> None:
         self.inner.withdraw(buffers)
 
+    def abort_reads(self, into: ShardBuffers) -> int:
+        return self.inner.abort_reads(into)
+
     async def close(self) -> None:
         self._closing.set()
         await self.inner.close()

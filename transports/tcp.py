@@ -55,6 +55,14 @@ Throughput choices
 - **Verification** is not the transport's: the engine hashes each read in a worker thread as
   it lands, overlapped with the next reads.
 
+**Aborting reads** (:meth:`TcpTransport.abort_reads`). Each read (each stripe) is registered,
+under the transport's lock, from the moment ``read_range`` is called until its thread has
+written its last byte. Aborting a shard's reads marks them and shuts down the connection each
+one is on (under the same lock, so a connection is never shut down after its read let it go):
+the blocked receive returns at once, the read raises :class:`TransportError`, and its
+connection is closed, never pooled. A read aborted before it connected (queued, or waiting for
+``max_rate``) fails without connecting and gives back the rate it had reserved.
+
 ``generation`` 0 in a request means "whatever it is now". The holder waits up to ``wait_ms``
 for its progress to cover the range (a partial holder), then answers ``NOT_READY``. The trailer
 says whether the generation moved while the bytes were sent; if it did the reader discards them.
@@ -100,6 +108,20 @@ _STATUS_TEXT = {
 }
 MAX_READ = 256 << 20  # one request moves at most this many bytes
 _MIN_STRIPE = 1 << 20  # a read is striped over connections in pieces of at least this
+
+
+class _Read:
+    """One read (one stripe) running into a shard's buffers, as :meth:`TcpTransport.abort_reads`
+    finds it. Its fields change only under the transport's lock."""
+
+    __slots__ = ("aborted", "into", "sock", "started", "wake")
+
+    def __init__(self, into: ShardBuffers) -> None:
+        self.into = into
+        self.sock: socket.socket | None = None  # the connection it is on, while it has one
+        self.started = False  # its thread took it up
+        self.aborted = False
+        self.wake = threading.Event()  # ends its wait for ``max_rate`` when it is aborted
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -187,6 +209,7 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
         self._pool: dict[tuple[str, int], list[socket.socket]] = {}
         self._in_use: set[socket.socket] = set()  # reader connections with a read running
+        self._reads: set[_Read] = set()  # reads registered and not finished (see abort_reads)
         self._executor = ThreadPoolExecutor(max_workers=max(8, 4 * self.streams), thread_name_prefix="tcp-read")
         self._staging = _Staging()
         self._closed = False
@@ -326,15 +349,34 @@ class TcpTransport(Transport):
         into, generation, token = call.into, call.generation, call.token
         loop = asyncio.get_running_loop()
         k = max(1, min(self.streams, length // _MIN_STRIPE))
-        if k == 1:
-            return await loop.run_in_executor(
-                self._executor, self._read_blocking, key, region, version, offset, length, into, generation, token
-            )
-        step = -(-length // k)
-        parts = [(o, min(step, offset + length - o)) for o in range(offset, offset + length, step)]
-        futs = [loop.run_in_executor(self._executor, self._read_blocking, key, region, version, o, n, into, generation, token)
-                for o, n in parts]  # fmt: skip
-        results = await asyncio.gather(*futs, return_exceptions=True)
+        parts = [(offset, length)]
+        if k > 1:
+            step = -(-length // k)
+            parts = [(o, min(step, offset + length - o)) for o in range(offset, offset + length, step)]
+        reads = [_Read(into) for _ in parts]
+        with self._lock:  # from now on abort_reads sees them, queued or running
+            self._reads.update(reads)
+        try:
+            futs = []
+            for (o, n), r in zip(parts, reads):
+                try:
+                    futs.append(loop.run_in_executor(self._executor, self._read_blocking, key, region, version, o, n,
+                                                     into, generation, token, r))  # fmt: skip
+                except RuntimeError as err:  # the pool shut down: closed meanwhile
+                    if futs:  # the stripes already running fail with the close; wait them out
+                        await asyncio.gather(*futs, return_exceptions=True)
+                    raise TransportError(f"tcp transport closed; read of {call.where} not started") from err
+            if k == 1:
+                return await futs[0]
+            results = await asyncio.gather(*futs, return_exceptions=True)
+        finally:
+            # A read whose thread never took it up (cancelled, or the pool shut down) never will:
+            # it fails at once if it does. Running ones unregister themselves when they end.
+            with self._lock:
+                for r in reads:
+                    if not r.started:
+                        r.aborted = True
+                        self._reads.discard(r)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:  # every stripe has returned: nothing still writes into ``into``
             hard = [e for e in errors if not isinstance(e, RangeNotReady)]
@@ -346,31 +388,76 @@ class TcpTransport(Transport):
             )
         return results[0]
 
-    def _connect(self, key: tuple[str, int], fresh: bool = False) -> tuple[socket.socket, bool]:
-        """A connection to ``key`` (pooled if one is idle, unless ``fresh``), and whether it was
-        pooled. It is counted as in use until released or closed."""
+    def abort_reads(self, into: ShardBuffers) -> int:
+        """End every read of this process running into ``into`` now (see the module docstring):
+        each fails with :class:`TransportError`, writes nothing more once it returned, and its
+        connection is closed, never pooled. Reads that end meanwhile on their own are not counted.
+        Never blocks on the network; safe from any thread.
+
+        Returns:
+            How many reads it ended (stripes count one each).
+        """
         with self._lock:
+            ended = [r for r in self._reads if r.into is into]
+            for r in ended:
+                r.aborted = True
+                r.wake.set()
+                self._reads.discard(r)
+                if r.sock is not None:
+                    # Under the lock: the read's thread takes ``sock`` off ``r`` under it before
+                    # it closes or pools the connection, so this never touches a reused one.
+                    try:
+                        r.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+        if ended:
+            get_logger(transport=self.name).debug("tcp reads aborted", reads=len(ended))
+        return len(ended)
+
+    def _connect(self, key: tuple[str, int], read: _Read, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A connection to ``key`` for ``read`` (pooled if one is idle, unless ``fresh``), and
+        whether it was pooled. It is counted as in use, and is ``read.sock``, until released or
+        discarded.
+
+        Raises:
+            TransportError: ``read`` was aborted (no connection is taken up for it then).
+            OSError: connecting failed.
+        """
+        with self._lock:
+            if read.aborted:
+                raise TransportError("aborted before it connected")
             idle = self._pool.get(key)
             if idle and not fresh:
                 sock = idle.pop()
                 self._in_use.add(sock)
+                read.sock = sock
                 return sock, True
         sock = socket.create_connection(key, timeout=self.io_timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
-            self._in_use.add(sock)
-        return sock, False
+            if not read.aborted:
+                self._in_use.add(sock)
+                read.sock = sock
+                return sock, False
+        sock.close()  # aborted while it connected: never used
+        raise TransportError("aborted while it connected")
 
-    def _release(self, key: tuple[str, int], sock: socket.socket) -> None:
+    def _release(self, key: tuple[str, int], sock: socket.socket, read: _Read) -> bool:
+        """``read`` is done with ``sock``: pool it, unless the read was aborted (abort_reads shut
+        it down then: it is closed). Returns whether the read was aborted."""
         with self._lock:
+            read.sock = None
             self._in_use.discard(sock)
-            if not self._closed:
+            aborted = read.aborted
+            if not aborted and not self._closed:
                 self._pool.setdefault(key, []).append(sock)
-                return
+                return False
         sock.close()
+        return aborted
 
-    def _discard(self, sock: socket.socket) -> None:
+    def _discard(self, sock: socket.socket, read: _Read) -> None:
         with self._lock:
+            read.sock = None
             self._in_use.discard(sock)
         sock.close()
 
@@ -383,9 +470,35 @@ class TcpTransport(Transport):
         length: int,
         into: ShardBuffers,
         generation: int | None,
-        token: bytes | None = None,
+        token: bytes | None,
+        read: _Read,
     ) -> int:
         where = f"{key[0]}:{key[1]} region {region} version {version} bytes [{offset}, {offset + length})"
+        aborted = f"read of {where} aborted (abort_reads: the grant it read under ended)"
+        with self._lock:
+            read.started = True
+            if read.aborted:
+                raise TransportError(f"{aborted}; not started")
+        try:
+            return self._read_one(key, region, version, offset, length, into, generation, token, read, where, aborted)
+        finally:
+            with self._lock:  # its last byte is written: abort_reads has nothing to end any more
+                self._reads.discard(read)
+
+    def _read_one(
+        self,
+        key: tuple[str, int],
+        region: int,
+        version: int,
+        offset: int,
+        length: int,
+        into: ShardBuffers,
+        generation: int | None,
+        token: bytes | None,
+        read: _Read,
+        where: str,
+        aborted: str,
+    ) -> int:
         if self._closed:
             raise TransportError(f"tcp transport closed; read of {where} not started")
         if self.max_rate is not None:
@@ -393,14 +506,19 @@ class TcpTransport(Transport):
                 now = time.monotonic()
                 end = max(now, self._rate_next) + length / self.max_rate
                 self._rate_next = end
-            time.sleep(min(end - now, 3600.0))
+            if read.wake.wait(min(end - now, 3600.0)):
+                with self._lock:  # aborted before it moved a byte: give its share back
+                    self._rate_next = max(time.monotonic(), self._rate_next - length / self.max_rate)
+                raise TransportError(f"{aborted} while it waited for max_rate")
         request = _REQ.pack(_MAGIC, region, version, offset, length, generation or 0, int(self.wait_timeout * 1000),
                             len(token or b"")) + (token or b"")  # fmt: skip
         sock: socket.socket | None = None
         try:
             for attempt in range(2):
                 try:
-                    sock, pooled = self._connect(key, fresh=attempt > 0)
+                    sock, pooled = self._connect(key, read, fresh=attempt > 0)
+                except TransportError as err:
+                    raise TransportError(f"{aborted}: {err}") from None
                 except OSError as err:
                     raise PeerUnreachable(f"cannot connect to {key[0]}:{key[1]} for the read of {where} ({err}); "
                                           f"{UNREACHABLE_HINT}") from err  # fmt: skip
@@ -411,18 +529,20 @@ class TcpTransport(Transport):
                     hdr = None
                 if hdr is not None:
                     break
-                self._discard(sock)
+                self._discard(sock, read)
                 sock = None
                 if not pooled:
                     raise ConnectionError("peer closed the connection")
-                # An idle pooled connection the holder had closed: try once on a fresh one.
+                # An idle pooled connection the holder had closed: try once on a fresh one (an
+                # aborted read does not: _connect refuses it).
             else:  # pragma: no cover - the loop breaks or raises
                 raise ConnectionError("peer closed the connection")
             status, gen, n = _RESP.unpack(hdr)
             if status != OK:
                 if status in _STATUS_TEXT and status not in (BAD_REQUEST, UNAUTHORIZED):  # known, payload-free answers
-                    self._release(key, sock)
-                    sock = None
+                    s, sock = sock, None
+                    if self._release(key, s, read):
+                        raise TransportError(aborted)
                 cls = RangeNotReady if status == NOT_READY else Unauthorized if status == UNAUTHORIZED else TransportError
                 raise cls(f"read of {where}: {_STATUS_TEXT.get(status, f'unknown status {status}')}")
             if n != length:
@@ -442,8 +562,9 @@ class TcpTransport(Transport):
             if trailer is None:
                 raise ConnectionError("peer closed before the trailer")
             status, after = _TRAILER.unpack(trailer)
-            self._release(key, sock)
-            sock = None
+            s, sock = sock, None
+            if self._release(key, s, read):
+                raise TransportError(aborted)  # every byte landed, but it was aborted first: it failed
             if self._closed:
                 raise TransportError(f"tcp transport closed during the read of {where}")
             if status != OK or after != gen:
@@ -452,12 +573,16 @@ class TcpTransport(Transport):
                 raise TransportError(f"read of {where}: holder generation {gen}, the pull began at {generation}")
             return gen
         except OSError as err:
+            with self._lock:
+                was_aborted = read.aborted  # its connection was shut down under it
+            if was_aborted:
+                raise TransportError(aborted) from err
             if self._closed:
                 raise TransportError(f"tcp transport closed during the read of {where}") from err
             raise TransportError(f"read of {where} failed: {err}") from err
         finally:
             if sock is not None:
-                self._discard(sock)
+                self._discard(sock, read)
 
     async def close(self) -> None:
         with self._lock:

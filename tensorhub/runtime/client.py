@@ -620,11 +620,13 @@ class ClientActor(Actor):
             return
         if isinstance(reply, m.HeartbeatAck) and reply.term:
             known = self._stamp[0]
-            if known and reply.term != known and self.lost is None:
+            if known and reply.term != known:
                 # The server restarted at the same address faster than the silence that would
                 # have said so: its new start knows none of our sessions. Move (to it again) and
-                # re-announce, as after any loss, rather than taking "unknown" as a removal.
-                self._lose(ServerUnavailable(f"the server at {self.address} restarted (term {known} -> {reply.term})"))
+                # re-announce, as after any loss, rather than taking "unknown" as a removal; and
+                # until moved, a new term's word on our sessions (a later ack) means nothing.
+                if self.lost is None:
+                    self._lose(ServerUnavailable(f"the server at {self.address} restarted (term {known} -> {reply.term})"))
                 return
             self._stamp = (reply.term, reply.stamp)
             self.reigning = reply.reigning

@@ -668,9 +668,28 @@ class EngineActor(Actor):
             self.log.info("conversion grant revoked", grant=msg.grant, reason=msg.reason, **slot.ctx)
             return
         if slot is not None and slot.core.pull is not None:
-            self._end_span(slot, "revoked", (msg.term, msg.grant))
+            key = (msg.term, msg.grant)
+            reading = any(g == key for g, _ in slot.core.pull.inflight.values())
+            self._end_span(slot, "revoked", key)
             self.log.info("grant revoked", grant=msg.grant, reason=msg.reason, version=slot.core.pull.version, **slot.ctx)
             self._run(slot, slot.core.on_revoke(msg.term, msg.grant))
+            if reading:  # behind a slow source the next grant would wait a whole read for them
+                self._abort_reads(slot, "its grant was revoked")
+
+    def _abort_reads(self, slot: _Slot, why: str) -> None:
+        """End the reads in flight into the slot's buffers where the transport can
+        (:meth:`~tensorhub.transports.base.Transport.abort_reads`). Called only when every read in
+        flight into them is of an ended grant or an aborted pull (the core holds a new grant's
+        reads until those return): each one aborted comes back as a failed read of it, so the
+        core sees it return before the range is read again, and nothing is blamed."""
+        ended = 0
+        for t in self.transports.values():
+            try:
+                ended += t.abort_reads(slot.buffers)
+            except Exception:  # noqa: BLE001 - a plugin's bug leaves its reads to finish, as before
+                self.log.exception("transport abort_reads raised", transport=t.name, **slot.ctx)
+        if ended:
+            self.log.info("reads in flight aborted", reads=ended, why=why, **slot.ctx)
 
     def on_SuspendPull(self, msg: SuspendPull) -> None:
         slot = self.slots.get(msg.session)
@@ -703,12 +722,15 @@ class EngineActor(Actor):
             fut.set_result(outcome)
         return fut
 
-    def _drop_pull(self, slot: _Slot) -> None:
-        """The slot's pull was aborted: its bytes are no version's (its reads may still land)."""
+    def _drop_pull(self, slot: _Slot, drained: bool) -> None:
+        """The slot's pull was aborted: its bytes are no version's (its reads in flight, unless
+        ``drained``, are ended where the transport can, else may still land)."""
         self._end_span(slot, "aborted")
         slot.parked.clear()
         slot.landed.clear()
         slot.buffers.progress.reset(None)
+        if not drained:  # the next pull, or the abort's answer, waits for them
+            self._abort_reads(slot, "its pull was aborted")
 
     def _run(self, slot: _Slot, actions: list) -> None:
         """Carry out the slot's core's actions (the IO: reads, hashing, reports)."""
@@ -730,7 +752,7 @@ class EngineActor(Actor):
             elif isinstance(a, UseGrant):
                 self._use_grant(slot, a.grant)
             elif isinstance(a, DropPull):
-                self._drop_pull(slot)
+                self._drop_pull(slot, a.drained)
             elif isinstance(a, Drained):
                 waiters, slot.idle_waiters = slot.idle_waiters, []
                 for fut, outcome in waiters:
@@ -859,6 +881,11 @@ class EngineActor(Actor):
         from tensorhub.transports.base import RangeNotReady
 
         assert slot.peer is not None
+        if not self._read_live(slot, a):
+            # Its grant ended (revoked: its reads were aborted) or its pull was aborted before
+            # this task ran: it never starts, as the core never issues such a held read.
+            self.tell(_ReadFailed(slot.session, a.pull, a.grant, a.offset, "its grant ended before the read started", False))
+            return
         transport, peer, region = slot.peer
         generation = slot.peer_generation
         hasher, kw = None, {}
@@ -882,6 +909,13 @@ class EngineActor(Actor):
         else:
             digests = hasher.digests if hasher is not None and hasher.complete else None
             self.tell(_ReadDone(slot.session, a.pull, a.grant, a.offset, a.length, gen, digests))
+
+    @staticmethod
+    def _read_live(slot: _Slot, a: IssueRead) -> bool:
+        """Whether ``a``'s pull is current and its grant is the one the pull reads with."""
+        pull = slot.core.pull
+        return (slot.core.is_current(a.pull) and pull is not None and not pull.done and pull.grant is not None
+                and pull.grant.id == a.grant)  # fmt: skip
 
     def on__ReadDone(self, msg: _ReadDone) -> None:
         slot = self.slots.get(msg.session)
