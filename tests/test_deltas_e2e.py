@@ -120,29 +120,39 @@ def test_a_relay_killed_mid_delta_while_the_next_pipelines_from_it(srv, handles,
 UNREACHABLE = {"tcp": {"faults": [{"op": "stall", "seconds": 0.01, "times": 0}]}}  # every read fails: no peer reachable
 
 
-def test_a_reader_that_reaches_no_peer_restores_from_the_bucket(srv, handles, seed, tmp_path):
+def test_a_reader_that_reaches_no_peer_restores_from_the_bucket_the_server_names(srv, handles, seed, tmp_path):
     bucket = str(tmp_path / "bucket")
     trainer = handles("trainer", server=srv.address, scale=SCALE, deltas=True, bucket=bucket)
-    near = handles("near", server=srv.address, scale=SCALE, bucket=bucket)
-    far = handles("far", server=srv.address, scale=SCALE, bucket=bucket, transports=UNREACHABLE)
-    blind = handles("blind", server=srv.address, scale=SCALE, transports=UNREACHABLE)  # no bucket
-    for h in (trainer, near, far, blind):
+    near = handles("near", server=srv.address, scale=SCALE)
+    far = handles("far", server=srv.address, scale=SCALE, transports=UNREACHABLE)  # no bucket of its own
+    for h in (trainer, near, far):
         h.call("register")
     publish_and_wait_checksums(srv, trainer, 1)
     trainer.call("settle_deltas")
     for v in (2, 3):
         next_version(srv, trainer, v, 0.01, seed)
+    # the trainer's shard tells the server once its writer stored a version in the bucket
+    wait_until(lambda: (3, 0) in srv._look(lambda t: dict(t.models["actor"].buckets)), 30, "the bucket copy of 3")
     # a reader that reaches a peer never uses the bucket
     assert near.call("replicate", 3, 30.0) == 3
     assert near.call("last_bucket") is None
-    # one that reaches none restores from the bucket: the anchor of version 1, then the deltas
+    # one that reaches none is told where the bucket is (InBucket) and restores from it: the
+    # anchor of version 1, then the deltas, verified
     assert far.call("replicate", 3, 30.0) == 3
     assert far.call("last_bucket") == {"version": 3, "anchor": 1, "deltas": [[1, 2], [2, 3]]}
     want = trainer.call("digests")
     assert far.call("digests") == want and near.call("digests") == want
     assert far.call("state") == (3, False)
-    listing = near.call("list")
-    assert "far" in listing[3]  # the server took it as a holder of version 3: it serves peers
-    with pytest.raises(RemoteError) as err:  # without a bucket the pull fails, typed
-        blind.call("replicate", 3, 30.0)
+    assert "far" in near.call("list")[3]  # the server took it as a holder of version 3: it serves peers
+
+    # a model with no bucket copy: the same pull fails, typed
+    other = handles("trainer", model="other", server=srv.address, scale=SCALE)
+    blind = handles("blind", model="other", server=srv.address, scale=SCALE, transports=UNREACHABLE)
+    for h in (other, blind):
+        h.call("register")
+    other.call("fill", 1)
+    other.call("publish", 1)
+    wait_until(lambda: srv.checksums("other", 1) is not None, 30, "the checksums of other")
+    with pytest.raises(RemoteError) as err:
+        blind.call("replicate", 1, 30.0)
     assert err.value.kind == "TransportError"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tensorhub.core import messages as m
 from tensorhub.core.deltas import DELTAS, DeltaStep, plan_pull
-from tensorhub.core.errors import InvalidArgument, LayoutMismatch, VersionConflict
+from tensorhub.core.errors import InBucket, InvalidArgument, LayoutMismatch, VersionConflict, VersionUnavailable
 from tensorhub.core.invariants import check_invariants
 from tensorhub.core.naming import delta_model
 
@@ -315,3 +315,31 @@ def test_the_first_replica_of_a_datacenter_planned_a_chain_is_its_delta_seeder_a
         (a,) = update_deltas([x])
         assert a.deltas == (m.DeltaRef(2, 1, 100),)
     assert not d.table.models[MODEL].delta_seeds  # forgotten once the chain is in the datacenter
+
+
+def test_the_bucket_is_a_source_of_last_resort_named_when_no_peer_can_serve():
+    d = Driver()
+    (t,) = d.replica("T", 1, layout=FULL)
+    trainer_publish([t], 1)
+    url = "s3://weights/actor"
+    t.expect_ok(t.request(m.BucketStored, t.session, 1, url))
+    (r,) = d.replica("R", 1, layout=FULL)
+    req = r.replicate(1)
+    g = r.grant()  # a peer that can serve comes first
+    assert g.source.replica == "T"
+    for _ in range(10):  # the peer is unreachable from this reader: every try fails
+        r.source_failed(g)
+        gs = r.grants()
+        if not gs:
+            break
+        (g,) = gs
+    err = r.expect_error(req, InBucket)
+    assert err.bucket == url and err.version == 1 and url in str(err)
+    assert isinstance(err, VersionUnavailable)
+    (x,) = d.replica("X", 1, model=DM, layout=blob(10))
+    x.expect_error(x.request(m.BucketStored, x.session, 1, url), InvalidArgument)
+    with pytest.raises(ValueError):
+        m.BucketStored(1, 1, 1, "")
+    for v in range(2, 2 + 70):  # the newest 64 versions are remembered
+        t.expect_ok(t.request(m.BucketStored, t.session, v, url))
+    assert min(d.table.models[MODEL].buckets) == (70 + 2 - 64, 0)

@@ -44,6 +44,7 @@ PARENTS = {
     errors.VersionUnavailable: errors.VersionError,
     errors.VersionConflict: errors.VersionError,
     errors.UpdateAborted: errors.VersionError,
+    errors.InBucket: errors.VersionUnavailable,
     errors.BaseMismatch: errors.VersionError,
     errors.SessionError: errors.TensorHubError,
     errors.Fenced: errors.SessionError,

@@ -45,6 +45,7 @@ __all__ = [
     "UnknownGrant",
     "VersionError",
     "VersionUnavailable",
+    "InBucket",
     "VersionConflict",
     "UpdateAborted",
     "BaseMismatch",
@@ -277,6 +278,18 @@ class VersionUnavailable(VersionError):
     """The version existed and is gone (or can never exist): no live holder can serve it."""
 
     code = "version_unavailable"
+
+
+class InBucket(VersionUnavailable):
+    """No live holder can serve the version to this reader, but the bucket tier holds it:
+    ``bucket`` is its URL (the handle restores from it, verified: see
+    :mod:`tensorhub.core.table.deltas`)."""
+
+    code = "in_bucket"
+
+    def __init__(self, message: str, *, bucket: str | None = None, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.bucket = bucket
 
 
 class VersionConflict(VersionError):

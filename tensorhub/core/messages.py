@@ -286,6 +286,26 @@ class PublishOffload:
     ok: bool
 
 
+#: The longest bucket URL the wire carries.
+MAX_BUCKET_URL = 1024
+
+
+@message("bucket_stored")
+class BucketStored:
+    """A shard's copy of ``version`` is in the bucket tier at ``url`` (its writer stored it: an
+    anchor, or a delta after one): the server may send readers that no peer can serve there."""
+
+    req: int
+    session: int
+    version: int
+    url: str = field(metadata={"max_len": MAX_BUCKET_URL})
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        if not self.url:
+            raise ValueError("a bucket URL is a non-empty string")
+
+
 @message("replicate")
 class Replicate:
     """``held``: the checksums of what this shard's registered buffers already hold (a delta
@@ -497,17 +517,23 @@ class Failed:
     version: int | None = None
     replica: str | None = None
     shard: int | None = None
+    #: :class:`~tensorhub.core.errors.InBucket`: the bucket's URL
+    bucket: str | None = field(default=None, metadata={"max_len": MAX_BUCKET_URL})
 
     @classmethod
     def of(cls, req: int, err: TensorHubError) -> "Failed":
-        return cls(req, type(err).code, err.message, err.model, err.version, err.replica, err.shard)
+        bucket = getattr(err, "bucket", None)
+        return cls(req, type(err).code, err.message, err.model, err.version, err.replica, err.shard, bucket)
 
     def error(self) -> TensorHubError:
-        from .errors import error_from_wire
+        from .errors import InBucket, error_from_wire
 
-        return error_from_wire(
+        err = error_from_wire(
             self.code, self.message, model=self.model, version=self.version, replica=self.replica, shard=self.shard
         )
+        if isinstance(err, InBucket):
+            err.bucket = self.bucket
+        return err
 
 
 @message("grant")

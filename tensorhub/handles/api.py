@@ -55,6 +55,7 @@ from tensorhub.core.errors import (
     CallInFlight,
     Cancelled,
     ContractViolation,
+    InBucket,
     InvalidArgument,
     InvalidPlacement,
     NotRegistered,
@@ -1180,10 +1181,12 @@ class AsyncShardHandle:
         try:
             return await self._pull_once(cls, version, timeout, held)
         except (TransportError, VersionUnavailable, UpdateAborted) as err:
-            if self._bucket is None or held is not None or err.version is None:
+            url = err.bucket if isinstance(err, InBucket) and err.bucket else self._bucket
+            if url is None or held is not None or err.version is None:
                 raise
-            # No peer could serve it (unreachable, or gone): the bucket tier, never before a peer.
-            reply = await restore_from_bucket(self, self._bucket, err, timeout)
+            # No peer could serve it (unreachable, or gone): the bucket tier (the server names
+            # it, InBucket, or this handle's own), never before a peer.
+            reply = await restore_from_bucket(self, url, err, timeout)
             return m.Updated(reply.req, True, reply.version) if cls is m.Update else reply
 
     async def _pull_once(self, cls: type, version: int | str, timeout: float | None, held: tuple[int, ...] | None) -> Any:

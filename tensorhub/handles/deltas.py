@@ -124,6 +124,8 @@ class DeltaPublisher:
         #: the bucket tier (:mod:`tensorhub.runtime.bucket`): every version (an anchor every
         #: few, deltas between) is also written there, in the background
         self.writer = BucketWriter(bucket) if bucket is not None else None
+        self.bucket = bucket
+        self.declaring: set[asyncio.Task] = set()  # telling the server what the bucket holds
         self.turn = 0
         self.snapshot: dict[str, torch.Tensor] | None = None
         self.snapshot_version: int | None = None
@@ -165,6 +167,21 @@ class DeltaPublisher:
                 )  # fmt: skip
             except TensorHubError as err:  # an earlier write failed: said once; the writer goes on
                 owner.log.warning("bucket write failed", version=version, error=f"{type(err).__name__}: {err.message}")
+                return
+            task = asyncio.ensure_future(self._declare(version))  # not awaited by settle(): no trainer stall
+            self.declaring.add(task)
+            task.add_done_callback(self.declaring.discard)
+
+    async def _declare(self, version: int) -> None:
+        """Once the bucket holds ``version`` (the writer flushed), tell the server, which then
+        names the bucket to readers that no peer can serve."""
+        owner, writer = self.owner, self.writer
+        try:
+            assert writer is not None and self.bucket is not None
+            await asyncio.to_thread(writer.flush)
+            await owner._request(lambda req: m.BucketStored(req, owner.session, version, self.bucket))
+        except TensorHubError as err:
+            owner.log.warning("bucket copy not declared", version=version, error=f"{type(err).__name__}: {err.message}")
 
     async def _delta(self, version: int, sums: tuple[int, ...] | None) -> Delta | None:
         owner = self.owner
@@ -214,6 +231,8 @@ class DeltaPublisher:
             if h is not None:
                 await h.close()
         self.ring = [None] * len(self.ring)
+        if self.declaring:
+            await asyncio.wait(list(self.declaring))
         writer, self.writer = self.writer, None
         if writer is not None:
             try:

@@ -201,6 +201,7 @@ class ReferenceTable(
             m.Unpublish: self._on_unpublish,
             m.PublishOffload: self._on_offloaded,
             m.Replicate: self._on_pull,
+            m.BucketStored: self._on_bucket_stored,
             m.Update: self._on_pull,
             m.ListVersions: self._on_list,
             m.Wait: self._on_wait,

@@ -49,17 +49,30 @@ Invariants: a (version, shard) of a delta model has one base and one layout; a p
 only from deltas that a whole holder holds at the moment of the decision, and only for a
 replica whose every shard holds one version completely.
 
+- **The bucket tier as a source of last resort.** A shard whose writer stored its copy of a
+  version in the bucket tier says so (:class:`~tensorhub.core.messages.BucketStored`); the
+  table remembers it for the newest :data:`BUCKET_VERSIONS` versions. When no live holder can
+  serve a reader (every source failed it, or none is left), the call fails with
+  :class:`~tensorhub.core.errors.InBucket` naming the bucket rather than a plain error: the
+  handle restores the version from it, verified, and lands it with ``Replicate(held=...)``.
+  A bucket is never chosen while a peer can serve.
+
 What it must never do: plan a chain that differs between the shards of a replica, or take a
 ``held`` claim for a version whose checksums are unknown.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from .. import messages as m
 from ..deltas import DELTAS, DeltaStep, plan_pull
-from ..errors import InvalidArgument, LayoutMismatch, VersionConflict
+from ..errors import InBucket, InvalidArgument, LayoutMismatch, TensorHubError, VersionConflict
 from ..naming import DELTA_SUFFIX, MAX_NAME_LEN
-from .records import C, _Model, _Session, _Txn
+from .records import C, _Holder, _Model, _Session, _Txn
+
+#: versions whose bucket copies the table remembers per model (the newest)
+BUCKET_VERSIONS = 64
 
 
 class DeltaMixin:
@@ -219,6 +232,30 @@ class DeltaMixin:
         dm = self._deltas_of(model)
         ver = dm.versions.get(version) if dm is not None else None
         return ver is not None and any(any(index.in_datacenter(dc)) for index in ver.index)
+
+    def _on_bucket_stored(self, peer: Hashable, msg: m.BucketStored) -> None:
+        """A shard's writer stored its copy of ``msg.version`` in the bucket tier at ``msg.url``."""
+        s = self._session(peer, msg.session)
+        model = s.model
+        if model.delta_of is not None:
+            raise InvalidArgument("a delta model's shards are not stored in a bucket", **s.ctx(msg.version))
+        model.buckets[(msg.version, s.shard_idx)] = msg.url
+        if len(model.buckets) > BUCKET_VERSIONS * model.num_shards:  # the oldest go first
+            for key in sorted(model.buckets)[: len(model.buckets) - BUCKET_VERSIONS * model.num_shards]:
+                del model.buckets[key]
+        self._ack(s, msg.req)
+
+    def _in_bucket(self, reader: _Holder, err: TensorHubError) -> TensorHubError:
+        """``err`` (no live holder can serve ``reader``), or InBucket naming the bucket tier that
+        holds its (version, shard): a source of last resort, never chosen over a peer that can
+        serve (this is asked only once none can)."""
+        model = reader.session.model
+        url = model.buckets.get((reader.version, reader.shard_idx))
+        if url is None:
+            return err
+        return InBucket(
+            f"{err.message}; the bucket at {url} holds it", bucket=url, **reader.session.ctx(reader.version)
+        )
 
     def _holds_already(self, s: _Session, version: int, held: tuple[int, ...] | None) -> bool:
         """``held`` (what the shard's buffers hold, by its own verification) is ``version``'s

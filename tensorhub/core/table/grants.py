@@ -135,7 +135,7 @@ class GrantMixin:
                 return
             else:
                 err = VersionUnavailable(f"no holder can serve version {reader.version} any more", **ctx)
-            self._fail_txn(txn, err)
+            self._fail_txn(txn, self._in_bucket(reader, err))
             return
         source = pick
         if txn.source_replica is None:

@@ -356,7 +356,7 @@ class _Model:
         "name", "num_shards", "layouts", "versions", "highest_published", "replicas", "declarations",
         "epoch", "listing", "available", "listing_stale", "changed", "availability_changed", "waits", "parked",
         "offload_holders", "dirty_shards", "retention_changed", "waiting_readers", "gc_needed", "seeds", "pins",
-        "source", "placements", "delta_of", "delta_seeds",
+        "source", "placements", "delta_of", "delta_seeds", "buckets",
     )  # fmt: skip
 
     def __init__(self, name: str, num_shards: int, source: str | None = None) -> None:
@@ -367,6 +367,9 @@ class _Model:
         #: (version, datacenter) -> (the replica planned to pull the delta chain to it across, until
         #: when the datacenter counts as seeding it before that pull shows up): see .deltas
         self.delta_seeds: dict[tuple[int, str], tuple[str, float]] = {}
+        #: (version, shard) -> the bucket tier's URL that holds that shard of that version, as its
+        #: writer declared (a source of last resort: see .deltas)
+        self.buckets: dict[tuple[int, int], str] = {}
         self.layouts: dict[int, tuple[Layout, int]] = {}  # shard_idx -> (layout, sessions using it)
         #: shard_idx -> the placements registered with its layout (None: registered without)
         self.placements: dict[int, tuple[PlacedTensor, ...] | None] = {}

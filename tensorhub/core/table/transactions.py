@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Hashable
 
 from .. import messages as m
-from ..errors import ContractViolation, InvalidArgument, TensorHubError, Timeout, UpdateAborted
+from ..errors import ContractViolation, InBucket, InvalidArgument, TensorHubError, Timeout, UpdateAborted
 from .records import _OFFERS_KEPT, _all_done, _AnnouncedArgs, _Model, _Session, _ShardCall, _Txn
 
 
@@ -81,7 +81,7 @@ class TransactionMixin:
         moving leaves each shard empty: partial or new holdings are aborted first."""
         if txn.error is not None:
             return
-        if txn.kind == "update" and txn.moved and not isinstance(err, UpdateAborted):
+        if txn.kind == "update" and txn.moved and not isinstance(err, (UpdateAborted, InBucket)):
             err = UpdateAborted(f"update to version {txn.version} aborted: {err.message}", **err.context())
         txn.error = err
         txn.decided = True
