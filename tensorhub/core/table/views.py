@@ -117,6 +117,8 @@ class ViewMixin:
             "transactions": txns,
             "waits": sum(len(mo.waits) for mo in self.models.values()),
             "declarations": sum(len(mo.declarations) for mo in self.models.values()),
+            #: (version, shard) copies the bucket tier holds, as writers declared (see .deltas)
+            "bucket_copies": sum(len(mo.buckets) for mo in self.models.values()),
         }
 
     def holders(self) -> Iterable[_Holder]:
