@@ -71,6 +71,28 @@ def test_unknown_session_is_a_typed_error(d):
     s.expect_error(s.publish(1), e.UnknownSession)
 
 
+def test_stale_session_id_of_another_process_is_unknown_not_adopted():
+    """A client of an earlier server process heartbeats its old session id (1) to the new
+    process: the id is unknown there (the client re-opens) and no session changes peer."""
+    import random
+
+    from tensorhub.core.table import ReferenceTable, random_first_id
+    from tensorhub.scheduling.selection import SourceIndex
+
+    first = random_first_id(random.Random(7))
+    d = Driver()
+    d.table = ReferenceTable(d.clock, random.Random(0), TableConfig(), term=2, sources=SourceIndex, first_id=first)
+    d.advance(11)
+    s = d.shard("r")
+    assert s.session >= first
+    ack = d.send("stale-client", m.Heartbeat(1, (1, s.session - first + 1)))[-1][1]
+    assert isinstance(ack, m.HeartbeatAck) and set(ack.unknown) == {1, s.session - first + 1} - {s.session}
+    assert d.table.sessions[s.session].peer == s.peer
+    for bad in (0, 2**52, -3, 1.5):
+        with pytest.raises(ValueError, match="first_id"):
+            ReferenceTable(d.clock, random.Random(0), TableConfig(), sources=SourceIndex, first_id=bad)
+
+
 def test_spot_must_agree_within_a_replica(d):
     d.shard("r", 0, 2, spot=True)
     with pytest.raises(e.ContractViolation, match="spot"):

@@ -1306,9 +1306,12 @@ def _from_dtensors(
     tensors: dict[str, torch.Tensor], placements: dict[str, Any] | None, ctx: dict
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """DTensors become their local tensors, and their placements those they carry (unless given)."""
-    if not isinstance(tensors, dict) or not torch.distributed.is_available():
+    # A DTensor exists only once its module is imported: importing it here would cost the first
+    # register about a second of the loop (it pulls in sympy), long enough to miss heartbeats.
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    if not isinstance(tensors, dict) or dtensor_module is None:
         return tensors, placements
-    from torch.distributed.tensor import DTensor
+    DTensor = dtensor_module.DTensor
 
     if not any(isinstance(t, DTensor) for t in tensors.values()):
         return tensors, placements

@@ -406,6 +406,11 @@ class ClientActor(Actor):
         self.heartbeat_interval = interval if first else min(self.heartbeat_interval, interval)
         self.heartbeat_timeout = opened.heartbeat_timeout
         self._next_beat = 0.0
+        if not self._stamp[0]:
+            # The term is known from the first answer, not only from the first heartbeat ack: a
+            # server restarted before that ack came would otherwise be taken at its word that
+            # our sessions are unknown (a removal) instead of being moved to.
+            self._stamp = (opened.term, 0.0)
 
     def on__Beat(self, _: _Beat) -> None:
         now = time.monotonic()

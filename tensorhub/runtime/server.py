@@ -58,7 +58,7 @@ from tensorhub.core.errors import (
     UnknownSession,
 )
 from tensorhub.core.lifecycle import HolderState
-from tensorhub.core.table import HISTORY_VERSIONS, ReferenceTable, TableConfig
+from tensorhub.core.table import HISTORY_VERSIONS, ReferenceTable, TableConfig, random_first_id
 from tensorhub.core.table.failover import ROLES, Reign
 from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
 from tensorhub.scheduling.selection import SourceIndex
@@ -162,8 +162,10 @@ class ServerActor(Actor):
         term = config.term if config.term is not None else int(time.time() * 1000)
         lease = config.lease if config.lease is not None else config.table.heartbeat_timeout / 2
         self.reign = Reign(config.role, lease)
+        # ids start at random, never at a stale client's old session id (see ReferenceTable)
+        first_id = random_first_id(random.Random(os.urandom(16)))
         self.table = ReferenceTable(time.monotonic, random.Random(seed), config.table, term=term, sources=SourceIndex,
-                                    reign=self.reign)  # fmt: skip
+                                    reign=self.reign, first_id=first_id)  # fmt: skip
         self._peer_sock: zmq.asyncio.Socket | None = None
         self._lease_req = 0
         self.sock: zmq.asyncio.Socket | None = None

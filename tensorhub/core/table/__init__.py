@@ -115,7 +115,16 @@ from .settling import SettleMixin
 from .transactions import TransactionMixin
 from .views import ViewMixin
 
-__all__ = ["ReferenceTable", "TableConfig", "Outbox"]
+__all__ = ["ReferenceTable", "TableConfig", "Outbox", "random_first_id"]
+
+_MAX_FIRST_ID = 2**52  # ids stay below 2**53 (exact as JSON numbers) for 2**52 ids after it
+
+
+def random_first_id(rng: random.Random) -> int:
+    """A first id for a server process's table: random in [1, 2**52). A stale session id of
+    another process falls among this one's first n ids with odds n / 2**52 (below one in a
+    billion while n stays under four million)."""
+    return 1 + rng.randrange(_MAX_FIRST_ID - 1)
 
 
 class ReferenceTable(
@@ -147,6 +156,10 @@ class ReferenceTable(
             the source for a reader: the scheduling policy, injected because the core sits below
             the scheduling layer (the server, the simulator and the tests pass
             :class:`tensorhub.scheduling.selection.SourceIndex`).
+        first_id: the first session, holder and grant id this table gives. A server process
+            starts it at random (:func:`random_first_id`), so that a stale client of an earlier
+            process, naming its old session id in a heartbeat, finds it unknown (and re-opens)
+            instead of adopting another client's session; the simulator and tests start at 1.
     """
 
     def __init__(
@@ -158,7 +171,10 @@ class ReferenceTable(
         *,
         sources: Callable[[], SourcePolicy],
         reign: Reign | None = None,
+        first_id: int = 1,
     ) -> None:
+        if type(first_id) is not int or not 1 <= first_id < _MAX_FIRST_ID:
+            raise ValueError(f"first_id must be an int in [1, 2**52), got {first_id!r}")
         self.clock = clock
         self.sources = sources
         self.rng = rng
@@ -178,7 +194,7 @@ class ReferenceTable(
         self.grace_until = clock() + self.config.heartbeat_timeout
         #: (model, version) -> its ended grants, oldest first (see :meth:`replication_dag`)
         self.history: OrderedDict[tuple[str, int], list[dict[str, Any]]] = OrderedDict()
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(first_id)
         self._timers: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self._out: Outbox = []
