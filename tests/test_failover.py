@@ -371,3 +371,22 @@ def test_a_server_restarted_at_once_at_its_address_is_moved_to_not_taken_as_remo
         first.stop()
         if second is not None:
             second.stop()
+
+
+def test_a_primary_and_its_backup_stop_at_once_on_sigterm():
+    """A primary holds a socket to its backup for the lease: stopping closes it too, so the
+    process exits on SIGTERM at once (it used to wait forever in the ZeroMQ context's term)."""
+    import signal
+
+    backup = ServerProcess(*FAST, "--role", "backup")
+    primary = ServerProcess(*FAST, "--role", "primary", "--peer", backup.address, "--bind", f"tcp://127.0.0.1:{_free_port()}")
+    try:
+        time.sleep(0.5)  # a few lease requests on the way
+        for s in (primary, backup):
+            s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(5) == 0
+    finally:
+        for s in (primary, backup):
+            if s.proc.poll() is None:
+                s.proc.kill()
+            s.stop()

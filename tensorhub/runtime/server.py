@@ -349,6 +349,9 @@ class ServerActor(Actor):
                     pass
                 self._monitor.close(0)
             self.sock.close(0)
+        if self._peer_sock is not None:  # a primary's socket to its backup (else term() waits for it forever)
+            self._peer_sock.close(0)
+            self._peer_sock = None
         await self._stop_auth()
         if self._own_ctx:
             self.ctx.term()
