@@ -104,7 +104,12 @@ def test_invalid_names(validate, name):
     assert isinstance(info.value, UsageError) and isinstance(info.value, ValueError)
 
 
-@pytest.mark.parametrize("name", NON_STR, ids=repr)
+def _stable_id(value: object) -> str:
+    """A test id that is the same in every process (pytest-xdist workers must agree)."""
+    return "object()" if type(value) is object else repr(value)
+
+
+@pytest.mark.parametrize("name", NON_STR, ids=_stable_id)
 @pytest.mark.parametrize("validate", [validate_model, validate_replica])
 def test_names_must_be_str(validate, name):
     with pytest.raises(InvalidName, match="str"):
