@@ -64,7 +64,7 @@ def test_example_runs(name: str) -> None:
 def test_rl_loop_prints_reward_and_pause_per_step_and_draws_them(tmp_path: Path, seed: int) -> None:
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
     png = tmp_path / "rl.png"
-    steps = 4
+    steps = 6
     args = [
         "--steps",
         str(steps),
