@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import torch
 
-from tensorhub.runtime import checksum
+from tensorhub.runtime import checksum, wordmix
 from tensorhub.transports.buffers import ShardBuffers, layout_of
 from tensorhub.transports.tcp import TcpTransport
 
@@ -33,10 +33,12 @@ def tensors(device: str, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in cpu.items()}
 
 
-def test_checksums_are_the_same_on_cpu_and_gpu(seed: int) -> None:
-    cpu = ShardBuffers(tensors("cpu", seed), layout_of(tensors("cpu", seed)))
+@pytest.mark.parametrize("algorithm", ["xxh3-64", "wordmix-64"])
+def test_checksums_are_the_same_on_cpu_and_gpu(algorithm: str, seed: int) -> None:
+    cpu_t = tensors("cpu", seed)
+    cpu = ShardBuffers(cpu_t, layout_of(cpu_t, checksum=algorithm))
     gpu_t = tensors("cuda", seed)
-    gpu = ShardBuffers(gpu_t, layout_of(gpu_t))
+    gpu = ShardBuffers(gpu_t, layout_of(gpu_t, checksum=algorithm))
     assert gpu.on_cuda and gpu.layout == cpu.layout
     cpu.pack()
     gpu.pack()
@@ -44,7 +46,24 @@ def test_checksums_are_the_same_on_cpu_and_gpu(seed: int) -> None:
     expected = checksum.compute(cpu)
     assert checksum.first_mismatch(gpu, range(len(expected)), expected) is None
     gpu_t["w"].view(-1)[12345] += 1
-    assert checksum.first_mismatch(gpu, range(len(expected)), expected) is not None
+    w_first = next(u.index for u in gpu.plan.units if gpu.layout.tensors[u.tensor].name == "w")
+    assert checksum.first_mismatch(gpu, range(len(expected)), expected) == w_first
+
+
+def test_gpu_shards_default_to_the_gpu_checksum_computed_by_the_kernel(seed: int) -> None:
+    gpu_t = tensors("cuda", seed)
+    assert layout_of(gpu_t).checksum == "wordmix-64" and layout_of(tensors("cpu", seed)).checksum == "xxh3-64"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("no Triton: the GPU checksum runs as torch ops")
+    assert wordmix.backend(torch.device("cuda", torch.cuda.current_device())) == "triton"
+    # Misaligned, odd-sized, multi-piece ranges: the kernel equals the definition.
+    raw = torch.randint(0, 256, (3 * wordmix.PIECE_BYTES + 77,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    cut = [(0, 0), (1, 9), (5, 2 * wordmix.PIECE_BYTES + 3), (8, wordmix.PIECE_BYTES), (16, 3 * wordmix.PIECE_BYTES + 61)]
+    gpu = raw.cuda()
+    assert wordmix.sums_triton([gpu[a : a + n] for a, n in cut]) == [wordmix.reference(bytes(raw[a : a + n].tolist())) if n < 4096
+                                                                    else wordmix.sums_torch([raw[a : a + n]])[0] for a, n in cut]  # fmt: skip
 
 
 def test_tcp_moves_gpu_packs_and_tensors_byte_exact(seed: int) -> None:

@@ -55,7 +55,9 @@ __all__ = ["WORDS", "WORD_BYTES", "ProgressCounter", "Segment", "ShardBuffers", 
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_PACK_THRESHOLD = 2 << 20
-CHECKSUM_ALGORITHM = "xxh3-64"
+CHECKSUM_ALGORITHM = "xxh3-64"  #: the default of a shard in CPU memory
+CUDA_CHECKSUM_ALGORITHM = "wordmix-64"  #: the default of a shard with tensors in GPU memory
+CHECKSUM_ALGORITHMS = (CHECKSUM_ALGORITHM, CUDA_CHECKSUM_ALGORITHM)
 
 
 WORD_BYTES = 32  #: one counter's words: tag, generation, version + 1, verified (int64 each)
@@ -269,15 +271,21 @@ def layout_of(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+    checksum: str | None = None,
     ctx: dict | None = None,
 ) -> Layout:
-    """The layout of named tensors, in the dict's order.
+    """The layout of named tensors, in the dict's order. ``checksum`` names the checksum
+    algorithm; by default ``wordmix-64`` if a tensor is in GPU memory (a GPU hashes it at memory
+    speed), else ``xxh3-64``.
 
     Raises:
-        InvalidArgument: not a dict of contiguous tensors of a supported dtype.
+        InvalidArgument: not a dict of contiguous tensors of a supported dtype, or an unknown
+            checksum algorithm.
         InvalidName: a name that is not a non-empty string.
     """
     ctx = ctx or {}
+    if checksum is not None and checksum not in CHECKSUM_ALGORITHMS:
+        raise InvalidArgument(f"unknown checksum algorithm {checksum!r} (known: {', '.join(CHECKSUM_ALGORITHMS)})", **ctx)
     if not isinstance(tensors, dict) or not tensors:
         raise InvalidArgument(f"register takes a non-empty dict of name -> torch.Tensor, got {type(tensors).__name__}", **ctx)
     specs = []
@@ -294,7 +302,10 @@ def layout_of(
         if dtype not in DTYPE_SIZES:
             raise InvalidArgument(f"tensor {name!r} has dtype {dtype}, which layouts cannot name", **ctx)
         specs.append(TensorSpec(name, dtype, tuple(int(d) for d in t.shape), t.numel() * t.element_size()))
-    return Layout(tuple(specs), CHECKSUM_ALGORITHM, chunk_bytes, pack_threshold)
+    if checksum is None:
+        on_gpu = any(t.device.type == "cuda" for t in tensors.values())
+        checksum = CUDA_CHECKSUM_ALGORITHM if on_gpu else CHECKSUM_ALGORITHM
+    return Layout(tuple(specs), checksum, chunk_bytes, pack_threshold)
 
 
 class ShardBuffers:
@@ -471,7 +482,8 @@ class ShardBuffers:
         r = self.plan.regions[region]
         return f"tensor {self.layout.tensors[r.tensor].name!r}" if r.tensor is not None else f"pack {region}"
 
-    def _flat(self, region: int) -> torch.Tensor:
+    def flat(self, region: int) -> torch.Tensor:
+        """Region ``region``'s buffer as a flat uint8 tensor (no copy; not for an in-place pack)."""
         t = self.regions[region]
         assert t is not None, "an in-place pack has no buffer"
         return t.reshape(-1).view(torch.uint8)
@@ -487,7 +499,7 @@ class ShardBuffers:
                     pos += len(v)
                 continue
             staged = torch.frombuffer(dest[pos : pos + seg.length], dtype=torch.uint8)
-            staged.copy_(self._flat(seg.index)[seg.start : seg.start + seg.length])
+            staged.copy_(self.flat(seg.index)[seg.start : seg.start + seg.length])
             pos += seg.length
 
     def copy_in(self, offset: int, src: memoryview) -> None:
@@ -500,8 +512,11 @@ class ShardBuffers:
                     v[:] = src[pos : pos + len(v)]
                     pos += len(v)
                 continue
-            flat = self._flat(seg.index)[seg.start : seg.start + seg.length]
-            flat.copy_(torch.frombuffer(src[pos : pos + seg.length], dtype=torch.uint8))
+            flat = self.flat(seg.index)[seg.start : seg.start + seg.length]
+            piece = src[pos : pos + seg.length]
+            if piece.readonly:  # torch warns of (and would allow writes to) a read-only buffer
+                piece = memoryview(bytearray(piece))
+            flat.copy_(torch.frombuffer(piece, dtype=torch.uint8))
             pos += seg.length
         if self.on_cuda:
             torch.cuda.synchronize()
@@ -517,7 +532,7 @@ class ShardBuffers:
         for k, r in enumerate(self.plan.regions):
             if r.tensor is not None or self.regions[k] is None:  # a large tensor, or in place
                 continue
-            pack = self._flat(k)
+            pack = self.flat(k)
             pv = self._views[k]
             for i, off in r.members:
                 t = self.tensors[i]

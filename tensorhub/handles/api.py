@@ -707,9 +707,18 @@ class AsyncShardHandle:
     # ---- the API -------------------------------------------------------------------------------
 
     async def register(
-        self, tensors: dict[str, torch.Tensor], placements: dict[str, TensorPlacement | PlacedTensor] | None = None
+        self,
+        tensors: dict[str, torch.Tensor],
+        placements: dict[str, TensorPlacement | PlacedTensor] | None = None,
+        *,
+        checksum: str | None = None,
     ) -> None:
         """Register this shard's tensors (used in place: replicate writes into them).
+
+        ``checksum``: the algorithm of the shard's checksums, the same for every replica of the
+        model (a registration that differs gets ``LayoutMismatch``). None: ``wordmix-64`` if the
+        tensors are in GPU memory (hashed by the GPU at memory speed), else ``xxh3-64``; a CPU
+        replica of a GPU-trained model names the GPU's (``checksum="wordmix-64"``).
 
         DTensors (torch.distributed) are registered as their local tensors (in place), with the
         placements they carry: no ``placements`` needed.
@@ -728,7 +737,7 @@ class AsyncShardHandle:
             if self.buffers is not None:
                 raise AlreadyRegistered("tensors are already registered: unregister() first", **self.ctx)
             tensors, placements = _from_dtensors(tensors, placements, self.ctx)
-            layout = layout_of(tensors, pack_threshold=_pack_threshold(), ctx=self.ctx)
+            layout = layout_of(tensors, pack_threshold=_pack_threshold(), checksum=checksum, ctx=self.ctx)
             placed = None if placements is None else _placed(layout, placements, self.shard_idx, self.ctx)
             if placed is None and self.convert_from is not None:
                 raise InvalidPlacement(f"a shard converted from {self.convert_from!r} must register placements=", **self.ctx)
@@ -956,7 +965,7 @@ class AsyncShardHandle:
             await shadow._open()
             try:
                 placements = None if self.placements is None else {p.name: p for p in self.placements}
-                await shadow.register({k: tensors[k] for k in active}, placements)
+                await shadow.register({k: tensors[k] for k in active}, placements, checksum=self.buffers.layout.checksum)
             except BaseException:
                 await shadow.close()
                 raise
@@ -1137,7 +1146,7 @@ class AsyncShardHandle:
             t0 = asyncio.get_running_loop().time()
             try:
                 await seed._open()
-                await seed.register(tensors)
+                await seed.register(tensors, checksum=layout.checksum)
                 await seed.replicate(version)
             except TensorHubError as err:
                 self.log.warning("offload seeding failed; a later update() seeds again", version=version, error=str(err))
@@ -1424,8 +1433,10 @@ class ShardHandle:
     def _run(self, coro: Any) -> Any:
         return self._loop.run(coro)
 
-    def register(self, tensors: dict[str, torch.Tensor], placements: dict[str, Any] | None = None) -> None:
-        return self._run(self._h.register(tensors, placements))
+    def register(
+        self, tensors: dict[str, torch.Tensor], placements: dict[str, Any] | None = None, *, checksum: str | None = None
+    ) -> None:
+        return self._run(self._h.register(tensors, placements, checksum=checksum))
 
     def unregister(self) -> None:
         return self._run(self._h.unregister())

@@ -2,16 +2,21 @@
 
 Theory of operation
 -------------------
-A layout names its checksum algorithm; the only one today is ``xxh3-64`` (XXH3, 64-bit, seed
-0), about 20 GB/s on one core, which is what lets a reader verify every byte it receives while
-the next bytes are still on the wire. One 64-bit value per checksum unit (a whole tiny tensor,
-or one ``chunk_bytes`` piece of a large one: :class:`~tensorhub.core.layout.Unit`), in the layout's
-order.
+A layout names its checksum algorithm, one 64-bit value per checksum unit (a whole tiny
+tensor, or one ``chunk_bytes`` piece of a large one: :class:`~tensorhub.core.layout.Unit`), in
+the layout's order. Two are known, and the value depends only on the bytes, wherever they live:
 
-The value depends only on the bytes: CPU memory is hashed in place (no copy; the hash releases
-the GIL, so a worker thread hashes while the event loop and the transports' threads go on).
-CUDA memory is staged through a pinned buffer in pieces and hashed by the same code, so a unit
-has the same checksum on CPU and GPU by construction.
+- ``xxh3-64`` (XXH3, 64-bit, seed 0), the default of CPU shards: about 20 GB/s on one core,
+  which is what lets a reader verify every byte it receives while the next bytes are still on
+  the wire. CPU memory is hashed in place (no copy; the hash releases the GIL, so a worker
+  thread hashes while the event loop and the transports' threads go on), also as it lands
+  (:class:`LandingHasher`). CUDA memory is staged through a pinned buffer in pieces and hashed
+  by the same code: correct, but a device-to-host copy of every byte.
+- ``wordmix-64`` (:mod:`tensorhub.runtime.wordmix`), the default of CUDA shards: a sum of mixed
+  64-bit words that a GPU computes in one kernel over every unit of a call, at memory speed,
+  with nothing but the partial sums leaving the device. CPU memory is hashed with torch's
+  integer ops (a few GB/s: right for a CPU reader or an offload copy of a GPU model, not for a
+  CPU job, which keeps ``xxh3-64``).
 
 Bad input gets a typed error: an unknown algorithm is :class:`~tensorhub.errors.InvalidArgument`,
 a wrong number of expected values too.
@@ -30,9 +35,11 @@ from tensorhub.core.errors import InvalidArgument
 from tensorhub.core.layout import Unit
 from tensorhub.transports.buffers import ShardBuffers, memory_of
 
-__all__ = ["ALGORITHMS", "LandingHasher", "compute", "digest", "first_mismatch"]
+from . import wordmix
 
-ALGORITHMS = ("xxh3-64",)
+__all__ = ["ALGORITHMS", "LandingHasher", "compute", "digest", "first_mismatch", "lands"]
+
+ALGORITHMS = ("xxh3-64", wordmix.NAME)
 _STAGE = 8 << 20  # CUDA units are hashed through pinned staging in pieces of this size
 
 
@@ -75,13 +82,31 @@ def _unit_checksum(buffers: ShardBuffers, u: Unit) -> int:
     return h.intdigest()
 
 
+def _unit_bytes(buffers: ShardBuffers, u: Unit) -> torch.Tensor:
+    """A flat uint8 tensor of unit ``u``'s bytes, where they are (no copy)."""
+    if u.length == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    region = buffers.plan.regions[u.region]
+    if buffers.regions[u.region] is not None:
+        start = u.offset - region.offset
+        return buffers.flat(u.region)[start : start + u.length]
+    (view,) = buffers.views(u.offset, u.length)  # a tiny tensor of an in-place pack: CPU memory
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _checksums(buffers: ShardBuffers, units: Sequence[Unit]) -> list[int]:
+    if buffers.layout.checksum == wordmix.NAME:
+        return wordmix.sums([_unit_bytes(buffers, u) for u in units])
+    return [_unit_checksum(buffers, u) for u in units]
+
+
 def compute(buffers: ShardBuffers, units: Iterable[int] | None = None) -> list[int]:
     """The checksums of ``units`` (indices into the plan's units; all of them by default), in
     that order. Blocking: run it in a worker thread."""
     _check_algorithm(buffers)
     all_units = buffers.plan.units
     picked = all_units if units is None else [all_units[i] for i in units]
-    return [_unit_checksum(buffers, u) for u in picked]
+    return _checksums(buffers, picked)
 
 
 def first_mismatch(buffers: ShardBuffers, units: Iterable[int], expected: Sequence[int]) -> int | None:
@@ -95,10 +120,20 @@ def first_mismatch(buffers: ShardBuffers, units: Iterable[int], expected: Sequen
     all_units = buffers.plan.units
     if len(expected) != len(all_units):
         raise InvalidArgument(f"{len(expected)} checksums for a layout of {len(all_units)} checksum units")
-    for i in units:
+    picked = list(units)
+    if buffers.layout.checksum == wordmix.NAME:  # all at once: one kernel on a GPU
+        got = _checksums(buffers, [all_units[i] for i in picked])
+        return next((i for i, v in zip(picked, got) if v != expected[i]), None)
+    for i in picked:
         if _unit_checksum(buffers, all_units[i]) != expected[i]:
             return i
     return None
+
+
+def lands(buffers: ShardBuffers) -> bool:
+    """Whether reads into ``buffers`` can be hashed as they land (:class:`LandingHasher`): CPU
+    memory under ``xxh3-64``, whose stream state follows a unit piece by piece."""
+    return not buffers.on_cuda and buffers.layout.checksum == "xxh3-64"
 
 
 class LandingHasher:
@@ -122,8 +157,9 @@ class LandingHasher:
     __slots__ = ("_buffers", "_busy", "_count", "_ends", "_lock", "_next", "_pending", "_states", "_starts", "_units", "digests")
 
     def __init__(self, buffers: ShardBuffers, units: Sequence[Unit]) -> None:
-        if buffers.on_cuda:
-            raise InvalidArgument("landing hashes need CPU buffers; CUDA units are verified after the read")
+        if not lands(buffers):
+            what = "CUDA memory" if buffers.on_cuda else f"{buffers.layout.checksum!r} units"
+            raise InvalidArgument(f"landing hashes need CPU buffers under xxh3-64; {what} are verified after the read")
         _check_algorithm(buffers)
         self._buffers = buffers
         self._lock = threading.Lock()

@@ -889,7 +889,7 @@ class EngineActor(Actor):
         transport, peer, region = slot.peer
         generation = slot.peer_generation
         hasher, kw = None, {}
-        if getattr(transport, "reports_landing", False) and not slot.buffers.on_cuda and a.offset in slot.reads:
+        if getattr(transport, "reports_landing", False) and checksum.lands(slot.buffers) and a.offset in slot.reads:
             units = slot.buffers.plan.units
             hasher = checksum.LandingHasher(slot.buffers, [units[u] for u in slot.reads[a.offset].units])
             kw["landed"] = hasher.landed

@@ -255,7 +255,10 @@ def _layout_diff(known: Layout, got: Layout) -> str:
     for a, b in zip(known.tensors, got.tensors):
         if a != b:
             return f"tensor {b.name!r} ({b.dtype}{list(b.shape)}) differs from {a.name!r} ({a.dtype}{list(a.shape)})"
-    return "layout parameters (checksum, chunk size, pack threshold) differ from other holders of this shard"
+    if known.checksum != got.checksum:
+        return (f"checksum algorithm {got.checksum!r} differs from other holders' {known.checksum!r} "
+                f"(register(..., checksum={known.checksum!r}) to join them)")  # fmt: skip
+    return "layout parameters (chunk size, pack threshold) differ from other holders of this shard"
 
 
 def _placement_diff(known: tuple | None, got: tuple | None) -> str:
