@@ -51,13 +51,16 @@ import torch
 from tensorhub.core.errors import InvalidArgument, InvalidName
 from tensorhub.core.layout import DTYPE_SIZES, Layout, TensorSpec, plan_of
 
-__all__ = ["WORDS", "WORD_BYTES", "ProgressCounter", "Segment", "ShardBuffers", "WordsArena", "layout_of", "memory_of", "read_words"]
+__all__ = ["WORDS", "WORD_BYTES", "ProgressCounter", "Segment", "ShardBuffers", "Staging", "WordsArena", "layout_of", "memory_of", "read_words"]
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_PACK_THRESHOLD = 2 << 20
 CHECKSUM_ALGORITHM = "xxh3-64"  #: the default of a shard in CPU memory
 CUDA_CHECKSUM_ALGORITHM = "wordmix-64"  #: the default of a shard with tensors in GPU memory
 CHECKSUM_ALGORITHMS = (CHECKSUM_ALGORITHM, CUDA_CHECKSUM_ALGORITHM)
+#: The least read a pull into GPU memory plans: a GPU copies and hashes 256 MiB in a fraction of
+#: a millisecond, less than what one read costs the engine (a task, a thread, a verification).
+CUDA_READ_BYTES = 256 << 20
 
 
 WORD_BYTES = 32  #: one counter's words: tag, generation, version + 1, verified (int64 each)
@@ -390,6 +393,12 @@ class ShardBuffers:
                 addresses.append(t.data_ptr())
         return _Parts(starts, views, addresses)
 
+    def read_bytes(self, chunk_bytes: int) -> int:
+        """The size of the reads a pull into these buffers plans with: ``chunk_bytes`` (the
+        engine's), at least one checksum unit, and at least :data:`CUDA_READ_BYTES` in GPU memory."""
+        least = CUDA_READ_BYTES if self.on_cuda else 0
+        return max(chunk_bytes, self.layout.chunk_bytes, least)
+
     @property
     def packed(self) -> bool:
         """Whether tiny tensors go through copied pack buffers (:meth:`pack` before serving,
@@ -521,6 +530,43 @@ class ShardBuffers:
         if self.on_cuda:
             torch.cuda.synchronize()
 
+    def copy_in_async(self, offset: int, src: torch.Tensor, stream: Any) -> None:
+        """Enqueue the copy of pinned CPU bytes ``src`` (a flat uint8 tensor) into transfer bytes
+        from ``offset`` on CUDA ``stream``; CPU segments are copied at once. The caller keeps
+        ``src`` unchanged until the stream has done it (:class:`Staging`)."""
+        pos = 0
+        for seg in self.segments(offset, src.numel()):
+            views: list[memoryview] = []
+            if self._cpu_views(seg, views):
+                piece = memory_of(src[pos : pos + seg.length])
+                for v in views:
+                    v[:] = piece[: len(v)]
+                    piece = piece[len(v) :]
+                pos += seg.length
+                continue
+            flat = self.flat(seg.index)
+            with torch.cuda.stream(stream):  # another GPU's memory than the stream's: a copy that waits
+                flat[seg.start : seg.start + seg.length].copy_(src[pos : pos + seg.length], non_blocking=flat.device == stream.device)
+            pos += seg.length
+
+    def copy_out_async(self, offset: int, dest: torch.Tensor, stream: Any) -> None:
+        """Enqueue the copy of transfer bytes from ``offset`` into pinned CPU ``dest`` (a flat
+        uint8 tensor) on CUDA ``stream``; CPU segments are copied at once."""
+        pos = 0
+        for seg in self.segments(offset, dest.numel()):
+            views: list[memoryview] = []
+            if self._cpu_views(seg, views):
+                piece = memory_of(dest[pos : pos + seg.length])
+                for v in views:
+                    piece[: len(v)] = v
+                    piece = piece[len(v) :]
+                pos += seg.length
+                continue
+            flat = self.flat(seg.index)
+            with torch.cuda.stream(stream):  # another GPU's memory than the stream's: a copy that waits
+                dest[pos : pos + seg.length].copy_(flat[seg.start : seg.start + seg.length], non_blocking=flat.device == stream.device)
+            pos += seg.length
+
     def _members(self) -> dict[int, tuple[Any, Any]]:
         """For every packed tensor with bytes, by layout index: ``(its bytes, its slice of the
         pack)``, as memoryviews when both are in CPU memory (a plain memcpy, no torch dispatch
@@ -594,3 +640,67 @@ class ShardBuffers:
         if self.on_cuda:
             torch.cuda.synchronize()
         return ShardBuffers({}, self.layout, regions=copies)
+
+
+class Staging(threading.local):
+    """GPU memory through pinned CPU buffers, with the copies overlapped with the socket.
+
+    Per thread: two pinned buffers of ``piece`` bytes, a CUDA stream of the buffers' (first) GPU
+    and an event per buffer (memory of another GPU, in a shard that spans two, is copied by
+    copies that wait).
+    :meth:`into` fills one buffer (``fill``: a socket's ``recv_into``) while the other one's
+    host-to-device copy runs; :meth:`out_of` sends one (``drain``) while the device-to-host
+    copy of the next piece runs. A buffer is reused only after its last copy finished, and both
+    return only once every copy they enqueued has finished, so the bytes are in place (or sent)
+    when they return and no copy outlives the call.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor] = []
+        self._events: list[Any] = []
+        self._stream: Any = None
+
+    def _ready(self, buffers: ShardBuffers, piece: int) -> None:
+        if not self._bufs or self._bufs[0].numel() < piece:
+            self._bufs = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        device = next(t.device for t in buffers.regions if t is not None and t.device.type == "cuda")
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def into(self, buffers: ShardBuffers, offset: int, length: int, piece: int, fill: Any) -> None:
+        """Transfer bytes ``[offset, offset + length)`` of ``buffers`` from ``fill(view)`` calls
+        (each fills a memoryview of the next piece, in order)."""
+        self._ready(buffers, piece)
+        pos, k = 0, 0
+        try:
+            while pos < length:
+                n = min(piece, length - pos)
+                buf, done = self._bufs[k % 2], self._events[k % 2]
+                done.synchronize()  # its previous host-to-device copy has read it
+                fill(memory_of(buf)[:n])
+                buffers.copy_in_async(offset + pos, buf[:n], self._stream)
+                done.record(self._stream)
+                pos, k = pos + n, k + 1
+        finally:
+            self._stream.synchronize()
+
+    def out_of(self, buffers: ShardBuffers, offset: int, length: int, piece: int, drain: Any) -> None:
+        """Transfer bytes ``[offset, offset + length)`` of ``buffers`` to ``drain(view)`` calls,
+        piece by piece in order."""
+        self._ready(buffers, piece)
+        cuts = [(pos, min(piece, length - pos)) for pos in range(0, length, piece)]
+        try:
+            if cuts:
+                buffers.copy_out_async(offset, self._bufs[0][: cuts[0][1]], self._stream)
+                self._events[0].record(self._stream)
+            for k, (pos, n) in enumerate(cuts):
+                if k + 1 < len(cuts):  # the next piece comes down while this one is sent
+                    npos, nn = cuts[k + 1]
+                    nxt = (k + 1) % 2
+                    buffers.copy_out_async(offset + npos, self._bufs[nxt][:nn], self._stream)
+                    self._events[nxt].record(self._stream)
+                self._events[k % 2].synchronize()
+                drain(memory_of(self._bufs[k % 2])[:n])
+        finally:
+            self._stream.synchronize()

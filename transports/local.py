@@ -84,9 +84,14 @@ read reused GPU memory. (As with ``torch.multiprocessing``, a reader that dies w
 go leaves the block held until the holder exits.) A reader in the holder's own process (the
 conformance suite) cannot open its own IPC handles: it asks for none and uses the holder's
 tensors themselves. GPUs are matched by UUID, so ``CUDA_VISIBLE_DEVICES`` may differ between the
-two processes. CUDA copies are torch ``copy_`` calls followed by a synchronize of the devices
-involved; CPU memory into CUDA memory is staged through a CPU buffer. **The CUDA path has not
-been run on a GPU yet** (it was written on a host without one); the tests exercise the CPU path.
+two processes. A range from GPU memory into GPU memory is copied whole on the reading thread:
+one ``copy_`` per region segment on a side stream of that thread, then a wait for that stream
+alone (a GPU moves a 256 MiB read in a fraction of a millisecond, less than handing parts to
+workers would cost; and the engine's own kernels on the default stream are not waited for).
+Other CUDA copies (a GPU source into an in-place pack, CPU memory into GPU memory, staged
+through a CPU buffer) go piece by piece, each followed by a synchronize of the devices
+involved. The CPU tests exercise the CPU path; ``benchmarks/gpu_report.py`` runs the GPU path on
+a CUDA host (``benchmarks/results/GPU.md``).
 """
 
 from __future__ import annotations
@@ -832,6 +837,12 @@ class LocalTransport(Transport):
         in flight, so they stay busy across the gaps between one read and the next (a read's
         completion goes through the event loop before the next is issued) without running more
         copies at once than there are workers."""
+        if into.on_cuda and _gpu_to_gpu(desc, into, offset, length):
+            # A GPU copies the whole range faster than a thread can hand over a part: one copy_
+            # per region segment on this thread's stream, then one wait for that stream.
+            self._check_open(where)
+            _copy_gpu(desc, into, offset, length)
+            return
         if self._helpers is None or length <= _PART_BYTES:
             self._copy_part(desc, into, offset, length, where, None, landed)
             return
@@ -900,6 +911,49 @@ class LocalTransport(Transport):
             _vm_read(desc.pid, local, remote)
         except _VmError as err:
             raise TransportError(f"read of {where}: {_vm_why(err, desc.pid)}") from None
+
+
+def _gpu_to_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int) -> bool:
+    """Whether every byte of the range goes from the holder's GPU memory to this reader's."""
+    for seg in into.segments(offset, length):
+        dst = into.regions[seg.index]
+        if desc.regions[seg.index].cuda is None or dst is None or dst.device.type != "cuda":
+            return False
+    return True
+
+
+_copy_streams = threading.local()  # per thread: device index -> the side stream its copies run on
+
+
+def _stream_for(device: torch.device) -> torch.cuda.Stream:
+    streams = getattr(_copy_streams, "by_device", None)
+    if streams is None:
+        streams = _copy_streams.by_device = {}
+    s = streams.get(device.index)
+    if s is None:
+        s = streams[device.index] = torch.cuda.Stream(device)
+    return s
+
+
+def _copy_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int) -> None:
+    """GPU memory to GPU memory: the range's segments copied on a side stream of this thread
+    (the engine's own kernels on the default stream neither wait for it nor delay it), waited
+    for before returning, so the bytes are in place when the read reports them landed."""
+    used: dict[int, torch.cuda.Stream] = {}
+    for seg in into.segments(offset, length):
+        src = desc.regions[seg.index].cuda
+        dst = into.regions[seg.index]
+        assert src is not None and dst is not None
+        stream = used.get(dst.device.index)
+        if stream is None:
+            stream = used[dst.device.index] = _stream_for(dst.device)
+            stream.wait_stream(torch.cuda.current_stream(dst.device))  # earlier work on the buffers comes first
+        with torch.cuda.stream(stream):
+            dst.reshape(-1).view(torch.uint8)[seg.start : seg.start + seg.length].copy_(
+                src[seg.start : seg.start + seg.length], non_blocking=True
+            )
+    for stream in used.values():
+        stream.synchronize()
 
 
 def _describe_region(buf: ShardBuffers, k: int, share: bool) -> list[Any]:

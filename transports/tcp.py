@@ -4,8 +4,9 @@ Two-sided. The holder's engine runs a listener; each connection is served by one
 answers read requests straight from the registered memory (``sendall`` on views of the tensors:
 no copy on the holder for CPU memory). The reader keeps a small pool of connections per peer
 and runs several reads of one pull at once, one per connection, each receiving straight into
-the destination tensors (``recv_into``). CUDA memory goes through a pinned staging buffer per
-thread, in pieces of at most ``staging_bytes``.
+the destination tensors (``recv_into``). CUDA memory goes through two pinned staging buffers
+per thread, in pieces of at most ``staging_bytes``, the device copy of one piece overlapped with
+the socket moving the other (:class:`~tensorhub.transports.buffers.Staging`).
 
 Wire format of one read (all integers big-endian)::
 
@@ -72,6 +73,7 @@ Nothing on this wire is ever unpickled or executed; every field is range-checked
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import struct
 import threading
@@ -79,13 +81,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from tensorhub.core.errors import InvalidArgument, TransportError
 from tensorhub.core.log import get_logger
 
 from .base import UNREACHABLE_HINT, PeerUnreachable, Probe, RangeNotReady, ReadCall, Transport, Unauthorized
-from .buffers import ShardBuffers, memory_of
+from .buffers import ShardBuffers, Staging
 from .nic import choose_address
 
 __all__ = ["RangeNotReady", "TcpTransport"]
@@ -148,17 +148,6 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-class _Staging(threading.local):
-    """One pinned buffer per thread for CUDA tensors."""
-
-    tensor: torch.Tensor | None = None
-
-    def get(self, n: int) -> memoryview:
-        if self.tensor is None or self.tensor.numel() < n:
-            self.tensor = torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        return memory_of(self.tensor)[:n]
-
-
 class TcpTransport(Transport):
     """Raw-socket transport. Options: ``host`` (address to listen on; default: by
     :func:`~tensorhub.transports.nic.choose_address`), ``port`` (0: any), ``advertise`` (address
@@ -211,7 +200,7 @@ class TcpTransport(Transport):
         self._in_use: set[socket.socket] = set()  # reader connections with a read running
         self._reads: set[_Read] = set()  # reads registered and not finished (see abort_reads)
         self._executor = ThreadPoolExecutor(max_workers=max(8, 4 * self.streams), thread_name_prefix="tcp-read")
-        self._staging = _Staging()
+        self._staging = Staging()
         self._closed = False
 
     # ---- holder side ---------------------------------------------------------------------------
@@ -304,13 +293,7 @@ class TcpTransport(Transport):
             return
         conn.sendall(_RESP.pack(OK, gen, length))
         if buffers.on_cuda:
-            pos = 0
-            while pos < length:
-                n = min(self.staging_bytes, length - pos)
-                staged = self._staging.get(n)
-                buffers.copy_out(offset + pos, staged)
-                conn.sendall(staged)
-                pos += n
+            self._staging.out_of(buffers, offset, length, self.staging_bytes, conn.sendall)
         else:
             for view in buffers.views(offset, length):
                 conn.sendall(view)
@@ -548,13 +531,7 @@ class TcpTransport(Transport):
             if n != length:
                 raise ConnectionError(f"peer announced {n} bytes")
             if into.on_cuda:
-                pos = 0
-                while pos < length:
-                    k = min(self.staging_bytes, length - pos)
-                    staged = self._staging.get(k)
-                    _recv_into(sock, staged)
-                    into.copy_in(offset + pos, staged)
-                    pos += k
+                self._staging.into(into, offset, length, self.staging_bytes, functools.partial(_recv_into, sock))
             else:
                 for view in into.views(offset, length):
                     _recv_into(sock, view)

@@ -522,7 +522,7 @@ class EngineActor(Actor):
 
     def _new_pull(self, slot: _Slot, version: int) -> ReplicationSession:
         b = slot.buffers
-        plan = b.plan.reads(max(self.chunk_bytes, b.layout.chunk_bytes))
+        plan = b.plan.reads(b.read_bytes(self.chunk_bytes))
         slot.reads = {r.offset: r for r in plan if r.length}
         return ReplicationSession(
             version, b.total_bytes, self.chunk_bytes, self._streams(), reads=[(r.offset, r.length) for r in plan], verify=True
