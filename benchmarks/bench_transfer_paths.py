@@ -196,12 +196,12 @@ def pull_stats_dict(stats: Any) -> dict[str, Any] | None:
 # ---- any transport, by name ---------------------------------------------------------------------
 
 
-def start_transport(runner: asyncio.Runner, name: str, timeout: float) -> tuple[Any, float]:
-    """Transport ``name`` (the registry's class, default options), started on ``runner``'s
-    loop, and the seconds its ``start()`` took."""
+def start_transport(runner: asyncio.Runner, name: str, timeout: float, options: dict | None = None) -> tuple[Any, float]:
+    """Transport ``name`` (the registry's class, with ``options``, default: none), started on
+    ``runner``'s loop, and the seconds its ``start()`` took."""
     from tensorhub.transports.registry import get_transport
 
-    transport = get_transport(name)({})
+    transport = get_transport(name)(dict(options or {}))
     t0 = time.perf_counter()
     runner.run(asyncio.wait_for(transport.start(), timeout))
     return transport, time.perf_counter() - t0

@@ -66,12 +66,12 @@ from bench_transfer import (
     fill_seeded,
     median,
     model_spec,
-    read_bytes_of,
     spec_bytes,
     start_transport,
     transport_pull,
     uniform_spec,
 )
+from bench_transfer_shards import ENGINE_CHUNK
 from server_process import BenchmarkError, Child
 
 from tensorhub.runtime import checksum
@@ -106,7 +106,7 @@ def mismatches(buffers: ShardBuffers, expected: list[int]) -> int:
     return sum(1 for a, b in zip(got, expected, strict=True) if a != b)
 
 
-def holder_main(conn: Any, spec: Spec, seed: int, names: list[str], device: str, timeout: float) -> None:
+def holder_main(conn: Any, spec: Spec, seed: int, names: list[str], device: str, timeout: float, options: dict) -> None:
     """The holder: the shard on ``device``, packed, hashed, complete; served by every
     transport of ``names`` that starts (the others are reported) until told to quit."""
     try:
@@ -122,7 +122,7 @@ def holder_main(conn: Any, spec: Spec, seed: int, names: list[str], device: str,
             try:
                 for name in names:
                     try:
-                        t, _ = start_transport(runner, name, timeout)
+                        t, _ = start_transport(runner, name, timeout, options.get(name))
                     except Exception as err:  # noqa: BLE001 - reported per transport; the others go on
                         failed[name] = f"start() failed in the holder: {type(err).__name__}: {err}"
                         continue
@@ -148,7 +148,7 @@ def holder_main(conn: Any, spec: Spec, seed: int, names: list[str], device: str,
 
 
 def reader_main(conn: Any, spec: Spec, seed: int, names: list[str], endpoints: dict[str, Any], sums: list[int],
-                device: str, holder_device: str, warmup: int, repeats: int, timeout: float) -> None:  # fmt: skip
+                device: str, holder_device: str, warmup: int, repeats: int, timeout: float, options: dict) -> None:  # fmt: skip
     """The reader: each transport of ``names`` in turn, then the device-to-device copy."""
     try:
         on_device(device)
@@ -156,7 +156,7 @@ def reader_main(conn: Any, spec: Spec, seed: int, names: list[str], endpoints: d
         into = ShardBuffers(tensors, layout_of(tensors, pack_threshold=DEFAULT_PACK_THRESHOLD))
         if len(sums) != len(into.plan.units):
             raise BenchmarkError(f"the holder sent {len(sums)} checksums for {len(into.plan.units)} units")
-        reads = [(r.offset, r.length) for r in into.plan.reads(read_bytes_of(into.layout)) if r.length]
+        reads = [(r.offset, r.length) for r in into.plan.reads(into.read_bytes(ENGINE_CHUNK)) if r.length]
         devices = {torch.device(d) for d in (device, holder_device) if d != "cpu"}
 
         def sync() -> None:
@@ -171,10 +171,10 @@ def reader_main(conn: Any, spec: Spec, seed: int, names: list[str], endpoints: d
         out: dict[str, Any] = {}
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             for name in names:
-                out[name] = res = {"seconds": []}
+                out[name] = res = {"seconds": [], "verify_seconds": []}
                 t = None
                 try:
-                    t, res["start_s"] = start_transport(runner, name, timeout)
+                    t, res["start_s"] = start_transport(runner, name, timeout, options.get(name))
                     t0 = time.perf_counter()
                     t.expose(into)
                     res["expose_s"] = time.perf_counter() - t0
@@ -186,12 +186,20 @@ def reader_main(conn: Any, spec: Spec, seed: int, names: list[str], endpoints: d
                         runner.run(asyncio.wait_for(transport_pull(t, peer, REGION, into, reads, t.streams), timeout))
                         sync()
                         dt = time.perf_counter() - t0
-                        bad = mismatches(into, sums)
+                        t0 = time.perf_counter()
+                        bad = mismatches(into, sums)  # the layout's checksum (wordmix-64 on a GPU: the kernel)
+                        dv = time.perf_counter() - t0
                         if bad:
                             raise BenchmarkError(f"pull {rep + 1}: {bad} of {len(sums)} checksum units hold wrong bytes")
                         if rep >= warmup:
                             res["seconds"].append(dt)
+                            res["verify_seconds"].append(dv)
                     res["verified"] = True
+                    if name == "local" and device != "cpu":
+                        try:
+                            res.update(_local_diagnosis(runner, t, peer, into, sync, timeout))
+                        except Exception as err:  # noqa: BLE001 - a diagnosis, not a check
+                            res["diagnosis_error"] = f"{type(err).__name__}: {err}"
                 except Exception as err:  # noqa: BLE001 - reported per transport; the others go on
                     res["error"] = f"{type(err).__name__}: {err}"
                     res["traceback"] = traceback.format_exc()
@@ -221,15 +229,36 @@ def reader_main(conn: Any, spec: Spec, seed: int, names: list[str], endpoints: d
         conn.send(("error", traceback.format_exc()))
 
 
+def _local_diagnosis(runner: Any, t: Any, peer: Any, into: ShardBuffers, sync: Any, timeout: float) -> dict[str, float]:
+    """Where ``local``'s time goes on a GPU: the whole shard as one read, and the CUDA IPC copy
+    alone (the opened description's memory into the reader's, no transport around it)."""
+    from tensorhub.transports import local
+
+    total = into.total_bytes
+    one: list[float] = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        runner.run(asyncio.wait_for(transport_pull(t, peer, REGION, into, [(0, total)], 1), timeout))
+        sync()
+        one.append(time.perf_counter() - t0)
+    desc = next(iter(t._described.values()))  # the shard's description, opened by the reads above
+    raw: list[float] = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        local._copy_gpu(desc, into, 0, total)
+        raw.append(time.perf_counter() - t0)
+    return {"one_read_gbps": total / median(one) / 1e9, "ipc_copy_gbps": total / median(raw) / 1e9}
+
+
 def check_shard(label: str, spec: Spec, args: argparse.Namespace, holder_device: str, reader_device: str) -> dict[str, Any]:
     total = spec_bytes(spec)
     print(f"shard {label}: {len(spec)} tensors, {total / 2**20:,.1f} MiB; holder {holder_device}, reader {reader_device}", flush=True)
-    holder = Child("gpu holder", holder_main, (spec, args.seed, args.transports, holder_device, args.timeout), args.timeout)
+    holder = Child("gpu holder", holder_main, (spec, args.seed, args.transports, holder_device, args.timeout, args.options), args.timeout)
     try:
         _, endpoints, sums, holder_expose, failed, info = holder.expect("ready")
         names = [n for n in args.transports if n in endpoints]
         reader = Child("gpu reader", reader_main, (spec, args.seed, names, endpoints, sums, reader_device, holder_device,
-                                                   args.warmup, args.repeats, args.timeout), args.timeout)  # fmt: skip
+                                                   args.warmup, args.repeats, args.timeout, args.options), args.timeout)  # fmt: skip
         try:
             _, out, reads, reader_gpu = reader.expect("done", args.timeout * (2 + len(names)) * (args.warmup + args.repeats))
         finally:
@@ -244,6 +273,8 @@ def check_shard(label: str, spec: Spec, args: argparse.Namespace, holder_device:
         if res["seconds"]:
             res["gbps"] = sorted(total / s / 1e9 for s in res["seconds"])
             res["gbps_median"] = total / median(res["seconds"]) / 1e9
+        if res.get("verify_seconds"):
+            res["verify_gbps_median"] = total / median(res["verify_seconds"]) / 1e9
     return {"bytes": total, "tensors": len(spec), "reads_per_pull": reads, "holder": info,
             "reader": {"device": reader_device, "gpu": reader_gpu}, "paths": out}  # fmt: skip
 
@@ -269,8 +300,11 @@ def report(results: dict[str, Any], transports: list[str]) -> list[str]:
             ratio = p["gbps_median"] / base if base else float("nan")
             p["ratio_to_d2d"] = ratio
             expose = (f"{p['holder_expose_s'] * 1e3:.2f}/{p['expose_s'] * 1e3:.2f}" if "expose_s" in p else "-")
+            verify = f" (checksums {p['verify_gbps_median']:.0f} GB/s)" if "verify_gbps_median" in p else ""
+            if "ipc_copy_gbps" in p:
+                verify += f" (one read {p['one_read_gbps']:.0f} GB/s, the IPC copy alone {p['ipc_copy_gbps']:.0f} GB/s)"
             print(f"{label:<10} {title:<30} {p['gbps_median']:>11.2f} {p['gbps'][0]:>7.2f} {p['gbps'][-1]:>7.2f} "
-                  f"{ratio:>6.2f}x {expose:>23}  verified")  # fmt: skip
+                  f"{ratio:>6.2f}x {expose:>23}  verified{verify}")  # fmt: skip
         print(f"{'':<10} ({res['reads_per_pull']} reads per pull; holder {res['holder']['gpu']}, reader {res['reader']['gpu']})")
     return failures
 
@@ -287,8 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="bound on every wait, in seconds")
     ap.add_argument("--cpu", action="store_true", help="a dry run of this check on CPU memory (where no GPU is): "
                                                         "the same processes, pulls and checks; no GPU figures")  # fmt: skip
+    ap.add_argument("--options", default="{}", help='transport options as JSON, e.g. \'{"nixl": {"nic": ""}}\'')
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    try:
+        args.options = json.loads(args.options)
+        if not isinstance(args.options, dict) or not all(isinstance(v, dict) for v in args.options.values()):
+            raise ValueError("not an object of objects")
+    except ValueError as err:
+        ap.error(f"--options takes a JSON object {{transport: {{option: value}}}}: {err}")
     if args.size_mib < 1 or args.repeats < 1 or args.warmup < 0:
         ap.error("--size-mib and --repeats must be >= 1, --warmup >= 0")
     args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]

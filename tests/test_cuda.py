@@ -90,3 +90,45 @@ def test_tcp_moves_gpu_packs_and_tensors_byte_exact(seed: int) -> None:
     for k in src:
         assert torch.equal(dst[k].reshape(-1).view(torch.uint8), src[k].reshape(-1).view(torch.uint8)), k
     assert checksum.compute(into) == checksum.compute(held)
+
+
+def test_a_conversion_through_the_server_lands_on_the_gpu_byte_exact(seed: int) -> None:
+    """A converted model whose shard is in GPU memory converts on the GPU (reads staged there,
+    verified with wordmix-64, quantized by the GPU) and lands what the CPU reference makes."""
+    import threading
+
+    import tensorhub
+    from tensorhub.core.placement import ReplicaLayout
+    from tensorhub.reshard import convert_in_process, torch_dtype
+    from tensorhub.scheduling.decoders import DecoderShape, hf_placements, vllm_placements
+    from tensorhub.scheduling.mapping import preset
+    from tensorhub.scheduling.reshard import plan
+
+    from .procs import InprocServer
+    from .reshard_ref import random_full, same_bytes, shard_all
+
+    shape = DecoderShape.family("qwen3", layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=128, vocab=512)
+    src, dst = ReplicaLayout.spmd(hf_placements(shape, 2), 2), ReplicaLayout.spmd(vllm_placements(shape, 1, fp8=True), 1)
+    mapping = preset("qwen3", fp8=True)
+    shards = shard_all(src, random_full(src, torch.Generator().manual_seed(seed)))
+    want = convert_in_process(plan(src, dst, mapping), shards)[0]
+    srv = InprocServer()
+    trainer = [tensorhub.open("q", "t", num_shards=2, shard_idx=i, server=srv.address) for i in range(2)]
+    try:
+        for i, h in enumerate(trainer):
+            h.register({k: v.cuda() for k, v in shards[i].items()}, placements={pt.name: pt for pt in src.shards[i]})
+        threads = [threading.Thread(target=h.publish, args=(1,)) for h in trainer]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        with tensorhub.open("q-vllm", "r", convert_from="q", mapping=mapping, server=srv.address) as r:
+            dest = {pt.name: torch.full(pt.local_shape(), 7, dtype=torch_dtype(pt.placement.dtype), device="cuda") for pt in dst.shards[0]}
+            r.register(dest, placements={pt.name: pt for pt in dst.shards[0]})
+            assert r.replicate(1, timeout=60) == 1
+            assert r.last_conversion is not None and r.last_conversion.version == 1
+            assert all(same_bytes(dest[k].cpu(), want[k]) for k in want)
+    finally:
+        for h in trainer:
+            h.close()
+        srv.close()

@@ -307,9 +307,17 @@ def test_cuda_tensors_take_a_cpu_delta(seed):
     work = {k: v.cuda() for k, v in v0.items()}
     apply_delta(work, delta)
     assert all(same_bits(work[k].cpu(), v1[k]) for k in work)
-    on_gpu = compute_delta({k: v.cuda() for k, v in v0.items()}, {k: v.cuda() for k, v in v1.items()},
-                           base_version=0, version=1)  # fmt: skip
+    gpu0, gpu1 = {k: v.cuda() for k, v in v0.items()}, {k: v.cuda() for k, v in v1.items()}
+    on_gpu = compute_delta(gpu0, gpu1, base_version=0, version=1, layout=delta.layout)  # the CPU's layout: xxh3-64
     assert on_gpu.checksums == delta.checksums and on_gpu.base_checksums == delta.base_checksums
     work = clone(v0)
     apply_delta(work, on_gpu)
+    assert all(same_bits(work[k], v1[k]) for k in work)
+    # By default GPU tensors take the GPU's checksum (wordmix-64), the same values on the CPU.
+    native = compute_delta(gpu0, gpu1, base_version=0, version=1)
+    assert native.layout.checksum == "wordmix-64"
+    cpu_same = compute_delta(v0, v1, base_version=0, version=1, layout=native.layout)
+    assert native.checksums == cpu_same.checksums and native.base_checksums == cpu_same.base_checksums
+    work = clone(v0)
+    apply_delta(work, native)  # a GPU delta applied to CPU tensors: verified with wordmix-64 on the CPU
     assert all(same_bits(work[k], v1[k]) for k in work)

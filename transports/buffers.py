@@ -400,6 +400,11 @@ class ShardBuffers:
         return max(chunk_bytes, self.layout.chunk_bytes, least)
 
     @property
+    def cuda_device(self) -> torch.device:
+        """The GPU of the (first) region in GPU memory."""
+        return next(t.device for t in self.regions if t is not None and t.device.type == "cuda")
+
+    @property
     def packed(self) -> bool:
         """Whether tiny tensors go through copied pack buffers (:meth:`pack` before serving,
         :meth:`unpack` after a pull); False when there are none, or all packs are in place."""
@@ -491,6 +496,16 @@ class ShardBuffers:
         r = self.plan.regions[region]
         return f"tensor {self.layout.tensors[r.tensor].name!r}" if r.tensor is not None else f"pack {region}"
 
+    def region_bytes(self, seg: Segment) -> torch.Tensor:
+        """Segment ``seg``'s bytes in its region's buffer: a flat uint8 tensor (no copy; not for
+        an in-place pack)."""
+        return self.flat(seg.index)[seg.start : seg.start + seg.length]
+
+    def gpu_bytes(self, seg: Segment) -> torch.Tensor | None:
+        """Segment ``seg``'s bytes if they are in GPU memory (as :meth:`region_bytes`), else None."""
+        t = self.regions[seg.index]
+        return None if t is None or t.device.type != "cuda" else self.region_bytes(seg)
+
     def flat(self, region: int) -> torch.Tensor:
         """Region ``region``'s buffer as a flat uint8 tensor (no copy; not for an in-place pack)."""
         t = self.regions[region]
@@ -508,7 +523,7 @@ class ShardBuffers:
                     pos += len(v)
                 continue
             staged = torch.frombuffer(dest[pos : pos + seg.length], dtype=torch.uint8)
-            staged.copy_(self.flat(seg.index)[seg.start : seg.start + seg.length])
+            staged.copy_(self.region_bytes(seg))
             pos += seg.length
 
     def copy_in(self, offset: int, src: memoryview) -> None:
@@ -521,7 +536,7 @@ class ShardBuffers:
                     v[:] = src[pos : pos + len(v)]
                     pos += len(v)
                 continue
-            flat = self.flat(seg.index)[seg.start : seg.start + seg.length]
+            flat = self.region_bytes(seg)
             piece = src[pos : pos + seg.length]
             if piece.readonly:  # torch warns of (and would allow writes to) a read-only buffer
                 piece = memoryview(bytearray(piece))
@@ -544,9 +559,9 @@ class ShardBuffers:
                     piece = piece[len(v) :]
                 pos += seg.length
                 continue
-            flat = self.flat(seg.index)
+            dst = self.region_bytes(seg)
             with torch.cuda.stream(stream):  # another GPU's memory than the stream's: a copy that waits
-                flat[seg.start : seg.start + seg.length].copy_(src[pos : pos + seg.length], non_blocking=flat.device == stream.device)
+                dst.copy_(src[pos : pos + seg.length], non_blocking=dst.device == stream.device)
             pos += seg.length
 
     def copy_out_async(self, offset: int, dest: torch.Tensor, stream: Any) -> None:
@@ -562,9 +577,9 @@ class ShardBuffers:
                     piece = piece[len(v) :]
                 pos += seg.length
                 continue
-            flat = self.flat(seg.index)
+            src = self.region_bytes(seg)
             with torch.cuda.stream(stream):  # another GPU's memory than the stream's: a copy that waits
-                dest[pos : pos + seg.length].copy_(flat[seg.start : seg.start + seg.length], non_blocking=flat.device == stream.device)
+                dest[pos : pos + seg.length].copy_(src, non_blocking=src.device == stream.device)
             pos += seg.length
 
     def _members(self) -> dict[int, tuple[Any, Any]]:
@@ -663,7 +678,7 @@ class Staging(threading.local):
     def _ready(self, buffers: ShardBuffers, piece: int) -> None:
         if not self._bufs or self._bufs[0].numel() < piece:
             self._bufs = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        device = next(t.device for t in buffers.regions if t is not None and t.device.type == "cuda")
+        device = buffers.cuda_device
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device)
             self._events = [torch.cuda.Event(), torch.cuda.Event()]

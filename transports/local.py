@@ -886,15 +886,15 @@ class LocalTransport(Transport):
         synced: set[torch.device] = set()
         for seg in into.segments(offset, n):
             src = desc.regions[seg.index]
-            dst = into.regions[seg.index]  # None: a pack kept in place (CPU memory)
+            dst = into.gpu_bytes(seg)  # None: CPU memory (a pack kept in place too)
             if src.cuda is not None:  # GPU memory of the holder: torch copies it
                 piece = src.cuda[seg.start : seg.start + seg.length]
                 if dst is None:
                     into.copy_in(seg.offset, memoryview(piece.cpu().numpy()))
                     continue
-                dst.reshape(-1).view(torch.uint8)[seg.start : seg.start + seg.length].copy_(piece)
+                dst.copy_(piece)
                 synced.update(t.device for t in (dst, src.cuda) if t.device.type == "cuda")
-            elif dst is None or dst.device.type == "cpu":
+            elif dst is None:
                 local += into.spans(seg.offset, seg.length)
                 remote += src.spans(seg.start, seg.length)
             else:  # CPU memory into GPU memory: stage it
@@ -915,11 +915,7 @@ class LocalTransport(Transport):
 
 def _gpu_to_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int) -> bool:
     """Whether every byte of the range goes from the holder's GPU memory to this reader's."""
-    for seg in into.segments(offset, length):
-        dst = into.regions[seg.index]
-        if desc.regions[seg.index].cuda is None or dst is None or dst.device.type != "cuda":
-            return False
-    return True
+    return all(desc.regions[seg.index].cuda is not None and into.gpu_bytes(seg) is not None for seg in into.segments(offset, length))
 
 
 _copy_streams = threading.local()  # per thread: device index -> the side stream its copies run on
@@ -942,16 +938,14 @@ def _copy_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int) ->
     used: dict[int, torch.cuda.Stream] = {}
     for seg in into.segments(offset, length):
         src = desc.regions[seg.index].cuda
-        dst = into.regions[seg.index]
+        dst = into.gpu_bytes(seg)
         assert src is not None and dst is not None
         stream = used.get(dst.device.index)
         if stream is None:
             stream = used[dst.device.index] = _stream_for(dst.device)
             stream.wait_stream(torch.cuda.current_stream(dst.device))  # earlier work on the buffers comes first
         with torch.cuda.stream(stream):
-            dst.reshape(-1).view(torch.uint8)[seg.start : seg.start + seg.length].copy_(
-                src[seg.start : seg.start + seg.length], non_blocking=True
-            )
+            dst.copy_(src[seg.start : seg.start + seg.length], non_blocking=True)
     for stream in used.values():
         stream.synchronize()
 

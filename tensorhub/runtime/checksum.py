@@ -28,6 +28,7 @@ import bisect
 import threading
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 import xxhash
 
@@ -94,10 +95,35 @@ def _unit_bytes(buffers: ShardBuffers, u: Unit) -> torch.Tensor:
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
+def _address_table(buffers: ShardBuffers) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every unit's ``(address, size)``, by index, when all of them are in the GPU memory of one
+    device (what the kernel takes without a tensor per unit); else None."""
+    regions, starts, device = buffers.regions, buffers.plan.regions, None
+    addrs = np.zeros(len(buffers.plan.units), dtype=np.int64)
+    sizes = np.zeros(len(buffers.plan.units), dtype=np.int64)
+    for u in buffers.plan.units:
+        if not u.length:
+            continue
+        t = regions[u.region]
+        if t is None or t.device.type != "cuda" or device not in (None, t.device):
+            return None
+        device = t.device
+        addrs[u.index] = t.data_ptr() + u.offset - starts[u.region].offset
+        sizes[u.index] = u.length
+    return addrs, sizes
+
+
 def _checksums(buffers: ShardBuffers, units: Sequence[Unit]) -> list[int]:
-    if buffers.layout.checksum == wordmix.NAME:
-        return wordmix.sums([_unit_bytes(buffers, u) for u in units])
-    return [_unit_checksum(buffers, u) for u in units]
+    if buffers.layout.checksum != wordmix.NAME:
+        return [_unit_checksum(buffers, u) for u in units]
+    if buffers.on_cuda and wordmix.backend(buffers.cuda_device) == "triton":
+        table = buffers.__dict__.get("_wordmix_table", False)
+        if table is False:  # built once per buffers: a 1 TB model's units cost no tensor each
+            table = buffers.__dict__["_wordmix_table"] = _address_table(buffers)
+        if table is not None:
+            idx = np.fromiter((u.index for u in units), dtype=np.int64, count=len(units))
+            return wordmix.sums_at(table[0][idx], table[1][idx], buffers.cuda_device)
+    return wordmix.sums([_unit_bytes(buffers, u) for u in units])
 
 
 def compute(buffers: ShardBuffers, units: Iterable[int] | None = None) -> list[int]:

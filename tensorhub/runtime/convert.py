@@ -15,7 +15,10 @@ checksums and the grant token. :class:`Conversion` then:
    checksum units of the source, so each unit is verified against the source's declared
    checksum before any of its bytes are used: integrity holds for slices too), then gathered,
    transformed (cast, FP8 block quantization) and landed in this shard's registered tensors in
-   a worker thread, while the next tasks' reads are on the wire. A task starts only when its
+   a worker thread, while the next tasks' reads are on the wire. Reads are staged on the device
+   of this shard: a GPU shard's reads land in GPU memory (``local`` copies GPU to GPU, ``tcp``
+   through its pinned staging), are verified there (``wordmix-64``: one kernel per read) and
+   gathered and quantized by the GPU; nothing but checksums comes back to the CPU. A task starts only when its
    temporary bytes (staged reads + the gathered region + the result) fit in what the budget has
    left, or when nothing else runs (a task larger than the budget runs alone; the peak says so);
 3. packs the tiny tensors, hashes its own bytes and reports ``Converted`` with those checksums.
@@ -53,9 +56,9 @@ from tensorhub.core.placement import PlacedTensor, ReplicaLayout
 from tensorhub.reshard.transforms import run_task, torch_dtype
 from tensorhub.scheduling.mapping import IDENTITY, Mapping
 from tensorhub.scheduling.reshard import Read, ShardPlan, Task, plan
-from tensorhub.transports.buffers import ShardBuffers, memory_of
+from tensorhub.transports.buffers import Segment, ShardBuffers, memory_of
 
-from . import checksum
+from . import checksum, wordmix
 
 if TYPE_CHECKING:
     from tensorhub.transports.base import Transport
@@ -118,28 +121,55 @@ class _Window(ShardBuffers):
         self.regions = [None] * len(plan_.regions)
         self.starts = [r.offset for r in plan_.regions]
         self.total_bytes = plan_.total_bytes
-        self.on_cuda = False
+        self.on_cuda = staging.is_cuda  # then transports land GPU bytes through gpu_bytes/region_bytes
         self._parts = {}
+        self._views = [None] * len(plan_.regions)
         self._base = base
         self._staging = staging
-        self._view = memory_of(staging)
+        self._view = None if staging.is_cuda else memory_of(staging)
+
+    @property
+    def cuda_device(self) -> torch.device:
+        return self._staging.device
 
     def _at(self, offset: int, length: int) -> int:
         at = offset - self._base
-        if at < 0 or at + length > len(self._view):
+        if at < 0 or at + length > self._staging.numel():
             raise InvalidArgument(f"byte range [{offset}, {offset + length}) is outside the staged window")
         return at
 
+    def _cpu_views(self, seg: Segment, out: list[memoryview]) -> bool:
+        if self._view is None:
+            return False
+        out.extend(self.views(seg.offset, seg.length))
+        return True
+
     def views(self, offset: int, length: int) -> list[memoryview]:
+        if self._view is None:
+            raise InvalidArgument("the staged window is GPU memory; stage it")
         at = self._at(offset, length)
         return [self._view[at : at + length]]
 
     def spans(self, offset: int, length: int) -> list[tuple[int, int]]:
+        if self._view is None:
+            raise InvalidArgument("the staged window is GPU memory; stage it")
         return [(self._staging.data_ptr() + self._at(offset, length), length)]
+
+    def region_bytes(self, seg: Segment) -> torch.Tensor:
+        at = self._at(seg.offset, seg.length)
+        return self._staging[at : at + seg.length]
+
+    def gpu_bytes(self, seg: Segment) -> torch.Tensor | None:
+        return self.region_bytes(seg) if self._view is None else None
 
     def copy_in(self, offset: int, src: memoryview) -> None:
         at = self._at(offset, len(src))
-        self._view[at : at + len(src)] = src
+        if self._view is not None:
+            self._view[at : at + len(src)] = src
+            return
+        if src.readonly:
+            src = memoryview(bytearray(src))
+        self._staging[at : at + len(src)].copy_(torch.frombuffer(src, dtype=torch.uint8))
 
 
 @dataclass
@@ -192,6 +222,8 @@ class Conversion:
         self.term = msg.term
         self.spec = spec
         self.buffers = buffers
+        # Reads are staged (and verified, gathered, quantized) where the shard lives: on its GPU.
+        self._device = buffers.cuda_device if buffers.on_cuda else torch.device("cpu")
         self.report = report
         self.pick = pick
         self.log = log
@@ -330,11 +362,11 @@ class Conversion:
             await self.ready[read.shard].wait()
             src = self.sources[read.shard]
             units, base, n = self._span(read)
-            staging = torch.empty(n, dtype=torch.uint8)
+            staging = torch.empty(n, dtype=torch.uint8, device=self._device)
             try:
                 if n:
                     await self._read(src, base, staging)
-                bad = await asyncio.to_thread(_first_bad, staging, base, units, src.checksums)
+                bad = await asyncio.to_thread(_first_bad, staging, base, units, src.checksums, src.plan.layout.checksum)
             except (TransportError, InvalidArgument) as err:
                 reason = str(err)[:1000]
                 self._failed(read.shard, src, lambda req: m.SourceFailed(req, self.session, src.grant, src.term, 0, reason))
@@ -385,9 +417,16 @@ class Conversion:
             src.generation = gen
 
 
-def _first_bad(staging: torch.Tensor, base: int, units: Sequence[Unit], expected: Sequence[int]) -> int | None:
-    """The first unit whose staged bytes do not hash to its declared checksum, or None."""
-    view = memory_of(staging) if staging.numel() else memoryview(b"")
+def _first_bad(staging: torch.Tensor, base: int, units: Sequence[Unit], expected: Sequence[int], algorithm: str) -> int | None:
+    """The first unit whose staged bytes do not hash to its declared checksum (under the source
+    layout's ``algorithm``), or None."""
+    if algorithm == wordmix.NAME:  # on the GPU where the staging is: one kernel for the read
+        got = wordmix.sums([staging[u.offset - base : u.offset - base + u.length] for u in units])
+        return next((u.index for u, v in zip(units, got) if v != expected[u.index]), None)
+    if algorithm not in checksum.ALGORITHMS:
+        raise InvalidArgument(f"checksum algorithm {algorithm!r} is not supported (known: {', '.join(checksum.ALGORITHMS)})")
+    host = staging.cpu() if staging.is_cuda else staging  # xxh3-64 of GPU bytes: hashed on the CPU
+    view = memory_of(host) if host.numel() else memoryview(b"")
     for u in units:
         at = u.offset - base
         if checksum.digest(view[at : at + u.length]) != expected[u.index]:

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["NAME", "PIECE_BYTES", "backend", "reference", "sums", "sums_torch", "sums_triton"]
+__all__ = ["NAME", "PIECE_BYTES", "backend", "reference", "sums", "sums_at", "sums_torch", "sums_triton"]
 
 NAME = "wordmix-64"
 PIECE_BYTES = 256 << 10  #: bytes of a unit one Triton program hashes
@@ -222,27 +222,32 @@ _NSUB = PIECE_BYTES // (8 * _SUB)
 
 def sums_triton(ranges: Sequence[torch.Tensor]) -> list[int]:  # pragma: no cover - needs CUDA and Triton
     """The checksums of flat uint8 CUDA tensors, all on one device, with one kernel launch."""
-    global _kernel
     if not ranges:
+        return []
+    sizes = np.array([r.numel() for r in ranges], dtype=np.int64)
+    addrs = np.array([r.data_ptr() for r in ranges], dtype=np.int64)
+    return sums_at(addrs, sizes, ranges[0].device)
+
+
+def sums_at(addrs: np.ndarray, sizes: np.ndarray, device: torch.device) -> list[int]:  # pragma: no cover - needs CUDA and Triton
+    """The checksums of the ranges of GPU memory of ``device`` at addresses ``addrs`` of ``sizes``
+    bytes (int64 arrays), with one kernel launch. The caller keeps the memory alive."""
+    global _kernel
+    if not len(sizes):
         return []
     if _kernel is None:
         _kernel = _build_kernel()
-    device = ranges[0].device
-    sizes = np.array([r.numel() for r in ranges], dtype=np.int64)
-    addrs = np.array([r.data_ptr() for r in ranges], dtype=np.int64)
     pieces = np.maximum(1, -(-sizes // PIECE_BYTES))
-    owner = np.repeat(np.arange(len(ranges)), pieces)
-    k = np.arange(len(owner)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece number in its range
-    starts = k * PIECE_BYTES
-    p_addr = addrs[owner] + starts
-    p_bytes = np.minimum(PIECE_BYTES, sizes[owner] - starts)
-    p_word0 = starts // 8
-    params = torch.from_numpy(np.stack([p_addr, p_bytes, p_word0])).to(device, non_blocking=False)
+    firsts = np.cumsum(pieces) - pieces
+    owner = np.repeat(np.arange(len(sizes)), pieces)
+    starts = (np.arange(len(owner)) - firsts[owner]) * PIECE_BYTES  # each piece's start in its range
+    params = np.stack([addrs[owner] + starts, np.minimum(PIECE_BYTES, sizes[owner] - starts), starts // 8])
+    on_device = torch.from_numpy(params).to(device)
     out = torch.empty(len(owner), dtype=torch.int64, device=device)
     with torch.cuda.device(device):
-        _kernel[(len(owner),)](params[0], params[1], params[2], out, SUB=_SUB, NSUB=_NSUB)
+        _kernel[(len(owner),)](on_device[0], on_device[1], on_device[2], out, SUB=_SUB, NSUB=_NSUB)
     partial = out.cpu().numpy().view(np.uint64)
-    totals = np.add.reduceat(partial, np.cumsum(pieces) - pieces)  # wraps modulo 2**64
+    totals = np.add.reduceat(partial, firsts)  # wraps modulo 2**64
     return [_finish(int(t), int(n)) for t, n in zip(totals, sizes)]
 
 
