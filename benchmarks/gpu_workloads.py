@@ -33,9 +33,11 @@ cast of the masters into the trainer's registered tensors (what ``publish`` serv
 step, timed apart:
 
 - the compare as the handle does it (``tensorhub.handles.deltas._compare``, called as
-  ``DeltaPublisher`` calls it, with the publish job's checksums): a copy of the registered GPU
-  tensors to CPU memory, ``compute_delta`` against the CPU snapshot of the previous version there,
-  and that copy kept as the next snapshot; its two parts timed apart too;
+  ``DeltaPublisher`` calls it, with the publish job's checksums): the registered GPU tensors
+  compared on the GPU against the pinned CPU snapshot of the previous version (its slices copied
+  over), only the changes brought back, the snapshot brought forward in place; beside it, the
+  path the handle had before (a pageable copy of the tensors to CPU memory, ``compute_delta``
+  there), its two parts timed apart;
 - ``compute_delta`` on the device with both versions there (the library function on GPU memory);
 - a streamed compare (a prototype of moving the compare to the GPU, not the library's path): each
   tensor of a pinned CPU snapshot copied into a scratch buffer on the device, compared there, only
@@ -543,8 +545,9 @@ def deltas(device: str, scale: str, *, seed: int = 0) -> dict[str, Any]:
             t.copy_(pub[n])
         step_s, loss = _timed(dev, lambda: train_step(k))
         sums_s, new_sums = _timed(dev, lambda: shard_checksums(pub, layout))
-        # The handle's compare, its two parts first (on copies), then as DeltaPublisher calls it.
-        copy_s, current = _timed(dev, lambda: _copy_to_cpu(pub))
+        # The path the handle had before (a pageable copy to CPU memory, compared there), then the
+        # handle's compare as DeltaPublisher calls it (on the GPU, against the pinned snapshot).
+        copy_s, current = _timed(dev, lambda: {n: t.detach().to("cpu", copy=True) for n, t in pub.items()})
         known = dict(base_version=base, version=version, layout=layout, base_checksums=sums, checksums=new_sums,
                      with_checksums=False)  # fmt: skip
         cpu_cmp_s, _ = _timed(dev, lambda: compute_delta(snap, current, **known))
@@ -666,8 +669,8 @@ def delta_lines(r: dict[str, Any]) -> list[str]:
     out.append(f"  {'training step (fwd+bwd, AdamW, bf16 cast)':<58} {step:>9.2f}")
     ok = "met" if r["goal_met"] else "NOT met"
     row("compare as the handle does it (_compare)", "compare_handle", f"  (goal <= {r['goal_fraction']:.0%}: {ok})")
-    row("  of which: copy of the GPU tensors to CPU memory", "compare_handle_copy")
-    row("            compute_delta on the CPU", "compare_handle_cpu")
+    row("  the previous path: copy of the GPU tensors to CPU memory", "compare_handle_copy")
+    row("                     then compute_delta on the CPU", "compare_handle_cpu")
     row("compute_delta on the device (both versions there)", "compare_device")
     row("streamed compare (pinned snapshot -> device, prototype)", "compare_streamed")
     row("  its floor: host-to-device copy of the snapshot", "snapshot_h2d")

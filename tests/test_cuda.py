@@ -132,3 +132,27 @@ def test_a_conversion_through_the_server_lands_on_the_gpu_byte_exact(seed: int) 
         for h in trainer:
             h.close()
         srv.close()
+
+
+def test_a_gpu_publisher_compares_on_the_gpu_against_a_pinned_snapshot(seed: int) -> None:
+    from tensorhub.handles.deltas import _compare, _copy_to_cpu
+    from tensorhub.runtime.deltas import compute_delta
+
+    v0 = tensors("cpu", seed)
+    v1 = {k: v.clone() for k, v in v0.items()}
+    v1["w"].view(-1)[::1000] += 1  # sparse
+    v1["bias"].add_(1)  # dense
+    gpu = {k: v.cuda() for k, v in v0.items()}
+    snap = _copy_to_cpu(gpu)
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in snap.values())
+    for k, t in gpu.items():
+        t.copy_(v1[k])
+    layout = layout_of(gpu)
+    delta, snap2 = _compare(snap, gpu, 0, 1, layout, None, None)
+    want = compute_delta(v0, v1, base_version=0, version=1, layout=layout, with_checksums=False)
+    assert [(e.name, e.encoding, e.changed) for e in delta.tensors] == [(e.name, e.encoding, e.changed) for e in want.tensors]
+    for got, exp in zip(delta.tensors, want.tensors):
+        assert got.values.device.type == "cpu" and torch.equal(got.values.view(torch.uint8), exp.values.view(torch.uint8))
+        assert (got.indices is None) == (exp.indices is None)
+        assert got.indices is None or torch.equal(got.indices, exp.indices)
+    assert snap2 is snap and all(torch.equal(snap[k].view(-1).view(torch.uint8), v1[k].view(-1).view(torch.uint8)) for k in v1)

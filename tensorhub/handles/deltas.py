@@ -10,10 +10,10 @@ arithmetic, :mod:`tensorhub.runtime.deltafiles` the bytes).
 background, like the checksums: wait for ``v``'s checksums (the engine's publish job), compare
 the registered tensors with a **snapshot** of the version published before, bit for bit, and
 publish the delta as version ``v`` of the delta model, one blob per shard, naming its base. The
-snapshot is a CPU copy of the shard (its cost: one shard of host memory, and a device-to-host
-copy per version for CUDA tensors, which is also what the comparison reads; CPU tensors are
-compared in place and the snapshot is brought forward by applying the delta to it, touching only
-what changed). The comparison reads the registered tensors, which the mutability contract keeps
+snapshot is a CPU copy of the shard (its cost: one shard of host memory, pinned for GPU
+tensors). CPU tensors are compared in place; GPU tensors on their GPU, the snapshot's slices
+copied over (one host-to-device pass per version) and only the changed values brought back. The
+snapshot is then brought forward by applying the delta to it, touching only what changed. The comparison reads the registered tensors, which the mutability contract keeps
 unchanged until ``unpublish()``: ``unpublish()`` waits for it (the trainer's only added stall;
 about one pass over the shard at memory speed). Deltas are published on a **ring** of delta
 replicas (``<replica>@d0`` .. ``@d{k-1}``, one session per shard each): each holds one delta, so
@@ -51,7 +51,7 @@ from tensorhub.core.errors import BaseMismatch, InvalidArgument, TensorHubError
 from tensorhub.core.naming import delta_model
 from tensorhub.runtime.bucket import BucketReader, BucketWriter
 from tensorhub.runtime.deltafiles import delta_bytes, from_bytes
-from tensorhub.runtime.deltas import Delta, apply_chain, apply_delta, compute_delta
+from tensorhub.runtime.deltas import Delta, TensorDelta, apply_chain, apply_delta, compute_delta
 from tensorhub.runtime.engine import Holdings, StartPublish, WaitPublished
 
 __all__ = ["DEFAULT_RING", "DeltaPublisher", "DeltaReader", "DeltaStats", "restore_from_bucket", "ring_size"]
@@ -244,20 +244,30 @@ class DeltaPublisher:
 
 
 def _copy_to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
+    """The snapshot: a CPU copy of the tensors, pinned where a tensor is on a GPU (its slices
+    then go back to the GPU fast for the comparison)."""
+    out = {}
+    for k, t in tensors.items():
+        snap = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+        out[k] = snap.copy_(t.detach())
+    return out
 
 
 def _compare(
     snap: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], base: int, version: int, layout: Any,
     base_sums: tuple[int, ...] | None, sums: tuple[int, ...],
 ) -> tuple[Delta, dict[str, torch.Tensor]]:  # fmt: skip
-    """The delta ``snap -> tensors``, and the snapshot brought to ``tensors``."""
-    on_cpu = all(t.device.type == "cpu" for t in tensors.values())
-    current = tensors if on_cpu else _copy_to_cpu(tensors)
-    delta = compute_delta(snap, current, base_version=base, version=version, layout=layout,
+    """The delta ``snap -> tensors`` (with its values in CPU memory), and the snapshot brought
+    to ``tensors`` in place. GPU tensors are compared on their GPU against the pinned snapshot
+    (one host-to-device pass); only what changed comes back."""
+    delta = compute_delta(snap, tensors, base_version=base, version=version, layout=layout,
                           base_checksums=base_sums, checksums=sums, with_checksums=False)  # fmt: skip
-    if not on_cpu:
-        return delta, current
+    if any(e.values.device.type != "cpu" for e in delta.tensors):
+        entries = tuple(
+            TensorDelta(e.name, e.encoding, e.changed, e.values.cpu(), None if e.indices is None else e.indices.cpu())
+            for e in delta.tensors
+        )
+        delta = Delta(delta.layout, delta.base, delta.version, entries, delta.base_checksums, delta.checksums)
     apply_delta(snap, delta, check_base=False, verify=False)
     return delta, snap
 

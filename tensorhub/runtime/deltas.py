@@ -102,13 +102,20 @@ def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def changed_indices(base: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The flat indices (int64, ascending) of the elements whose bytes differ between ``base``
-    and ``target`` (same dtype and shape, contiguous, same device)."""
+    """The flat indices (int64, ascending, on the target's device) of the elements whose bytes
+    differ between ``base`` and ``target`` (same dtype and shape, contiguous; the same device,
+    or ``base`` in CPU memory and ``target`` on a GPU: then each slice of ``base`` is copied to
+    the GPU and compared there, so a pinned snapshot of a GPU tensor costs one host-to-device
+    pass and no comparison on the CPU)."""
     a, b = bits_of(base), bits_of(target)
     n = a.shape[0]
     found = []
+    moved = a.device != b.device
     for start in range(0, n, SCAN_ELEMENTS):
-        ne = a[start : start + SCAN_ELEMENTS] != b[start : start + SCAN_ELEMENTS]
+        piece = a[start : start + SCAN_ELEMENTS]
+        if moved:
+            piece = piece.to(b.device, non_blocking=True)
+        ne = piece != b[start : start + SCAN_ELEMENTS]
         if ne.dim() == 2:
             ne = ne.any(dim=1)
         idx = ne.nonzero().reshape(-1)
@@ -325,7 +332,8 @@ def compute_delta(
 
     Args:
         base, target: the two versions' tensors (same names, dtypes and shapes; contiguous; the
-            same device per tensor). Neither is modified; the delta's values are new tensors on
+            same device per tensor, or a CPU base of a GPU target: compared on the GPU, see
+            :func:`changed_indices`). Neither is modified; the delta's values are new tensors on
             the target's devices.
         base_version, version: the versions they are.
         layout: the shard's layout (it fixes the checksum units); default: the target's own.
@@ -346,7 +354,7 @@ def compute_delta(
     entries = []
     for spec in layout.tensors:
         a, b = base[spec.name], target[spec.name]
-        if a.device != b.device:
+        if a.device != b.device and not (a.device.type == "cpu" and b.device.type == "cuda"):
             raise InvalidArgument(f"tensor {spec.name!r}: base on {a.device}, target on {b.device}", **ctx)
         idx = changed_indices(a, b)
         k = idx.numel()
