@@ -85,8 +85,9 @@ go leaves the block held until the holder exits.) A reader in the holder's own p
 conformance suite) cannot open its own IPC handles: it asks for none and uses the holder's
 tensors themselves. GPUs are matched by UUID, so ``CUDA_VISIBLE_DEVICES`` may differ between the
 two processes. A range from GPU memory into GPU memory is copied whole on the reading thread:
-one ``copy_`` per region segment on a side stream of that thread, then a wait for that stream
-alone (a GPU moves a 256 MiB read in a fraction of a millisecond, less than handing parts to
+one copy kernel per region segment (an elementwise kernel, not ``copy_``: the driver may hand a
+``copy_`` from IPC memory to a copy engine) on a side stream of that thread, then a wait for that
+stream alone (a GPU moves a 256 MiB read in a fraction of a millisecond, less than handing parts to
 workers would cost; and the engine's own kernels on the default stream are not waited for).
 Other CUDA copies (a GPU source into an in-place pack, CPU memory into GPU memory, staged
 through a CPU buffer) go piece by piece, each followed by a synchronize of the devices
@@ -931,10 +932,21 @@ def _stream_for(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
-def _copy_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int) -> None:
+def _sm_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:] = src`` (flat uint8, same length) by an elementwise kernel on the GPU's cores,
+    in 8-byte words where both ends allow it. A ``copy_`` from another process's memory (opened
+    from a CUDA IPC handle) is a peer copy the driver may hand to a copy engine, a fraction of
+    what the cores move; a kernel reads it like any device memory."""
+    if not (dst.data_ptr() | src.data_ptr() | dst.numel()) % 8:
+        dst, src = dst.view(torch.int64), src.view(torch.int64)
+    torch.bitwise_or(src, 0, out=dst)
+
+
+def _copy_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int, kernel: bool = True) -> None:
     """GPU memory to GPU memory: the range's segments copied on a side stream of this thread
     (the engine's own kernels on the default stream neither wait for it nor delay it), waited
-    for before returning, so the bytes are in place when the read reports them landed."""
+    for before returning, so the bytes are in place when the read reports them landed. Copies
+    are :func:`_sm_copy` kernels (``kernel``), else ``copy_``."""
     used: dict[int, torch.cuda.Stream] = {}
     for seg in into.segments(offset, length):
         src = desc.regions[seg.index].cuda
@@ -945,7 +957,11 @@ def _copy_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int) ->
             stream = used[dst.device.index] = _stream_for(dst.device)
             stream.wait_stream(torch.cuda.current_stream(dst.device))  # earlier work on the buffers comes first
         with torch.cuda.stream(stream):
-            dst.copy_(src[seg.start : seg.start + seg.length], non_blocking=True)
+            piece = src[seg.start : seg.start + seg.length]
+            if kernel and piece.device == dst.device:
+                _sm_copy(dst, piece)
+            else:
+                dst.copy_(piece, non_blocking=True)
     for stream in used.values():
         stream.synchronize()
 
