@@ -58,9 +58,11 @@ DEFAULT_PACK_THRESHOLD = 2 << 20
 CHECKSUM_ALGORITHM = "xxh3-64"  #: the default of a shard in CPU memory
 CUDA_CHECKSUM_ALGORITHM = "wordmix-64"  #: the default of a shard with tensors in GPU memory
 CHECKSUM_ALGORITHMS = (CHECKSUM_ALGORITHM, CUDA_CHECKSUM_ALGORITHM)
-#: The least read a pull into GPU memory plans: a GPU copies and hashes 256 MiB in a fraction of
-#: a millisecond, less than what one read costs the engine (a task, a thread, a verification).
-CUDA_READ_BYTES = 256 << 20
+#: The least read a pull into GPU memory plans. A GPU copies and hashes 1 GiB in about a
+#: millisecond, what a read costs the engine and the transport around the copy (a task, a thread,
+#: a wait for the stream, the progress words): on an H100, 8 GiB moved by ``local`` at 484 GB/s
+#: in reads of 256 MiB and 850 GB/s in reads of 1 GiB (benchmarks/results/GPU.md).
+CUDA_READ_BYTES = 1 << 30
 
 
 WORD_BYTES = 32  #: one counter's words: tag, generation, version + 1, verified (int64 each)

@@ -85,8 +85,8 @@ go leaves the block held until the holder exits.) A reader in the holder's own p
 conformance suite) cannot open its own IPC handles: it asks for none and uses the holder's
 tensors themselves. GPUs are matched by UUID, so ``CUDA_VISIBLE_DEVICES`` may differ between the
 two processes. A range from GPU memory into GPU memory is copied whole on the reading thread:
-its region segments as one batched copy (``torch._foreach_copy_``) on a side stream of that
-thread, then a wait for that stream alone (a GPU moves a 256 MiB read in a fraction of a millisecond, less than handing parts to
+a ``copy_`` per region segment on a side stream of that thread, then a wait for that stream
+alone (a GPU moves a 256 MiB read in a fraction of a millisecond, less than handing parts to
 workers would cost; and the engine's own kernels on the default stream are not waited for).
 Other CUDA copies (a GPU source into an in-place pack, CPU memory into GPU memory, staged
 through a CPU buffer) go piece by piece, each followed by a synchronize of the devices
@@ -931,13 +931,13 @@ def _stream_for(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
-def _copy_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int, batched: bool = True) -> None:
+def _copy_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int, batched: bool = False) -> None:
     """GPU memory to GPU memory: the range's segments copied on a side stream of this thread
     (the engine's own kernels on the default stream neither wait for it nor delay it), waited
-    for before returning, so the bytes are in place when the read reports them landed. A GPU
-    copies a 16 MiB tensor faster than Python launches a ``copy_`` of it, so the segments of a
-    device go as one batched copy (``torch._foreach_copy_``: one call for all of them) when
-    ``batched``, else one ``copy_`` each."""
+    for before returning, so the bytes are in place when the read reports them landed. One
+    ``copy_`` per segment; ``batched``: one ``torch._foreach_copy_`` for all of them instead
+    (fewer launches, but a slower copy on an H100: 792 against 1,329 GB/s for 8 GiB of 128 MiB
+    tensors, benchmarks/results/GPU.md; kept for the diagnosis of gpu_check.py)."""
     by_device: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for seg in into.segments(offset, length):
         src = desc.regions[seg.index].cuda
