@@ -353,10 +353,24 @@ def render(report: dict[str, Any]) -> str:
                 lines.append(f"| {label} | {c['wordmix_gbps']:.0f} | {c['copy_gbps']:.0f} | {c['wordmix_vs_copy']:.2f}x | "
                              f"{c['equal_to_cpu']} | {c['flip_caught']} | {_fmt(c.get('xxh3_staged_gbps'), '.1f')} |")  # fmt: skip
         lines.append("")
-    for key in ("conversion", "deltas"):
+    prev = report.get("tcp_at_256mib_reads_previous_run")
+    if prev:
+        lines += ["### tcp, from the run before (reads of 256 MiB)", "", prev["why"], "",
+                  "| shard | tcp GB/s | bound (socket alone) | ratio | checksums GB/s |", "|---|---|---|---|---|"]  # fmt: skip
+        for label, t in prev["transfers"].items():
+            p = t["tcp"]
+            b = prev["tcp_bound"].get(f"{int(label.split()[0]) * 1024} MiB", {}).get("bound_gbps")
+            ratio = f"{p['gbps_median'] / b:.2f}x" if b else "-"
+            lines.append(f"| {label} | {p['gbps_median']:.2f} | {_fmt(b)} | {ratio} | {_fmt(p.get('verify_gbps_median'), '.0f')} |")
+        lines.append("")
+    import gpu_workloads
+
+    for key, fmt in (("conversion", gpu_workloads.conversion_lines), ("deltas", gpu_workloads.delta_lines)):
         sec = report.get(key)
-        if sec:
-            lines += [f"## {key.capitalize()}", "", "```", json.dumps(sec, indent=1, default=str)[:4000], "```", ""]
+        if sec and "error" not in sec:
+            lines += [f"## {key.capitalize()}", "", "```", *fmt(sec), "```", ""]
+        elif sec:
+            lines += [f"## {key.capitalize()}", "", f"failed: {sec['error']}", ""]
     fails = report.get("failures") or []
     lines += ["## Checks", "", "every section ran and every byte check passed" if not fails else "failed: " + "; ".join(fails), ""]
     return "\n".join(lines)
@@ -372,7 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a first look)")
     ap.add_argument("--cpu", action="store_true", help="a dry run of the transfers and checksums sections on CPU memory "
                                                         "(no GPU figures; writes nothing unless --out is given)")  # fmt: skip
+    ap.add_argument("--render", type=Path, help="write the Markdown of a GPU.json again (beside it), and nothing else")
     args = ap.parse_args(argv)
+    if args.render:
+        report = json.loads(args.render.read_text())
+        (args.render.parent / "GPU.md").write_text(render(report))
+        return 0
     if args.cpu:
         print(json.dumps(transfers([int(x) for x in args.sizes_mib.split(",")], ["local", "tcp"], True, {}, "cpu"), default=str)[:2000])
         print(json.dumps(checksums([int(x) for x in args.sizes_mib.split(",")], True, "cpu")))

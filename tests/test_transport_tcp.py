@@ -262,11 +262,25 @@ def test_reading_past_the_end_fails(seed: int) -> None:
             for offset, length in ((total - 10, 11), (total, 1), (total + 100, 5), (0, total + 1)):
                 with pytest.raises(TransportError, match="outside the shard"):
                     await reader.read(ep, REGION, VERSION, offset, length, into, None)
-            with pytest.raises(InvalidArgument, match="at most"):
-                await reader.read(ep, REGION, VERSION, 0, tcp.MAX_READ + 1, into, None)
             await reader.read(ep, REGION, VERSION, total - 10, 10, into, None)  # still serving
 
     run(main())
+
+
+def test_a_read_larger_than_one_request_is_split_into_requests(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read may be larger than one request moves (``MAX_READ``; GPU pulls read 1 GiB at once):
+    it goes as several requests, each within the bound the holder enforces, and lands whole."""
+    monkeypatch.setattr(tcp, "MAX_READ", 1 << 16)
+    held, into = shard(seed)
+    total = held.total_bytes
+    assert total > 4 * tcp.MAX_READ
+
+    async def main() -> None:
+        async with transports({(REGION, VERSION): held}, reader_opts={"streams": 1}) as (holder, reader):
+            await reader.read(holder.endpoint(), REGION, VERSION, 0, total, into, None)
+
+    run(main())
+    assert raw(into) == raw(held)
 
 
 def test_bad_or_unreachable_peer_is_a_transport_error(seed: int) -> None:

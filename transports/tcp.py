@@ -39,7 +39,8 @@ Throughput choices
   holder can serve each one as soon as it is verified (pipeline replication) and that the
   streams of a pull stay busy to the last byte.
 - **Streams.** One read is split into up to ``streams`` stripes of at least 1 MiB (default 4),
-  each on its own connection and thread: one TCP stream rarely fills a fast link alone (window
+  and into more where a stripe would exceed ``MAX_READ`` (256 MiB: what one request may ask;
+  reads into GPU memory are 1 GiB), each on its own connection and thread: one TCP stream rarely fills a fast link alone (window
   growth, one core's copy rate). Striping one read, rather than running ``streams`` reads at
   once, makes each read land at the link's full rate, in order: a partial holder downstream
   can serve it that much sooner (concurrent reads share the link and land together, so a
@@ -311,8 +312,6 @@ class TcpTransport(Transport):
             key = (str(peer["host"]), int(peer["port"]))
         except (KeyError, TypeError, ValueError) as err:
             raise TransportError(f"tcp endpoint {peer!r} has no host and port") from err
-        if length > MAX_READ:
-            raise InvalidArgument(f"a tcp read moves at most {MAX_READ} bytes, asked {length}")
         if token is not None and len(token) > MAX_TOKEN:
             raise InvalidArgument(f"a grant token is bytes of at most {MAX_TOKEN}, got {len(token)}")
         return key
@@ -331,7 +330,7 @@ class TcpTransport(Transport):
         key, region, version, offset, length = call.peer, call.region, call.version, call.offset, call.length
         into, generation, token = call.into, call.generation, call.token
         loop = asyncio.get_running_loop()
-        k = max(1, min(self.streams, length // _MIN_STRIPE))
+        k = max(1, min(self.streams, length // _MIN_STRIPE), -(-length // MAX_READ))  # a request moves <= MAX_READ
         parts = [(offset, length)]
         if k > 1:
             step = -(-length // k)
