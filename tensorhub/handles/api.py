@@ -965,7 +965,7 @@ class AsyncShardHandle:
             await shadow._open()
             try:
                 placements = None if self.placements is None else {p.name: p for p in self.placements}
-                await shadow.register({k: tensors[k] for k in active}, placements, checksum=self.buffers.layout.checksum)
+                await shadow.register({k: tensors[k] for k in active}, placements, checksum=buffers.layout.checksum)
             except BaseException:
                 await shadow.close()
                 raise
