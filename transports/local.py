@@ -86,8 +86,8 @@ conformance suite) cannot open its own IPC handles: it asks for none and uses th
 tensors themselves. GPUs are matched by UUID, so ``CUDA_VISIBLE_DEVICES`` may differ between the
 two processes. A range from GPU memory into GPU memory is copied whole on the reading thread:
 a ``copy_`` per region segment on a side stream of that thread, then a wait for that stream
-alone (a GPU moves a 256 MiB read in a fraction of a millisecond, less than handing parts to
-workers would cost; and the engine's own kernels on the default stream are not waited for).
+alone (a GPU moves a read, 1 GiB into GPU memory, in about a millisecond, less than handing
+parts to workers would cost; and the engine's own kernels on the default stream are not waited for).
 Other CUDA copies (a GPU source into an in-place pack, CPU memory into GPU memory, staged
 through a CPU buffer) go piece by piece, each followed by a synchronize of the devices
 involved. The CPU tests exercise the CPU path; ``benchmarks/gpu_report.py`` runs the GPU path on
@@ -947,7 +947,7 @@ def _copy_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int, ba
         dsts.append(dst)
         srcs.append(src[seg.start : seg.start + seg.length])
     streams = []
-    for index, (dsts, srcs) in by_device.items():
+    for dsts, srcs in by_device.values():
         device = dsts[0].device
         stream = _stream_for(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # earlier work on the buffers comes first
