@@ -47,6 +47,7 @@ __all__ = [
     "VersionUnavailable",
     "InBucket",
     "VersionConflict",
+    "ChecksumsRequired",
     "UpdateAborted",
     "BaseMismatch",
     "SessionError",
@@ -296,6 +297,16 @@ class VersionConflict(VersionError):
     """Another holder of the same (version, shard) declared different checksums."""
 
     code = "version_conflict"
+
+
+class ChecksumsRequired(VersionError):
+    """A publish of a version whose checksums the server already knows (another holder declared
+    them, or an earlier publish of the same number) must carry this shard's checksums, so that
+    other bytes under the same number are refused (:class:`VersionConflict`) before anyone can
+    read them. The handle answers it itself: it hashes its buffers and makes the same call again
+    with them. Nothing changed on the server."""
+
+    code = "checksums_required"
 
 
 class UpdateAborted(VersionError):

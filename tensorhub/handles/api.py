@@ -54,6 +54,7 @@ from tensorhub.core.errors import (
     AlreadyRegistered,
     CallInFlight,
     Cancelled,
+    ChecksumsRequired,
     ContractViolation,
     InBucket,
     InvalidArgument,
@@ -94,6 +95,7 @@ from tensorhub.runtime.engine import (
     AddSlot,
     DropSlot,
     EngineActor,
+    HashBuffers,
     Holdings,
     PullStats,
     StartPublish,
@@ -681,7 +683,8 @@ class AsyncShardHandle:
             give_back(self, n)
             raise
         except TensorHubError as err:
-            if not isinstance(err, Cancelled):  # the server's answer (Cancelled: this process stopped)
+            if not isinstance(err, (Cancelled, ChecksumsRequired)):  # the server's answer (Cancelled: this
+                # process stopped; ChecksumsRequired: the same call is made again with checksums)
                 self._keep(m.CallAnswer(n, kind, None, None, None, None, type(err).code[:64], err.message[:1000]))
             raise
         if isinstance(reply, m.Listing):
@@ -790,20 +793,50 @@ class AsyncShardHandle:
             buffers = self.buffers
             assert buffers is not None
             held_before = self.version
+            engine = self._engine
+            assert engine is not None
             if held_before != version:
                 # Named before the server can grant it; servable once the engine's publish job
                 # has filled the packs (a reader granted first waits for the progress counter).
                 buffers.progress.reset(version, 0)
-            n = self._next_call()
+            proof: tuple[int, ...] | None = None
             try:
-                await self._numbered(n, "publish", lambda req: m.Publish(req, self.session, n, version, None, base, delta_from), version)
+                if held_before != version and version in (await engine.ask(Holdings(self.session)))[0]:
+                    proof = await self._prove(version)  # this shard had the number before: same bytes?
+                n = self._next_call()
+
+                def publish(req: int) -> m.Publish:
+                    return m.Publish(req, self.session, n, version, proof, base, delta_from)
+
+                try:
+                    await self._numbered(n, "publish", publish, version)
+                except ChecksumsRequired:  # the server knows the number's checksums: prove these bytes
+                    proof = await self._prove(version)
+                    await self._numbered(n, "publish", publish, version)
             except BaseException:
                 if held_before is None:
                     buffers.progress.reset(None)
                 raise
             self.version = version
-            assert self._engine is not None
-            self._engine.tell(StartPublish(self.session, version))  # pack, hash, declare: in the background
+            engine.tell(StartPublish(self.session, version, proof))  # pack, hash, declare: in the background
+
+    async def _prove(self, version: int) -> tuple[int, ...]:
+        """The checksums of the registered buffers, to publish ``version`` with. A version number
+        names one content: if this shard knew other checksums for it (it published or pulled it
+        before), the publish is refused here.
+
+        Raises:
+            VersionConflict: this shard held ``version`` before with other bytes.
+        """
+        assert self._engine is not None
+        sums, known = await self._engine.ask(HashBuffers(self.session, version))
+        if known is not None and known != sums:
+            raise VersionConflict(
+                f"publish({version}) refused: this shard held version {version} before with other bytes, and a "
+                "version number names one content (publish the changed tensors as a new version)",
+                **{**self.ctx, "version": version},
+            )
+        return sums
 
     async def unpublish(self) -> None:
         """Withdraw the held version; returns once no reader is still reading these buffers
