@@ -267,3 +267,26 @@ def test_a_second_replica_publishing_a_version_with_other_bytes_is_refused(serve
         assert set(c.list()[4]) == {"a", "c"}
         c.unpublish()
         a.unpublish()
+
+
+def test_a_shadow_set_sharing_storage_with_the_active_set_is_refused(server):
+    """Issue 36 (2): register_shadow() given the active tensors themselves, or views sharing
+    their storage, is refused with InvalidArgument naming the tensor; nothing is registered, and
+    a shadow set of its own still works."""
+    w = {"x": torch.arange(32, dtype=torch.float32), "y": torch.ones(8)}
+    with tensorhub.open("shadowed", "trainer", server=server.address) as t, tensorhub.open(
+        "shadowed", "rollout", server=server.address
+    ) as r:
+        t.register({k: v.clone() for k, v in w.items()})
+        t.publish(1)
+        active = {k: torch.zeros_like(v) for k, v in w.items()}
+        r.register(active)
+        assert r.replicate(1, timeout=10) == 1
+        for bad in (dict(active), {"x": torch.empty(32), "y": active["x"][:8]}, {"x": active["x"].view(4, 8).view(32), "y": torch.empty(8)}):
+            with pytest.raises(e.InvalidArgument) as info:
+                r.register_shadow(bad)
+            assert "shares storage" in str(info.value) and "rollout" in str(info.value)
+        assert set(r.list()[1]) == {"trainer", "rollout"}  # no shadow replica was registered
+        assert r.register_shadow({k: torch.empty_like(v) for k, v in w.items()}) > 0
+        assert torch.equal(active["x"], w["x"])
+        t.unpublish()

@@ -263,6 +263,27 @@ class _SessionRef:
         await self.target.restore(send)
 
 
+def _sharing_storage(tensors: dict[str, torch.Tensor], others: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """The pairs (name in ``tensors``, name in ``others``) whose storages overlap (views of one
+    allocation, or the same tensors), sorted."""
+    spans = []
+    for name, t in others.items():
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st.nbytes():
+                spans.append((t.device, st.data_ptr(), st.data_ptr() + st.nbytes(), name))
+    pairs = []
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        st = t.untyped_storage()
+        lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+        if lo == hi:
+            continue
+        pairs.extend((name, other) for dev, a, b, other in spans if dev == t.device and a < hi and lo < b)
+    return sorted(pairs)
+
+
 def _shadow_does_not_fit(need: int, devices: Sequence[torch.device], max_bytes: int | None) -> str | None:
     """Why a second copy of ``need`` bytes should not be allocated (None: it fits). The free
     memory of each device used must keep a tenth (CPU: of ``MemAvailable``) to spare."""
@@ -975,6 +996,15 @@ class AsyncShardHandle:
             else:
                 if not isinstance(tensors, dict) or set(tensors) != set(active):
                     raise InvalidArgument("the shadow set must have the registered tensors' names", **self.ctx)
+                shared = _sharing_storage(tensors, active)
+                if shared:
+                    a, b = shared[0]
+                    raise InvalidArgument(
+                        f"the shadow set must be memory of its own: shadow tensor {a!r} shares storage with the "
+                        f"registered tensor {b!r} ({len(shared)} such pairs); a pull into it would overwrite the "
+                        "version the active set holds and serves. Pass new tensors, or none (allocated here)",
+                        **self.ctx,
+                    )
                 need = sum(t.numel() * t.element_size() for t in tensors.values()) + packs
             assert tensors is not None
             names = (self._base_replica, shadow_replica(self._base_replica))
