@@ -17,6 +17,11 @@ the actor maps it to the current server's id on every message out (and back on e
 in). After a failover the mapping changes; the handles, the engine's
 slots and the user's tensors do not.
 
+Connection identity. The actor's socket carries one random routing id (:attr:`ClientActor.identity`)
+on every connection, kept across reconnects and moves: the server binds each session to the
+connection that opened it, so only this actor can act for its sessions, and a reconnect (the
+server takes the id over from a connection it has not yet seen close) keeps them.
+
 Heartbeats go out every ``heartbeat_interval`` (the server's figure, from ``Opened``) for all
 open sessions in one message. When nothing at all has come from the server for
 ``heartbeat_timeout``, the server is taken as gone (``lost``):
@@ -62,6 +67,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -232,6 +238,10 @@ class ClientActor(Actor):
         super().__init__(f"client:{','.join(self.addresses)}")
         self.index = 0
         self.address = self.addresses[0]
+        #: this process's connection identity on every server (its ZeroMQ routing id): the
+        #: server binds the sessions opened through it to it, so it is random, kept across
+        #: reconnects and never shown (a leading zero byte is reserved by ZeroMQ)
+        self.identity = bytes([1 + secrets.randbelow(255)]) + secrets.token_bytes(15)
         self.ctx = ctx
         self.engine = engine
         self.failover_timeout = failover_timeout
@@ -547,6 +557,7 @@ class ClientActor(Actor):
             return
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.identity)  # the sessions opened through it are bound to it
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)

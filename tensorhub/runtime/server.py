@@ -295,6 +295,9 @@ class ServerActor(Actor):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a connection that is gone raises (and is counted)
+        # A client reconnects under the same (secret, random) routing id, which its sessions are
+        # bound to: the new connection takes the id over from one the server has not seen close.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -533,9 +536,8 @@ class ServerActor(Actor):
 
     def _on_span(self, peer: bytes, span: m.TransferSpan) -> list[tuple[Any, Any]]:
         s = self.table.sessions.get(span.session)
-        if s is None:
-            raise UnknownSession(f"session {span.session} is not known to this server (term {self.table.term})")
-        s.peer = peer
+        if s is None or s.peer != peer:  # bound to the connection that opened it, as in the table
+            raise UnknownSession(f"session {span.session} is not known to this connection (term {self.table.term})")
         model = s.model.name
         entry = m.SpanEntry(
             s.replica.name, s.shard_idx, s.location.datacenter, s.location.host, span.grant, span.source_replica,
