@@ -35,6 +35,7 @@ __all__ = [
     "MappingMismatch",
     "Cancelled",
     "CallInFlight",
+    "PermissionDenied",
     "ProtocolError",
     "MalformedMessage",
     "WireVersionMismatch",
@@ -213,6 +214,13 @@ class CallInFlight(UsageError):
     """A second call on a handle while one is still running."""
 
     code = "call_in_flight"
+
+
+class PermissionDenied(UsageError):
+    """The server's model policy does not let this client's key do this to this model (publish,
+    or read). Nothing was changed; the refusal is counted on the server."""
+
+    code = "permission_denied"
 
 
 # --- remote protocol errors -----------------------------------------------------------------

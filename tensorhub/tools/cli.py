@@ -17,13 +17,16 @@ def _server(args: argparse.Namespace) -> int:
     from tensorhub.core.log import configure
     from tensorhub.core.table import TableConfig
     from tensorhub.runtime.actor import run
-    from tensorhub.runtime.security import ServerKeys
+    from tensorhub.runtime.security import ModelPolicy, ServerKeys
     from tensorhub.runtime.server import ServerConfig, serve
 
     configure(args.log_format, args.log_level)
     if (args.curve_secret is None) != (args.curve_clients is None):
         raise InvalidArgument("CURVE needs both --curve-secret (the server's .key_secret) and --curve-clients (allowed keys)")
     keys = ServerKeys.load(args.curve_secret, args.curve_clients) if args.curve_secret else None
+    if args.model_policy is not None and keys is None:
+        raise InvalidArgument("--model-policy needs CURVE (--curve-secret and --curve-clients): it names client keys")
+    policy = ModelPolicy.load(args.model_policy, args.curve_clients) if args.model_policy is not None else None
     config = ServerConfig(
         bind=args.bind,
         table=TableConfig(
@@ -46,6 +49,7 @@ def _server(args: argparse.Namespace) -> int:
         role=args.role,
         peer=args.peer,
         lease=args.lease,
+        policy=policy,
     )
     run(serve(
         config,
@@ -192,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server's CURVE secret key (a .key_secret file from tensorhub keygen): require authentication")
     s.add_argument("--curve-clients", default=None, metavar="DIR|FILE",
                    help="the client public keys let in: a directory of .key files, or one file")
+    s.add_argument("--model-policy", default=None, metavar="FILE",
+                   help="a TOML file of rules: model name patterns -> the client keys that may publish / read them (CURVE only)")
     s.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --bind without CURVE keys (anyone who reaches the port is trusted)")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any free port)")
