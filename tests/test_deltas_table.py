@@ -365,3 +365,18 @@ def test_the_bucket_is_offered_after_the_last_holder_has_gone():
     assert [v.version for v in r.list().versions] == [1]  # available again, from the restored copy
     (q,) = d.replica("Q", 1, layout=FULL)
     q.expect_ok(q.pull(1))  # and served to peers
+
+
+def test_bucket_copies_are_remembered_after_every_session_closed():
+    """A reader that opens after every holder (and every session) of the model left is still
+    told InBucket for a version the bucket holds."""
+    d = Driver()
+    d.advance(11)
+    (t,) = d.replica("T", 1, layout=FULL)
+    trainer_publish([t], 1)
+    t.expect_ok(t.request(m.BucketStored, t.session, 1, "file:///weights"))
+    t.expect_ok(t.close())
+    assert MODEL not in d.table.models  # its record is gone
+    (r,) = d.replica("R", 1, layout=FULL)
+    assert r.expect_error(r.replicate(1), InBucket).bucket == "file:///weights"
+    r.expect_ok(r.request(m.Replicate, r.session, r.next_call(), 1, None, SUMS[1]))

@@ -58,6 +58,8 @@ __all__ = [
     "ConnectionFailure",
     "ServerUnavailable",
     "TransportError",
+    "BucketError",
+    "BucketUnavailable",
     "ChecksumMismatch",
     "Timeout",
     "error_from_wire",
@@ -384,6 +386,20 @@ class TransportError(ConnectionFailure):
     """A data-plane transfer failed."""
 
     code = "transport"
+
+
+class BucketError(TransportError):
+    """The bucket tier failed: reading or writing one of its objects (the cause chained), or a
+    version whose write failed (raised by the next ``publish()``)."""
+
+    code = "bucket"
+
+
+class BucketUnavailable(BucketError):
+    """The bucket URL cannot be used at all: an unknown protocol, a path under a regular file or
+    where no directory can be made, no permission. Raised by ``open()`` where it can tell."""
+
+    code = "bucket_unavailable"
 
 
 class ChecksumMismatch(ConnectionFailure):

@@ -52,6 +52,7 @@ import zmq.asyncio
 from tensorhub.core import messages as m
 from tensorhub.core.errors import (
     AlreadyRegistered,
+    BucketUnavailable,
     CallInFlight,
     Cancelled,
     ChecksumsRequired,
@@ -84,7 +85,7 @@ from tensorhub.core.naming import (
 from tensorhub.core.placement import PlacedTensor, TensorPlacement
 from tensorhub.core.shard import give_back, next_call
 from tensorhub.handles.deltas import DeltaPublisher, DeltaReader, DeltaStats, restore_from_bucket, ring_size
-from tensorhub.runtime.bucket import Restored
+from tensorhub.runtime.bucket import Bucket, Restored
 from tensorhub.core.topology import Location
 from tensorhub.runtime.actor import LoopThread
 from tensorhub.runtime.client import Call, ClientActor, Exchange
@@ -553,6 +554,11 @@ class AsyncShardHandle:
     # ---- opening and closing -------------------------------------------------------------------
 
     async def _open(self) -> AsyncShardHandle:
+        if self._bucket is not None:  # a URL that cannot work fails here, typed, not at every publish()
+            try:
+                await asyncio.to_thread(Bucket, self._bucket)
+            except BucketUnavailable as err:
+                raise BucketUnavailable(err.message, **self.ctx) from err.__cause__
         rt = Runtime.current()
         if self._server is None and not os.environ.get("TENSORHUB_SERVER"):
             self._server = await asyncio.to_thread(_server_from_ray)  # None: not in a Ray job with one
@@ -797,6 +803,9 @@ class AsyncShardHandle:
             NotRegistered, InvalidName, ContractViolation (holding another version), VersionConflict.
         """
         pub = self._delta_pub
+        failed = pub.take_write_error() if pub is not None else None
+        if failed is not None:  # never silent: a version the bucket did not store (the next is written as an anchor)
+            raise failed
         await self._publish(version, delta_from=pub.announce(version) if pub is not None else None)
         if (self._delta_ring or self._bucket is not None) and self.session is not None:
             if self._delta_pub is None:

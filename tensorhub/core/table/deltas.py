@@ -73,6 +73,8 @@ from ..errors import InBucket, InvalidArgument, LayoutMismatch, TensorHubError, 
 from ..naming import DELTA_SUFFIX, MAX_NAME_LEN
 from .records import C, _Holder, _Model, _Session, _Txn
 
+#: models whose bucket copies the table remembers once their records are gone (the newest)
+BUCKET_MODELS = 1024
 #: versions whose bucket copies the table remembers per model (the newest)
 BUCKET_VERSIONS = 64
 
@@ -247,6 +249,10 @@ class DeltaMixin:
         if len(model.buckets) > BUCKET_VERSIONS * model.num_shards:  # the oldest go first
             for key in sorted(model.buckets)[: len(model.buckets) - BUCKET_VERSIONS * model.num_shards]:
                 del model.buckets[key]
+        self.bucket_memory[model.name] = (model.num_shards, model.buckets)  # outlives the model's record
+        self.bucket_memory.move_to_end(model.name)
+        while len(self.bucket_memory) > BUCKET_MODELS:
+            self.bucket_memory.popitem(last=False)
         self._ack(s, msg.req)
 
     def _in_bucket(self, reader: _Holder, err: TensorHubError) -> TensorHubError:

@@ -102,6 +102,9 @@ class SessionMixin:
             model = self.models.get(msg.model)  # it may have been dropped with the old replica
         if model is None:
             model = self.models[msg.model] = _Model(msg.model, msg.num_shards, msg.source)
+            kept = self.bucket_memory.get(msg.model)
+            if kept is not None and kept[0] == msg.num_shards:
+                model.buckets = kept[1]  # the bucket copies declared before the model's record went
         if replica is None:
             replica = model.replicas.get(msg.replica)
             if replica is None:
