@@ -180,7 +180,8 @@ def default_sharding(num_shards: int | None, shard_idx: int | None, ctx: dict | 
         InvalidArgument: the sources disagree (the process group against ``$WORLD_SIZE``/``$RANK``),
             only one of ``$WORLD_SIZE``/``$RANK`` is set or one is not an integer, or
             ``shard_idx`` is omitted while an explicit ``num_shards`` differs from the job's
-            world size (the rank then says nothing about the shard: pass ``shard_idx``).
+            world size (the rank then says nothing about the shard: pass ``shard_idx``), or
+            omitted with an explicit ``num_shards`` above 1 and no job to take a rank from.
     """
     ctx = ctx or {}
     if num_shards is not None and shard_idx is not None:
@@ -200,6 +201,12 @@ def default_sharding(num_shards: int | None, shard_idx: int | None, ctx: dict | 
             )  # fmt: skip
         world, rank, source = pg_world, pg_rank, "the torch.distributed process group"
     if world is None or rank is None:
+        if shard_idx is None and num_shards is not None and num_shards != 1:
+            # Every process would be shard 0: nothing says which shard this one is.
+            raise InvalidArgument(
+                f"shard_idx omitted with num_shards={num_shards}, and no process group, $WORLD_SIZE or $RANK "
+                "says which shard this process is: pass shard_idx=", **ctx,
+            )  # fmt: skip
         return (1 if num_shards is None else num_shards), (0 if shard_idx is None else shard_idx)
     if not 1 <= world or not 0 <= rank < world:
         raise InvalidArgument(f"{source} gives rank {rank} of world size {world}, which is not a rank of that world", **ctx)

@@ -252,7 +252,7 @@ class ClientActor(Actor):
         self.pending: dict[int, tuple[asyncio.Future, int | None, SessionOwner | None]] = {}
         self.sessions: dict[int, _Shard] = {}  # local id -> shard
         self._remote: dict[int, int] = {}  # the current server's session id -> local id
-        self._dead: dict[int, TensorHubError] = {}  # local sessions that could not be restored
+        self._dead: dict[int, TensorHubError] = {}  # local sessions that could not be restored, or that the server removed
         self.heartbeat_interval = 1.0
         self.heartbeat_timeout = 10.0
         self.last_heard = time.monotonic()
@@ -325,8 +325,8 @@ class ClientActor(Actor):
 
     def _outgoing(self, msg: Any) -> Any:
         """``msg`` with the current server's session ids in place of the local ones."""
-        if isinstance(msg, m.Heartbeat):
-            remote = tuple(s.remote for s in self.sessions.values() if s.remote is not None)
+        if isinstance(msg, m.Heartbeat):  # not for sessions the server removed: they stay removed
+            remote = tuple(s.remote for local, s in self.sessions.items() if s.remote is not None and local not in self._dead)
             return dataclasses.replace(msg, sessions=remote)
         local = getattr(msg, "session", None)
         if local is None:
@@ -631,7 +631,11 @@ class ClientActor(Actor):
                 return
             reply = dataclasses.replace(reply, session=local)
             if isinstance(reply, m.Removed):
-                self._fail_session(local, error_from_wire(reply.code, reply.reason))
+                if local in self._dead:
+                    return  # said once already
+                err = error_from_wire(reply.code, reply.reason)
+                self._dead[local] = err  # its calls raise this, and it is heartbeated no more
+                self._fail_session(local, err)
             self.engine.tell(reply)
             return
         if isinstance(reply, m.HeartbeatAck) and reply.term:
@@ -649,9 +653,11 @@ class ClientActor(Actor):
         if isinstance(reply, m.HeartbeatAck) and reply.unknown:
             for remote in reply.unknown:
                 local = self._remote.get(remote)
-                if local is not None and local in self.sessions:
-                    self.engine.tell(m.Removed(local, "replica_removed", "the server no longer knows this session"))
-                    self._fail_session(local, error_from_wire("replica_removed", "the server no longer knows this session"))
+                if local is not None and local in self.sessions and local not in self._dead:
+                    err = error_from_wire("replica_removed", "the server no longer knows this session")
+                    self._dead[local] = err  # told once; no more heartbeats for it
+                    self.engine.tell(m.Removed(local, err.code, err.message))
+                    self._fail_session(local, err)
         if isinstance(reply, m.Failed) and reply.code == UnknownSession.code and self.lost is None and self.sessions:
             # A server that never knew our sessions (those it removed or fenced it says so) is a
             # new start at this address: move to it and re-announce, as after any loss; the call

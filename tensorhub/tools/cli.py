@@ -71,6 +71,20 @@ def _client_keys(args: argparse.Namespace) -> Any:
     return client_keys(getattr(args, "server_key", None), getattr(args, "client_key", None))
 
 
+def _address(args: argparse.Namespace) -> str:
+    """The server an operations command talks to: ``--server``, else ``$TENSORHUB_SERVER`` (its
+    first address), else the embedded default's address: where a handle would find it (nothing
+    is started)."""
+    from tensorhub.runtime.embedded import embedded_address, parse_servers
+
+    if args.server:
+        return str(parse_servers(args.server, "--server")[0])
+    env = os.environ.get("TENSORHUB_SERVER")
+    if env:
+        return str(parse_servers(env, "$TENSORHUB_SERVER")[0])
+    return str(embedded_address())
+
+
 def _status(args: argparse.Namespace) -> int:
     import json
     import time
@@ -78,6 +92,7 @@ def _status(args: argparse.Namespace) -> int:
     from .admin import cluster_status
     from .status import render
 
+    args.server = _address(args)
     keys = _client_keys(args)
     as_json = args.json or (not args.watch and not sys.stdout.isatty())
     rounds = args.count if args.count is not None else (None if args.watch else 1)
@@ -101,6 +116,7 @@ def _trace(args: argparse.Namespace) -> int:
     from .admin import transfer_trace
     from .trace import write_chrome_trace
 
+    args.server = _address(args)
     trace = transfer_trace(args.server, args.model, args.version, args.timeout, _client_keys(args))
     doc = write_chrome_trace(trace, args.out)
     print(f"{args.out}: {len(trace.spans)} transfer spans, {len(trace.edges)} grants of {args.model} v{args.version} "
@@ -122,6 +138,7 @@ def _dag(args: argparse.Namespace) -> int:
 
     from .admin import replication_dag
 
+    args.server = _address(args)
     dag = replication_dag(args.server, args.model, args.version, args.timeout, _client_keys(args))
     if args.dot:
         with open(args.dot, "w") as f:
@@ -205,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_server)
 
     st = sub.add_parser("status", help="a running server's state: models, versions, replicas, grants, rates")
-    st.add_argument("--server", required=True, help="the server's address, e.g. tcp://127.0.0.1:5557")
+    st.add_argument("--server", default=None,
+                    help="the server's address, e.g. tcp://127.0.0.1:5557 (default: $TENSORHUB_SERVER, else the embedded default's)")
     st.add_argument("--json", action="store_true", help="JSON for scripts (also the default when stdout is not a terminal)")
     st.add_argument("--watch", action="store_true", help="refresh every --interval seconds (JSON: one document a line)")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
@@ -215,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_status)
 
     tr = sub.add_parser("trace", help="a version's replication as a Chrome trace / Perfetto JSON file")
-    tr.add_argument("--server", required=True, help="the server's address")
+    tr.add_argument("--server", default=None, help="the server's address (default: $TENSORHUB_SERVER, else the embedded default's)")
     tr.add_argument("--model", required=True)
     tr.add_argument("--version", type=int, required=True)
     tr.add_argument("--out", required=True, help="the JSON file to write")
@@ -229,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     kg.set_defaults(func=_keygen)
 
     g = sub.add_parser("dag", help="the replication DAG of a version: who served whom (JSON, dot, PNG)")
-    g.add_argument("--server", required=True, help="the server's address")
+    g.add_argument("--server", default=None, help="the server's address (default: $TENSORHUB_SERVER, else the embedded default's)")
     g.add_argument("--model", required=True)
     g.add_argument("--version", type=int, required=True)
     g.add_argument("--json", default=None, help="write JSON here ('-': stdout; the default without --dot/--png)")
