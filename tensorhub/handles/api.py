@@ -766,7 +766,7 @@ class AsyncShardHandle:
                 raise AlreadyRegistered("tensors are already registered: unregister() first", **self.ctx)
             tensors, placements = _from_dtensors(tensors, placements, self.ctx)
             layout = layout_of(tensors, pack_threshold=_pack_threshold(), ctx=self.ctx)
-            placed = None if placements is None else _placed(layout, placements, self.shard_idx, self.ctx)
+            placed = None if placements is None else _placed(layout, placements, self.shard_idx, self.ctx, self.num_shards)
             if placed is None and self.convert_from is not None:
                 raise InvalidPlacement(f"a shard converted from {self.convert_from!r} must register placements=", **self.ctx)
             convert = None
@@ -1402,9 +1402,11 @@ def _from_dtensors(
 
 
 def _placed(
-    layout: Layout, placements: dict[str, TensorPlacement | PlacedTensor], shard_idx: int, ctx: dict
+    layout: Layout, placements: dict[str, TensorPlacement | PlacedTensor], shard_idx: int, ctx: dict,
+    num_shards: int | None = None,
 ) -> tuple[PlacedTensor, ...]:
-    """Every registered tensor's placement, in layout order, checked against its local tensor."""
+    """Every registered tensor's placement, in layout order, checked against its local tensor
+    and (``num_shards``) against the replica: a mesh is laid over its shards, as many as they."""
     if not isinstance(placements, dict):
         raise InvalidArgument(f"placements must be a dict of tensor name -> placement, got {type(placements).__name__}", **ctx)
     extra = sorted(set(placements) - {t.name for t in layout.tensors})
@@ -1423,6 +1425,13 @@ def _placed(
             raise InvalidPlacement(f"tensor {spec.name!r}: a placement must be a TensorPlacement or PlacedTensor, got {type(p).__name__}", tensors=(spec.name,), **ctx)
         if p.name != spec.name:
             raise InvalidPlacement(f"tensor {spec.name!r}: its placement is named {p.name!r}", tensors=(spec.name,), **ctx)
+        mesh = p.placement.mesh
+        if num_shards is not None and mesh and math.prod(mesh) != num_shards:
+            raise InvalidPlacement(
+                f"tensor {spec.name!r}: its mesh {list(mesh)} has {math.prod(mesh)} positions, but the replica has "
+                f"num_shards={num_shards} shards (a mesh is laid over the replica's shards, one position each)",
+                tensors=(spec.name,), **ctx,
+            )  # fmt: skip
         if p.spec() != spec:
             raise InvalidPlacement(
                 f"tensor {spec.name!r} is {spec.dtype}{list(spec.shape)}; its placement gives {p.spec().dtype}{list(p.spec().shape)} here",
