@@ -403,9 +403,10 @@ async def restore_from_bucket(owner: Any, url: str, err: TensorHubError, timeout
 def _with_cause(err: TensorHubError, cause: TensorHubError) -> TensorHubError:
     """``err`` (the pull's), of the same class, its message saying why the restore failed."""
     message = f"{err.message}; restoring it from the bucket failed: {type(cause).__name__}: {cause.message}"
-    extra = {"bucket": err.bucket} if isinstance(err, InBucket) else {}
     try:
-        return type(err)(message, **err.context(), **extra)
+        if isinstance(err, InBucket):
+            return InBucket(message, bucket=err.bucket, **err.context())
+        return type(err)(message, **err.context())
     except TypeError:  # a class with other required fields: keep it, the cause chained
         return err
 

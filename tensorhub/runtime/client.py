@@ -633,9 +633,9 @@ class ClientActor(Actor):
             if isinstance(reply, m.Removed):
                 if local in self._dead:
                     return  # said once already
-                err = error_from_wire(reply.code, reply.reason)
-                self._dead[local] = err  # its calls raise this, and it is heartbeated no more
-                self._fail_session(local, err)
+                removed = error_from_wire(reply.code, reply.reason)
+                self._dead[local] = removed  # its calls raise this, and it is heartbeated no more
+                self._fail_session(local, removed)
             self.engine.tell(reply)
             return
         if isinstance(reply, m.HeartbeatAck) and reply.term:
@@ -654,10 +654,10 @@ class ClientActor(Actor):
             for remote in reply.unknown:
                 local = self._remote.get(remote)
                 if local is not None and local in self.sessions and local not in self._dead:
-                    err = error_from_wire("replica_removed", "the server no longer knows this session")
-                    self._dead[local] = err  # told once; no more heartbeats for it
-                    self.engine.tell(m.Removed(local, err.code, err.message))
-                    self._fail_session(local, err)
+                    gone = error_from_wire("replica_removed", "the server no longer knows this session")
+                    self._dead[local] = gone  # told once; no more heartbeats for it
+                    self.engine.tell(m.Removed(local, gone.code, gone.message))
+                    self._fail_session(local, gone)
         if isinstance(reply, m.Failed) and reply.code == UnknownSession.code and self.lost is None and self.sessions:
             # A server that never knew our sessions (those it removed or fenced it says so) is a
             # new start at this address: move to it and re-announce, as after any loss; the call
