@@ -113,7 +113,9 @@ def open(
             shard also writes every version there in the background (an anchor every 8
             versions, deltas between, chunks stored once by content); a reader's pull that no
             peer can serve (unreachable, or no holder left) restores the version from it,
-            verified, and then serves it to peers like any holder (``last_bucket``).
+            verified, and then serves it to peers like any holder (``last_bucket``). A write
+            that failed is raised, typed (``BucketError``), by the next ``publish()``, and that
+            version is not declared to the server.
 
     Returns:
         the open :class:`~tensorhub.handles.api.ShardHandle`.
@@ -124,6 +126,8 @@ def open(
             sources disagree (the process group against ``$WORLD_SIZE``/``$RANK``; an explicit
             ``num_shards`` other than the world size with ``shard_idx`` omitted).
         ServerUnavailable: no server answered in ``connect_timeout`` seconds.
+        BucketUnavailable: ``bucket`` cannot be used at all (an unknown protocol, a directory
+            that cannot be made: under a regular file, in ``/proc``, no permission).
     """
     from tensorhub.handles.api import open_sync
 

@@ -209,3 +209,84 @@ def test_unreachable_server_is_a_typed_error():
     finally:
         sock.close(0)
         ctx.term()
+
+
+# ---- issue 36: the hard edges a new user found -------------------------------------------------
+
+
+def test_republishing_a_version_with_other_bytes_is_refused(server):
+    """Issue 36 (1): ``publish(1); unpublish(); <change>; publish(1)`` is refused with
+    VersionConflict naming model, version and replica; readers get v1's bytes, and a reader
+    without a timeout does not wait forever. Publishing it again unchanged still works."""
+    w = {"x": torch.arange(64, dtype=torch.float32)}
+    v1 = w["x"].clone()
+    with tensorhub.open("republish", "trainer", server=server.address) as h, tensorhub.open(
+        "republish", "rollout", server=server.address
+    ) as r:
+        h.register(w)
+        h.publish(1)
+        h.unpublish()
+        h.publish(1)  # the same bytes again: accepted, and served (its packs are filled again)
+        h.unpublish()
+        w["x"].fill_(7)
+        with pytest.raises(e.VersionConflict) as info:
+            h.publish(1)
+        err = info.value
+        assert (err.model, err.version, err.replica) == ("republish", 1, "trainer")
+        assert h.version is None
+        dst = {"x": torch.zeros(64)}
+        r.register(dst)
+        assert r.replicate(1) == 1  # no timeout: the version completes from what holds it
+        assert torch.equal(dst["x"], v1)
+        h.publish(2)  # a new number for the new bytes
+        h.unpublish()
+
+
+def test_a_second_replica_publishing_a_version_with_other_bytes_is_refused(server):
+    """Issue 36 (5): another replica publishing a known version with other bytes gets
+    VersionConflict from publish(), not a quarantine with only a log line."""
+    with tensorhub.open("second", "a", server=server.address) as a, tensorhub.open(
+        "second", "b", server=server.address
+    ) as b, tensorhub.open("second", "c", server=server.address) as c:
+        a.register({"x": torch.ones(16)})
+        a.publish(4)
+        a.wait(lambda v: 4 in v, timeout=10)
+        b.register({"x": torch.full((16,), 2.0)})
+        for _ in range(100):  # a's checksums are declared in the background, shortly after publish
+            try:
+                b.publish(4)
+            except e.VersionConflict as err:
+                assert (err.model, err.version, err.replica) == ("second", 4, "b")
+                break
+            b.unpublish()
+        else:
+            pytest.fail("b's publish of other bytes under version 4 was never refused")
+        assert set(b.list()[4]) == {"a"}
+        c.register({"x": torch.ones(16)})
+        c.publish(4)  # the same bytes: a second holder
+        assert set(c.list()[4]) == {"a", "c"}
+        c.unpublish()
+        a.unpublish()
+
+
+def test_a_shadow_set_sharing_storage_with_the_active_set_is_refused(server):
+    """Issue 36 (2): register_shadow() given the active tensors themselves, or views sharing
+    their storage, is refused with InvalidArgument naming the tensor; nothing is registered, and
+    a shadow set of its own still works."""
+    w = {"x": torch.arange(32, dtype=torch.float32), "y": torch.ones(8)}
+    with tensorhub.open("shadowed", "trainer", server=server.address) as t, tensorhub.open(
+        "shadowed", "rollout", server=server.address
+    ) as r:
+        t.register({k: v.clone() for k, v in w.items()})
+        t.publish(1)
+        active = {k: torch.zeros_like(v) for k, v in w.items()}
+        r.register(active)
+        assert r.replicate(1, timeout=10) == 1
+        for bad in (dict(active), {"x": torch.empty(32), "y": active["x"][:8]}, {"x": active["x"].view(4, 8).view(32), "y": torch.empty(8)}):
+            with pytest.raises(e.InvalidArgument) as info:
+                r.register_shadow(bad)
+            assert "shares storage" in str(info.value) and "rollout" in str(info.value)
+        assert set(r.list()[1]) == {"trainer", "rollout"}  # no shadow replica was registered
+        assert r.register_shadow({k: torch.empty_like(v) for k, v in w.items()}) > 0
+        assert torch.equal(active["x"], w["x"])
+        t.unpublish()

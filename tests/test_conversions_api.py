@@ -119,3 +119,14 @@ def test_dtensors_register_in_place_with_their_placements(server, fake_world):
         h.register({"w": dt})
         assert h.placements == (PlacedTensor(W(), (1,)),)
         assert h.buffers.tensors[0].data_ptr() == local.data_ptr()  # the local tensor itself: in place
+
+
+def test_a_mesh_other_than_the_replica_is_refused_at_register(server):
+    """Issue 36 (5): a placement mesh of 3 on a replica of 2 shards was accepted at register and
+    failed only at conversion (position 2 of the mesh is held by nobody)."""
+    three = TensorPlacement.of("w", "float32", (6, 4), Shard(0), 3)
+    with tensorhub.open("mesh", "r", num_shards=2, shard_idx=1, server=server) as h:
+        with pytest.raises(InvalidPlacement, match=r"mesh \[3\] has 3 positions.*num_shards=2") as info:
+            h.register({"w": torch.zeros(2, 4)}, placements={"w": three})
+        assert info.value.tensors == ("w",)
+        h.register({"w": torch.zeros(4, 4)}, placements={"w": W()})  # nothing was left half-registered

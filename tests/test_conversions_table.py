@@ -234,3 +234,33 @@ def test_a_source_that_fails_the_converters_checksums_checks_itself():
     a.expect_error(req, VersionUnavailable)  # shard 0's only copy was quarantined
     assert not d.table.grants
     assert_invariants(d.table)
+
+
+def test_a_conversion_records_the_bytes_each_source_gave():
+    """Issue 36 (5): the history (``tensorhub dag``) and the bytes per link counted a conversion
+    once per source shard, each with the reader's whole shard size (2x the bytes here)."""
+    d = Driver()
+    t = trainer(d)
+    publish(t, 1)
+    a, b = reader(d, "a"), reader(d, "b")
+    a.replicate("latest")
+    (c,) = a.take(m.Convert)
+    a.expect_ok(a.request(m.Converted, a.session, c.term, c.version, (7,), (64, 64)))
+    edges = d.table.replication_dag("actor-fp8", 1)["edges"]
+    assert sorted((e["source_shard"], e["bytes"]) for e in edges) == [(0, 64), (1, 64)]
+    assert sum(d.table.bytes_by_link.values()) == 128  # the shard's 128 bytes, once
+    # a converter that does not say: an even share each, never the whole shard per edge
+    b.replicate("latest")
+    b.complete(b.grant())  # b pulls from a: a plain grant of the whole shard
+    assert sum(d.table.bytes_by_link.values()) == 256
+    assert_invariants(d.table)
+
+
+def test_a_converter_that_does_not_say_what_it_read_records_an_even_share():
+    d = Driver()
+    publish(trainer(d), 1)
+    a = reader(d, "a")
+    a.replicate("latest")
+    converted(a, a.take(m.Convert)[0])
+    edges = d.table.replication_dag("actor-fp8", 1)["edges"]
+    assert sorted(e["bytes"] for e in edges) == [64, 64]  # not 128 each

@@ -247,3 +247,36 @@ def test_the_command_line_exports_and_imports(tmp_path, seed, capsys):
     assert main(["import", p("anchor0.safetensors"), p("d2.safetensors"), "-o", p("bad.safetensors")]) == 2
     assert "BaseMismatch" in capsys.readouterr().err
     assert not (tmp_path / "bad.safetensors").exists()
+
+
+def test_the_command_line_says_what_is_wrong_in_plain_words(tmp_path, seed, capsys):
+    """Issue 36 (5): export to a directory that does not exist is a typed error (exit 2), not a
+    traceback; a gap after an anchor names the anchor (not "None -> 1"); a corrupt anchor is
+    called corrupt, not a failure "after applying the delta"."""
+    vs = model_versions(seed, 3)
+    for i, v in enumerate(vs):
+        save_file(v, str(tmp_path / f"v{i}.safetensors"))
+    p = lambda name: str(tmp_path / name)
+    assert main(["export", p("v0.safetensors"), "--version", "0", "-o", str(tmp_path / "no" / "such" / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "InvalidArgument" in err and "does not exist" in err and "Traceback" not in err
+    assert main(["export", p("v1.safetensors"), "--version", "1", "-o", p("anchor1.safetensors")]) == 0
+    assert main(["export", p("v2.safetensors"), "--version", "2", "--base", p("v1.safetensors"), "--base-version", "1",
+                 "-o", p("d2.safetensors")]) == 0  # fmt: skip
+    assert main(["export", p("v0.safetensors"), "--version", "0", "-o", p("anchor0.safetensors")]) == 0
+    capsys.readouterr()
+    assert main(["import", p("anchor0.safetensors"), p("d2.safetensors"), "-o", p("bad.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "the delta 1 -> 2 does not follow the anchor of version 0" in err and "None" not in err, err
+    # an anchor whose bytes rotted after it was written (its checksums are in its metadata)
+    from safetensors import safe_open
+
+    with safe_open(p("anchor1.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] += 1
+    save_file(tensors, p("rotten.safetensors"), metadata=meta)
+    assert main(["import", p("rotten.safetensors"), "-o", p("out.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "the anchor of version 1 is corrupt" in err and "after applying" not in err, err

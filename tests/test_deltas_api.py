@@ -163,3 +163,95 @@ def test_the_standby_set_of_replicate_then_flip_lands_through_deltas_too(server,
             await trainer.close()
 
     asyncio.run(run())
+
+
+# ---- issue 36 (4): the bucket tier's errors -------------------------------------------------------
+
+
+def test_a_bucket_that_cannot_work_is_refused_at_open(tmp_path):
+    """An unknown protocol, a path under a regular file, a path in /proc: BucketUnavailable (a
+    TransportError) from open(), naming the URL and the cause, not untyped at every publish()."""
+    import tensorhub
+    from tensorhub.core.errors import BucketUnavailable, TransportError
+
+    regular = tmp_path / "a-file"
+    regular.write_text("not a directory")
+    for url, cause in ((str(regular / "bucket"), "NotADirectoryError"), ("/proc/self/no-such/bucket", "Error"),
+                       ("nosuchproto://weights", "ValueError")):  # fmt: skip
+        with pytest.raises(BucketUnavailable) as info:
+            tensorhub.open("m", "trainer", bucket=url, server="tcp://127.0.0.1:1", connect_timeout=0.2)
+        err = info.value
+        assert isinstance(err, TransportError) and url in str(err) and cause in str(err), err
+        assert (err.model, err.replica) == ("m", "trainer")
+
+
+def _bucket_copies(server, model):
+    return server._look(lambda t: dict(t.models[model].buckets) if model in t.models else {})
+
+
+def _until(cond, what: str, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_failed_bucket_write_is_raised_by_the_next_publish_and_never_declared(server, tmp_path):
+    import shutil
+
+    import tensorhub
+    from tensorhub.core.errors import BucketError
+
+    bucket = tmp_path / "bucket"
+    with tensorhub.open("bw", "trainer", bucket=str(bucket), server=server.address) as h:
+        w = {"x": torch.arange(256, dtype=torch.float32)}
+        h.register(w)
+        shutil.rmtree(bucket)
+        bucket.write_text("the bucket's directory is gone")  # every write fails from now on
+        h.publish(1)  # live for peers; the bucket write fails in the background
+        _until(lambda: h._delta_pub is not None and h._delta_pub.write_error is not None, "the failed write")
+        h.unpublish()
+        with pytest.raises(BucketError) as info:
+            h.publish(2)  # not silent: raised before version 2 goes live
+        assert "bucket" in str(info.value) and h.version is None
+        assert _bucket_copies(server, "bw") == {}  # version 1 was never declared as stored
+        bucket.unlink()
+        bucket.mkdir()
+        h.publish(2)  # the bucket works again: version 2 is stored (an anchor) and declared
+        _until(lambda: (2, 0) in _bucket_copies(server, "bw"), "the bucket copy of version 2")
+        h.unpublish()
+
+
+def test_the_bucket_serves_after_the_last_holder_left_and_a_failed_restore_says_why(server, tmp_path):
+    import tensorhub
+    from tensorhub.core.errors import VersionUnavailable
+
+    bucket = tmp_path / "bucket"
+    w = {"x": torch.arange(4096, dtype=torch.float32)}
+    t = tensorhub.open("lr", "trainer", bucket=str(bucket), server=server.address)
+    a = tensorhub.open("lr", "a", server=server.address)
+    try:
+        t.register(w)
+        t.publish(1)
+        _until(lambda: (1, 0) in _bucket_copies(server, "lr"), "the bucket copy of version 1")
+        t.close()  # the only peer holder is gone
+        got = {"x": torch.zeros(4096)}
+        a.register(got)
+        assert a.replicate(1) == 1  # no timeout: the server names the bucket at once, the handle restores
+        assert torch.equal(got["x"], w["x"]) and a.last_bucket is not None
+        a.close()  # gone again; now the bucket's chunks rot
+        for f in (bucket / "chunks").rglob("*"):
+            if f.is_file():
+                f.write_bytes(b"\0" * f.stat().st_size)
+        b = tensorhub.open("lr", "b", server=server.address)
+        b.register({"x": torch.zeros(4096)})
+        with pytest.raises(VersionUnavailable) as info:
+            b.replicate(1)
+        assert "ChecksumMismatch" in str(info.value) and "corrupt" in str(info.value), info.value
+        assert isinstance(info.value.__cause__, ChecksumMismatch)
+        b.close()
+    finally:
+        t.close()
+        a.close()

@@ -343,3 +343,40 @@ def test_the_bucket_is_a_source_of_last_resort_named_when_no_peer_can_serve():
     for v in range(2, 2 + 70):  # the newest 64 versions are remembered
         t.expect_ok(t.request(m.BucketStored, t.session, v, url))
     assert min(d.table.models[MODEL].buckets) == (70 + 2 - 64, 0)
+
+
+def test_the_bucket_is_offered_after_the_last_holder_has_gone():
+    """Issue 36 (4): once the only peer holder of a version has closed, a replicate of it (no
+    timeout) is told InBucket at once rather than waiting, and the restore's claim is taken."""
+    d = Driver()
+    d.advance(11)  # past the start-up grace period (during it, a missing version may still be announced)
+    (t,) = d.replica("T", 1, layout=FULL)
+    trainer_publish([t], 1)
+    url = "file:///weights"
+    t.expect_ok(t.request(m.BucketStored, t.session, 1, url))
+    (r,) = d.replica("R", 1, layout=FULL)
+    t.expect_ok(t.close())  # the last holder is gone
+    err = r.expect_error(r.replicate(1), InBucket)
+    assert err.bucket == url and err.version == 1
+    bad = tuple(x + 1 for x in SUMS[1])  # a restore that does not hold version 1: not taken
+    r.expect_error(r.request(m.Replicate, r.session, r.next_call(), 1, None, bad), InBucket)
+    reply = r.expect_ok(r.request(m.Replicate, r.session, r.next_call(), 1, None, SUMS[1]))
+    assert isinstance(reply, m.Replicated) and reply.version == 1
+    assert [v.version for v in r.list().versions] == [1]  # available again, from the restored copy
+    (q,) = d.replica("Q", 1, layout=FULL)
+    q.expect_ok(q.pull(1))  # and served to peers
+
+
+def test_bucket_copies_are_remembered_after_every_session_closed():
+    """A reader that opens after every holder (and every session) of the model left is still
+    told InBucket for a version the bucket holds."""
+    d = Driver()
+    d.advance(11)
+    (t,) = d.replica("T", 1, layout=FULL)
+    trainer_publish([t], 1)
+    t.expect_ok(t.request(m.BucketStored, t.session, 1, "file:///weights"))
+    t.expect_ok(t.close())
+    assert MODEL not in d.table.models  # its record is gone
+    (r,) = d.replica("R", 1, layout=FULL)
+    assert r.expect_error(r.replicate(1), InBucket).bucket == "file:///weights"
+    r.expect_ok(r.request(m.Replicate, r.session, r.next_call(), 1, None, SUMS[1]))

@@ -183,3 +183,70 @@ def test_sessions_are_bound_to_the_key_that_opened_them(server, keys):
     finally:
         alice.close()
         bob.close()
+
+
+# ---- issue 36 (3): authorization by model ----------------------------------------------------------
+
+POLICY = """
+[[rule]]
+models = ["actor", "actor-*"]
+publish = ["alice"]
+read = ["bob"]
+
+[[rule]]
+models = "open-*"
+read = "*"
+"""
+
+
+def test_model_policy_rules(keys):
+    from tensorhub.runtime.security import ModelPolicy, _key_names
+
+    names = _key_names(str(keys / "clients"))
+    alice, bob = names["alice"], names["bob"]
+    p = ModelPolicy.parse(POLICY, names)
+    assert p.allows(alice, "actor", "publish") and p.allows(alice, "actor", "read")  # publishing implies reading
+    assert not p.allows(bob, "actor", "publish") and p.allows(bob, "actor-7", "read")
+    assert p.allows(alice, "actor@delta", "publish") and not p.allows(bob, "actor@delta", "publish")  # m@delta follows m
+    assert p.allows(bob, "open-x", "read") and not p.allows(bob, "open-x", "publish")
+    assert not p.allows(alice, "elsewhere", "read")  # no rule: refused to everyone
+    for bad, what in (("x = 1", "unknown top-level"), ("", "no [[rule]]"), ("[[rule]]\npublish = ['alice']", "'models'"),
+                      ("[[rule]]\nmodels = 'a'\npublish = ['carol']", "'carol'"), ("[[rule", "not TOML")):  # fmt: skip
+        with pytest.raises(e.InvalidArgument, match=re.escape(what)):
+            ModelPolicy.parse(bad, names)
+
+
+def test_a_key_without_the_right_to_publish_a_model_is_refused(keys, tmp_path):
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY)
+    s = ServerProcess("--curve-secret", str(keys / "server.key_secret"), "--curve-clients", str(keys / "clients"),
+                      "--metrics-port", "0", "--model-policy", str(policy))  # fmt: skip
+    port = int(re.search(r":(\d+)/metrics", s.proc.stdout.readline()).group(1))
+    alice, bob = Peer(s.address, client(keys, "alice")), Peer(s.address, client(keys, "bob"))
+    try:
+        a = alice.ask(m.OpenShard(1, "actor", "trainer", 1, 0, "inc-a", Location.default(), False, None)).session
+        assert isinstance(alice.ask(m.Register(2, a, LAYOUT, {"region": 1})), m.Ack)
+        assert isinstance(alice.ask(m.Publish(3, a, 1, 1, None)), m.Ack)
+        b = bob.ask(m.OpenShard(4, "actor", "rollout", 1, 0, "inc-b", Location.default(), False, None)).session
+        assert isinstance(bob.ask(m.Register(5, b, LAYOUT, {"region": 2})), m.Ack)
+        reply = bob.ask(m.Publish(6, b, 1, 2, None))  # bob may read "actor", not publish it
+        assert isinstance(reply, m.Failed) and isinstance(reply.error(), e.PermissionDenied), reply
+        err = reply.error()
+        assert (err.model, err.replica) == ("actor", "rollout") and "publish" in err.message
+        listing = bob.ask(m.ListVersions(7, b, None))
+        assert isinstance(listing, m.Listing) and [v.version for v in listing.versions] == [1]  # nothing of bob's
+        reply = bob.ask(m.OpenShard(8, "secret-model", "r", 1, 0, "inc-c", Location.default(), False, None))
+        assert isinstance(reply, m.Failed) and isinstance(reply.error(), e.PermissionDenied), reply  # no rule: no access
+        # A read-only key's re-announced holdings are not taken as the model's versions.
+        c = bob.ask(m.OpenShard(9, "open-x", "r", 1, 0, "inc-d", Location.default(), False, None)).session
+        assert isinstance(bob.ask(m.Register(10, c, LAYOUT, {"region": 3})), m.Ack)
+        assert isinstance(bob.ask(m.Announce(11, c, (m.Held(5, m.KIND_NORMAL, None),), None, 0, ())), m.Ack)
+        assert not bob.ask(m.ListVersions(12, c, None)).versions
+        metrics = parse_text(scrape("127.0.0.1", port))
+        refused = {tuple(sorted(dict(k).items())): v for k, v in metrics["tensorhub_policy_refusals_total"].items()}
+        assert sum(v for k, v in refused.items() if ("right", "publish") in k) == 1, refused
+        assert sum(v for k, v in refused.items() if ("right", "read") in k) == 1, refused
+    finally:
+        alice.close()
+        bob.close()
+        assert s.stop() == 0

@@ -150,14 +150,72 @@ def test_version_conflict_on_publish(d):
 
 
 def test_late_conflicting_checksums_quarantine_the_holding(d):
+    # Both publish before either declared (the race a publish without checksums leaves open).
+    n = LAYOUT.checksum_count()
+    a = d.shard("a")
+    a.expect_ok(a.publish(5))
+    b = d.shard("b")
+    b.expect_ok(b.publish(5))
+    a.expect_ok(a.request(m.DeclareChecksums, a.session, 5, (1,) * n))
+    b.expect_error(b.request(m.DeclareChecksums, b.session, 5, (2,) * n), e.VersionConflict)
+    assert b.take(m.Quarantined)
+    assert [h.session.replica.name for h in d.table.holders()] == ["a"]
+
+
+def test_publish_of_a_known_version_must_prove_its_bytes(d):
+    """Issue 36 (1), (5): a version number whose checksums are known is published only with
+    checksums, and other ones are refused with VersionConflict naming model, version, replica."""
     n = LAYOUT.checksum_count()
     a = d.shard("a")
     a.expect_ok(a.publish(5, (1,) * n))
     b = d.shard("b")
-    b.expect_ok(b.publish(5))
-    b.expect_error(b.request(m.DeclareChecksums, b.session, 5, (2,) * n), e.VersionConflict)
-    assert b.take(m.Quarantined)
+    before = d.table.counts()
+    call = b.next_call()
+    b.expect_error(b.request(m.Publish, b.session, call, 5, None), e.ChecksumsRequired)
+    assert d.table.counts() == before  # nothing changed: the same call is made again with checksums
+    err = b.expect_error(b.request(m.Publish, b.session, call, 5, (2,) * n), e.VersionConflict)
+    assert (err.model, err.version, err.replica) == ("actor", 5, "b")
     assert [h.session.replica.name for h in d.table.holders()] == ["a"]
+    c = d.shard("c")
+    call = c.next_call()
+    c.expect_error(c.request(m.Publish, c.session, call, 5, None), e.ChecksumsRequired)
+    c.expect_ok(c.request(m.Publish, c.session, call, 5, (1,) * n))  # the same bytes: a holder like a
+    assert sorted(h.session.replica.name for h in d.table.holders()) == ["a", "c"]
+
+
+def test_republish_after_unpublish_with_other_bytes_is_refused(d):
+    """Issue 36 (1): publish(1); unpublish(); <tensors change>; publish(1) is refused while the
+    version is known (here kept by its offload copy), and the offload copy stays."""
+    n = LAYOUT.checksum_count()
+    t = d.shard("t", retain=0)
+    t.expect_ok(t.publish(1, (1,) * n))
+    req = t.unpublish()
+    (ask,) = t.take(m.OffloadRequest)
+    t.expect_ok(t.request(m.PublishOffload, t.session, 1, True))
+    t.expect_ok(req)
+    call = t.next_call()
+    t.expect_error(t.request(m.Publish, t.session, call, 1, None), e.ChecksumsRequired)
+    t.expect_error(t.request(m.Publish, t.session, call, 1, (9,) * n), e.VersionConflict)
+    assert [(h.kind, h.checksums) for h in d.table.holders()] == [(m.KIND_OFFLOAD, (1,) * n)]
+    r = d.shard("r")
+    r.expect_ok(r.pull(1))  # readers get the version's bytes, never the changed ones
+
+
+def test_a_reader_of_a_version_that_cannot_complete_fails_without_a_timeout(d):
+    """Issue 36 (1): a reader pulling from the only holder, whose bytes then turn out to conflict
+    with the version's, ends with a typed error although it gave no timeout."""
+    n = LAYOUT.checksum_count()
+    a = d.shard("a")
+    a.expect_ok(a.publish(3))
+    b = d.shard("b")
+    b.expect_ok(b.publish(3))
+    a.expect_ok(a.request(m.DeclareChecksums, a.session, 3, (1,) * n))
+    a.expect_ok(a.close())  # the good copy goes
+    r = d.shard("r")
+    req = r.replicate(3)  # no timeout
+    assert r.grants()  # from b, the only holder left
+    b.expect_error(b.request(m.DeclareChecksums, b.session, 3, (2,) * n), e.VersionConflict)
+    r.expect_error(req, e.VersionUnavailable)
 
 
 def test_checksums_reach_readers_that_started_without_them(d):

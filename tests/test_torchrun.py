@@ -34,6 +34,16 @@ def test_without_a_job_the_defaults_are_one_shard(no_job):
     assert default_sharding(None, 0) == (1, 0)
     h = AsyncShardHandle("m", "r")
     assert (h.num_shards, h.shard_idx) == (1, 0)
+    assert default_sharding(1, None) == (1, 0)
+
+
+def test_several_shards_with_no_index_and_no_job_are_refused(no_job):
+    """Issue 36 (5): num_shards=4 with shard_idx omitted and nothing to take a rank from made
+    every process shard 0, silently."""
+    with pytest.raises(InvalidArgument, match="pass shard_idx="):
+        default_sharding(4, None)
+    with pytest.raises(InvalidArgument, match="shard_idx omitted with num_shards=4"):
+        AsyncShardHandle("m", "r", num_shards=4)
 
 
 def test_torchrun_variables_fill_what_is_omitted(no_job):

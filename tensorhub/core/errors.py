@@ -35,6 +35,7 @@ __all__ = [
     "MappingMismatch",
     "Cancelled",
     "CallInFlight",
+    "PermissionDenied",
     "ProtocolError",
     "MalformedMessage",
     "WireVersionMismatch",
@@ -47,6 +48,7 @@ __all__ = [
     "VersionUnavailable",
     "InBucket",
     "VersionConflict",
+    "ChecksumsRequired",
     "UpdateAborted",
     "BaseMismatch",
     "SessionError",
@@ -56,6 +58,8 @@ __all__ = [
     "ConnectionFailure",
     "ServerUnavailable",
     "TransportError",
+    "BucketError",
+    "BucketUnavailable",
     "ChecksumMismatch",
     "Timeout",
     "error_from_wire",
@@ -214,6 +218,13 @@ class CallInFlight(UsageError):
     code = "call_in_flight"
 
 
+class PermissionDenied(UsageError):
+    """The server's model policy does not let this client's key do this to this model (publish,
+    or read). Nothing was changed; the refusal is counted on the server."""
+
+    code = "permission_denied"
+
+
 # --- remote protocol errors -----------------------------------------------------------------
 
 
@@ -298,6 +309,16 @@ class VersionConflict(VersionError):
     code = "version_conflict"
 
 
+class ChecksumsRequired(VersionError):
+    """A publish of a version whose checksums the server already knows (another holder declared
+    them, or an earlier publish of the same number) must carry this shard's checksums, so that
+    other bytes under the same number are refused (:class:`VersionConflict`) before anyone can
+    read them. The handle answers it itself: it hashes its buffers and makes the same call again
+    with them. Nothing changed on the server."""
+
+    code = "checksums_required"
+
+
 class UpdateAborted(VersionError):
     """An update gave up after unpublishing; the handle is left empty."""
 
@@ -365,6 +386,20 @@ class TransportError(ConnectionFailure):
     """A data-plane transfer failed."""
 
     code = "transport"
+
+
+class BucketError(TransportError):
+    """The bucket tier failed: reading or writing one of its objects (the cause chained), or a
+    version whose write failed (raised by the next ``publish()``)."""
+
+    code = "bucket"
+
+
+class BucketUnavailable(BucketError):
+    """The bucket URL cannot be used at all: an unknown protocol, a path under a regular file or
+    where no directory can be made, no permission. Raised by ``open()`` where it can tell."""
+
+    code = "bucket_unavailable"
 
 
 class ChecksumMismatch(ConnectionFailure):

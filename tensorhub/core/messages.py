@@ -407,13 +407,15 @@ class SourceFailed:
 @message("converted")
 class Converted:
     """A converter built its shard of ``version``: it now holds it whole, with these checksums
-    of its own bytes (its conversion grants end)."""
+    of its own bytes (its conversion grants end). ``read_bytes``: the bytes it read from each
+    source shard (by source shard index), which the replication history records per grant."""
 
     req: int
     session: int
     term: int
     version: int
     checksums: tuple[int, ...]
+    read_bytes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         validate_version(self.version)

@@ -52,8 +52,10 @@ import zmq.asyncio
 from tensorhub.core import messages as m
 from tensorhub.core.errors import (
     AlreadyRegistered,
+    BucketUnavailable,
     CallInFlight,
     Cancelled,
+    ChecksumsRequired,
     ContractViolation,
     InBucket,
     InvalidArgument,
@@ -83,7 +85,7 @@ from tensorhub.core.naming import (
 from tensorhub.core.placement import PlacedTensor, TensorPlacement
 from tensorhub.core.shard import give_back, next_call
 from tensorhub.handles.deltas import DeltaPublisher, DeltaReader, DeltaStats, restore_from_bucket, ring_size
-from tensorhub.runtime.bucket import Restored
+from tensorhub.runtime.bucket import Bucket, Restored
 from tensorhub.core.topology import Location
 from tensorhub.runtime.actor import LoopThread
 from tensorhub.runtime.client import Call, ClientActor, Exchange
@@ -94,6 +96,7 @@ from tensorhub.runtime.engine import (
     AddSlot,
     DropSlot,
     EngineActor,
+    HashBuffers,
     Holdings,
     PullStats,
     StartPublish,
@@ -177,7 +180,8 @@ def default_sharding(num_shards: int | None, shard_idx: int | None, ctx: dict | 
         InvalidArgument: the sources disagree (the process group against ``$WORLD_SIZE``/``$RANK``),
             only one of ``$WORLD_SIZE``/``$RANK`` is set or one is not an integer, or
             ``shard_idx`` is omitted while an explicit ``num_shards`` differs from the job's
-            world size (the rank then says nothing about the shard: pass ``shard_idx``).
+            world size (the rank then says nothing about the shard: pass ``shard_idx``), or
+            omitted with an explicit ``num_shards`` above 1 and no job to take a rank from.
     """
     ctx = ctx or {}
     if num_shards is not None and shard_idx is not None:
@@ -197,6 +201,12 @@ def default_sharding(num_shards: int | None, shard_idx: int | None, ctx: dict | 
             )  # fmt: skip
         world, rank, source = pg_world, pg_rank, "the torch.distributed process group"
     if world is None or rank is None:
+        if shard_idx is None and num_shards is not None and num_shards != 1:
+            # Every process would be shard 0: nothing says which shard this one is.
+            raise InvalidArgument(
+                f"shard_idx omitted with num_shards={num_shards}, and no process group, $WORLD_SIZE or $RANK "
+                "says which shard this process is: pass shard_idx=", **ctx,
+            )  # fmt: skip
         return (1 if num_shards is None else num_shards), (0 if shard_idx is None else shard_idx)
     if not 1 <= world or not 0 <= rank < world:
         raise InvalidArgument(f"{source} gives rank {rank} of world size {world}, which is not a rank of that world", **ctx)
@@ -259,6 +269,27 @@ class _SessionRef:
 
     async def restore(self, send: Exchange) -> None:
         await self.target.restore(send)
+
+
+def _sharing_storage(tensors: dict[str, torch.Tensor], others: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """The pairs (name in ``tensors``, name in ``others``) whose storages overlap (views of one
+    allocation, or the same tensors), sorted."""
+    spans = []
+    for name, t in others.items():
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st.nbytes():
+                spans.append((t.device, st.data_ptr(), st.data_ptr() + st.nbytes(), name))
+    pairs = []
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        st = t.untyped_storage()
+        lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+        if lo == hi:
+            continue
+        pairs.extend((name, other) for dev, a, b, other in spans if dev == t.device and a < hi and lo < b)
+    return sorted(pairs)
 
 
 def _shadow_does_not_fit(need: int, devices: Sequence[torch.device], max_bytes: int | None) -> str | None:
@@ -530,6 +561,11 @@ class AsyncShardHandle:
     # ---- opening and closing -------------------------------------------------------------------
 
     async def _open(self) -> AsyncShardHandle:
+        if self._bucket is not None:  # a URL that cannot work fails here, typed, not at every publish()
+            try:
+                await asyncio.to_thread(Bucket, self._bucket)
+            except BucketUnavailable as err:
+                raise BucketUnavailable(err.message, **self.ctx) from err.__cause__
         rt = Runtime.current()
         if self._server is None and not os.environ.get("TENSORHUB_SERVER"):
             self._server = await asyncio.to_thread(_server_from_ray)  # None: not in a Ray job with one
@@ -681,7 +717,8 @@ class AsyncShardHandle:
             give_back(self, n)
             raise
         except TensorHubError as err:
-            if not isinstance(err, Cancelled):  # the server's answer (Cancelled: this process stopped)
+            if not isinstance(err, (Cancelled, ChecksumsRequired)):  # the server's answer (Cancelled: this
+                # process stopped; ChecksumsRequired: the same call is made again with checksums)
                 self._keep(m.CallAnswer(n, kind, None, None, None, None, type(err).code[:64], err.message[:1000]))
             raise
         if isinstance(reply, m.Listing):
@@ -738,7 +775,7 @@ class AsyncShardHandle:
                 raise AlreadyRegistered("tensors are already registered: unregister() first", **self.ctx)
             tensors, placements = _from_dtensors(tensors, placements, self.ctx)
             layout = layout_of(tensors, pack_threshold=_pack_threshold(), checksum=checksum, ctx=self.ctx)
-            placed = None if placements is None else _placed(layout, placements, self.shard_idx, self.ctx)
+            placed = None if placements is None else _placed(layout, placements, self.shard_idx, self.ctx, self.num_shards)
             if placed is None and self.convert_from is not None:
                 raise InvalidPlacement(f"a shard converted from {self.convert_from!r} must register placements=", **self.ctx)
             convert = None
@@ -782,6 +819,9 @@ class AsyncShardHandle:
             NotRegistered, InvalidName, ContractViolation (holding another version), VersionConflict.
         """
         pub = self._delta_pub
+        failed = pub.take_write_error() if pub is not None else None
+        if failed is not None:  # never silent: a version the bucket did not store (the next is written as an anchor)
+            raise failed
         await self._publish(version, delta_from=pub.announce(version) if pub is not None else None)
         if (self._delta_ring or self._bucket is not None) and self.session is not None:
             if self._delta_pub is None:
@@ -799,20 +839,50 @@ class AsyncShardHandle:
             buffers = self.buffers
             assert buffers is not None
             held_before = self.version
+            engine = self._engine
+            assert engine is not None
             if held_before != version:
                 # Named before the server can grant it; servable once the engine's publish job
                 # has filled the packs (a reader granted first waits for the progress counter).
                 buffers.progress.reset(version, 0)
-            n = self._next_call()
+            proof: tuple[int, ...] | None = None
             try:
-                await self._numbered(n, "publish", lambda req: m.Publish(req, self.session, n, version, None, base, delta_from), version)
+                if held_before != version and version in (await engine.ask(Holdings(self.session)))[0]:
+                    proof = await self._prove(version)  # this shard had the number before: same bytes?
+                n = self._next_call()
+
+                def publish(req: int) -> m.Publish:
+                    return m.Publish(req, self.session, n, version, proof, base, delta_from)
+
+                try:
+                    await self._numbered(n, "publish", publish, version)
+                except ChecksumsRequired:  # the server knows the number's checksums: prove these bytes
+                    proof = await self._prove(version)
+                    await self._numbered(n, "publish", publish, version)
             except BaseException:
                 if held_before is None:
                     buffers.progress.reset(None)
                 raise
             self.version = version
-            assert self._engine is not None
-            self._engine.tell(StartPublish(self.session, version))  # pack, hash, declare: in the background
+            engine.tell(StartPublish(self.session, version, proof))  # pack, hash, declare: in the background
+
+    async def _prove(self, version: int) -> tuple[int, ...]:
+        """The checksums of the registered buffers, to publish ``version`` with. A version number
+        names one content: if this shard knew other checksums for it (it published or pulled it
+        before), the publish is refused here.
+
+        Raises:
+            VersionConflict: this shard held ``version`` before with other bytes.
+        """
+        assert self._engine is not None
+        sums, known = await self._engine.ask(HashBuffers(self.session, version))
+        if known is not None and known != sums:
+            raise VersionConflict(
+                f"publish({version}) refused: this shard held version {version} before with other bytes, and a "
+                "version number names one content (publish the changed tensors as a new version)",
+                **{**self.ctx, "version": version},
+            )
+        return sums
 
     async def unpublish(self) -> None:
         """Withdraw the held version; returns once no reader is still reading these buffers
@@ -951,6 +1021,15 @@ class AsyncShardHandle:
             else:
                 if not isinstance(tensors, dict) or set(tensors) != set(active):
                     raise InvalidArgument("the shadow set must have the registered tensors' names", **self.ctx)
+                shared = _sharing_storage(tensors, active)
+                if shared:
+                    a, b = shared[0]
+                    raise InvalidArgument(
+                        f"the shadow set must be memory of its own: shadow tensor {a!r} shares storage with the "
+                        f"registered tensor {b!r} ({len(shared)} such pairs); a pull into it would overwrite the "
+                        "version the active set holds and serves. Pass new tensors, or none (allocated here)",
+                        **self.ctx,
+                    )
                 need = sum(t.numel() * t.element_size() for t in tensors.values()) + packs
             assert tensors is not None
             names = (self._base_replica, shadow_replica(self._base_replica))
@@ -1332,9 +1411,11 @@ def _from_dtensors(
 
 
 def _placed(
-    layout: Layout, placements: dict[str, TensorPlacement | PlacedTensor], shard_idx: int, ctx: dict
+    layout: Layout, placements: dict[str, TensorPlacement | PlacedTensor], shard_idx: int, ctx: dict,
+    num_shards: int | None = None,
 ) -> tuple[PlacedTensor, ...]:
-    """Every registered tensor's placement, in layout order, checked against its local tensor."""
+    """Every registered tensor's placement, in layout order, checked against its local tensor
+    and (``num_shards``) against the replica: a mesh is laid over its shards, as many as they."""
     if not isinstance(placements, dict):
         raise InvalidArgument(f"placements must be a dict of tensor name -> placement, got {type(placements).__name__}", **ctx)
     extra = sorted(set(placements) - {t.name for t in layout.tensors})
@@ -1353,6 +1434,13 @@ def _placed(
             raise InvalidPlacement(f"tensor {spec.name!r}: a placement must be a TensorPlacement or PlacedTensor, got {type(p).__name__}", tensors=(spec.name,), **ctx)
         if p.name != spec.name:
             raise InvalidPlacement(f"tensor {spec.name!r}: its placement is named {p.name!r}", tensors=(spec.name,), **ctx)
+        mesh = p.placement.mesh
+        if num_shards is not None and mesh and math.prod(mesh) != num_shards:
+            raise InvalidPlacement(
+                f"tensor {spec.name!r}: its mesh {list(mesh)} has {math.prod(mesh)} positions, but the replica has "
+                f"num_shards={num_shards} shards (a mesh is laid over the replica's shards, one position each)",
+                tensors=(spec.name,), **ctx,
+            )  # fmt: skip
         if p.spec() != spec:
             raise InvalidPlacement(
                 f"tensor {spec.name!r} is {spec.dtype}{list(spec.shape)}; its placement gives {p.spec().dtype}{list(p.spec().shape)} here",

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from tensorhub.core import messages as m
-from tensorhub.core.errors import BaseMismatch, InvalidArgument, TensorHubError
+from tensorhub.core.errors import BaseMismatch, BucketError, InBucket, InvalidArgument, TensorHubError
 from tensorhub.core.naming import delta_model
 from tensorhub.runtime.bucket import BucketReader, BucketWriter
 from tensorhub.runtime.deltafiles import delta_bytes, from_bytes
@@ -123,8 +123,11 @@ class DeltaPublisher:
         self.ring: list[Any] = [None] * ring
         #: the bucket tier (:mod:`tensorhub.runtime.bucket`): every version (an anchor every
         #: few, deltas between) is also written there, in the background
-        self.writer = BucketWriter(bucket) if bucket is not None else None
+        self.writer: BucketWriter | None = None  # made at the first write (again after it failed)
         self.bucket = bucket
+        #: a version's bucket write that failed (typed, the cause chained): raised by the next
+        #: ``publish()`` so that it is never silent; that version was not declared to the server
+        self.write_error: TensorHubError | None = None
         self.declaring: set[asyncio.Task] = set()  # telling the server what the bucket holds
         self.turn = 0
         self.snapshot: dict[str, torch.Tensor] | None = None
@@ -159,14 +162,19 @@ class DeltaPublisher:
         sums_by_version, _ = await owner._engine.ask(Holdings(owner.session))
         sums = sums_by_version.get(version)
         delta = await self._delta(version, sums) if self.ring and self.failed is None else None
+        if self.bucket is not None and self.writer is None:
+            try:  # made again after a failure: the bucket may be usable again
+                self.writer = await asyncio.to_thread(BucketWriter, self.bucket)
+            except BucketError as err:
+                self._failed(version, err)
         if self.writer is not None:
             try:
                 await asyncio.to_thread(
                     self.writer.put, owner.model, version, owner.shard_idx, owner.tensors,
                     layout=owner.buffers.layout, checksums=sums, delta=delta,
                 )  # fmt: skip
-            except TensorHubError as err:  # an earlier write failed: said once; the writer goes on
-                owner.log.warning("bucket write failed", version=version, error=f"{type(err).__name__}: {err.message}")
+            except TensorHubError as err:  # an earlier write failed: raised by the next publish()
+                self._failed(version, err)
                 return
             task = asyncio.ensure_future(self._declare(version))  # not awaited by settle(): no trainer stall
             self.declaring.add(task)
@@ -176,12 +184,30 @@ class DeltaPublisher:
         """Once the bucket holds ``version`` (the writer flushed), tell the server, which then
         names the bucket to readers that no peer can serve."""
         owner, writer = self.owner, self.writer
+        assert writer is not None and self.bucket is not None
         try:
-            assert writer is not None and self.bucket is not None
             await asyncio.to_thread(writer.flush)
+        except TensorHubError as err:
+            self._failed(version, err)
+        if not writer.stored(owner.model, version, owner.shard_idx):  # its own write failed: never declared
+            if self.write_error is None:
+                self._failed(version, BucketError(f"bucket {self.bucket}: version {version} was not written",
+                                                  **{**owner.ctx, "version": version}))  # fmt: skip
+            return
+        try:
             await owner._request(lambda req: m.BucketStored(req, owner.session, version, self.bucket))
         except TensorHubError as err:
             owner.log.warning("bucket copy not declared", version=version, error=f"{type(err).__name__}: {err.message}")
+
+    def _failed(self, version: int, err: TensorHubError) -> None:
+        self.owner.log.warning("bucket write failed", version=version, error=f"{type(err).__name__}: {err.message}")
+        if self.write_error is None:
+            self.write_error = err
+
+    def take_write_error(self) -> TensorHubError | None:
+        """The bucket write failure not yet raised (cleared: raised once)."""
+        err, self.write_error = self.write_error, None
+        return err
 
     async def _delta(self, version: int, sums: tuple[int, ...] | None) -> Delta | None:
         owner = self.owner
@@ -353,12 +379,14 @@ async def restore_from_bucket(owner: Any, url: str, err: TensorHubError, timeout
     t0 = loop.time()
     held = None
     restored = None
+    failure: TensorHubError | None = None
     try:
         restored = await asyncio.to_thread(
             BucketReader(url).restore, owner.model, version, owner.shard_idx, owner.tensors
         )
         held = restored.checksums
     except TensorHubError as berr:
+        failure = berr
         owner.log.warning(
             "no peer and no bucket copy",
             version=version,
@@ -371,10 +399,26 @@ async def restore_from_bucket(owner: Any, url: str, err: TensorHubError, timeout
         seconds=round(loop.time() - t0, 3),
     )
     before = owner._engine.pull_mark(owner.session)
-    reply = await owner._pull_once(m.Replicate, version, timeout, held)
+    try:
+        reply = await owner._pull_once(m.Replicate, version, timeout, held)
+    except TensorHubError as perr:
+        if failure is None:
+            raise
+        raise _with_cause(perr, failure) from failure  # the restore's real cause, in the error itself
     if _serve_held(owner, version, held, before):
         owner.last_bucket = restored
     return reply
+
+
+def _with_cause(err: TensorHubError, cause: TensorHubError) -> TensorHubError:
+    """``err`` (the pull's), of the same class, its message saying why the restore failed."""
+    message = f"{err.message}; restoring it from the bucket failed: {type(cause).__name__}: {cause.message}"
+    try:
+        if isinstance(err, InBucket):
+            return InBucket(message, bucket=err.bucket, **err.context())
+        return type(err)(message, **err.context())
+    except TypeError:  # a class with other required fields: keep it, the cause chained
+        return err
 
 
 async def _unstoppable(work: Any) -> Any:

@@ -47,7 +47,10 @@ across the anchor. An object is written chunks first, then its manifest (to a te
 then moved into place where the file system has no atomic put), so a reader that sees a
 manifest finds every chunk. A failure is kept and raised, typed, by the next ``put``,
 ``flush`` or ``close`` (IO errors as :class:`~tensorhub.errors.TransportError`, the cause
-chained); the shard's chain then restarts with an anchor.
+chained; a :class:`~tensorhub.errors.BucketError`); the shard's chain then restarts with an anchor.
+A URL that cannot be used at all (an unknown protocol, a local path under a regular file or where
+no directory can be made) is :class:`~tensorhub.errors.BucketUnavailable` when the
+:class:`Bucket` is made.
 
 Retention, after each anchor: the last ``keep_anchors`` anchors of the shard and the deltas
 after the oldest of them stay; older manifests are deleted, then the chunks they referenced that
@@ -72,6 +75,7 @@ treats them as empty, as after a failed pull).
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import hashlib
 import json
@@ -88,13 +92,14 @@ import fsspec
 import torch
 
 from tensorhub.core.errors import (
+    BucketError,
+    BucketUnavailable,
     ChecksumMismatch,
     ContractViolation,
     InvalidArgument,
     MalformedMessage,
     TensorHubError,
     Timeout,
-    TransportError,
     VersionError,
     VersionUnavailable,
     WireVersionMismatch,
@@ -280,7 +285,10 @@ class Bucket:
         self, url: str, *, storage_options: Mapping[str, Any] | None = None, fs: fsspec.AbstractFileSystem | None = None
     ) -> None:
         if fs is None:
-            fs, root = fsspec.core.url_to_fs(str(url), **dict(storage_options or {}))
+            try:
+                fs, root = fsspec.core.url_to_fs(str(url), **dict(storage_options or {}))
+            except (ValueError, ImportError, OSError, TypeError) as err:  # unknown protocol, backend missing
+                raise BucketUnavailable(f"bucket {url}: cannot open it ({type(err).__name__}: {err})") from err
         else:
             root = str(url)
         self.url = str(url)
@@ -304,7 +312,13 @@ class Bucket:
             0,
         )
         if self._local:
-            fs.makedirs(self.root, exist_ok=True)
+            try:
+                fs.makedirs(self.root, exist_ok=True)
+                if not fs.isdir(self.root):
+                    raise NotADirectoryError(f"{self.root} is not a directory")
+            except OSError as err:  # under a regular file, in /proc, no permission...
+                raise BucketUnavailable(f"bucket {url}: cannot make its directory {self.root} "
+                                        f"({type(err).__name__}: {err})") from err  # fmt: skip
 
     def __repr__(self) -> str:
         return f"Bucket({self.url!r})"
@@ -350,7 +364,7 @@ class Bucket:
         except FileNotFoundError as err:
             raise VersionUnavailable(f"bucket {self.url}: {what} {key} is missing", **ctx) from err
         except OSError as err:
-            raise TransportError(f"bucket {self.url}: reading {what} {key} failed ({err})", **ctx) from err
+            raise BucketError(f"bucket {self.url}: reading {what} {key} failed ({err})", **ctx) from err
 
     def has_chunk(self, name: str) -> bool:
         return bool(self.fs.exists(self.chunk_key(name)))
@@ -401,13 +415,13 @@ class Bucket:
             try:
                 got = self.fs.cat(keys, on_error="return")
             except OSError as err:
-                raise TransportError(f"bucket {self.url}: reading chunks {keys[0]}... failed ({err})", **ctx) from err
+                raise BucketError(f"bucket {self.url}: reading chunks {keys[0]}... failed ({err})", **ctx) from err
             for (name, size), key in zip(part, keys):
                 data = got.get(key) if isinstance(got, dict) else None
                 if data is None or isinstance(data, FileNotFoundError):
                     yield self.get_chunk(name, size, ctx)  # one at a time: names what is wrong
                 elif isinstance(data, BaseException):
-                    raise TransportError(f"bucket {self.url}: reading chunk {key} failed ({data})", **ctx) from data
+                    raise BucketError(f"bucket {self.url}: reading chunk {key} failed ({data})", **ctx) from data
                 else:
                     yield self._verified(name, key, bytes(data), size, ctx)
 
@@ -656,6 +670,7 @@ class BucketWriter:
         self._closed = False
         self._last_put: dict[tuple[str, int], int] = {}
         self._chains: dict[tuple[str, int], _Chain] = {}  # the writer thread's own
+        self._stored: collections.OrderedDict[tuple[str, int, int], None] = collections.OrderedDict()  # recent
         self._thread = threading.Thread(
             target=self._run, name=f"tensorhub-bucket-writer {self.bucket.url}", daemon=True
         )
@@ -672,6 +687,12 @@ class BucketWriter:
         """Versions put and not yet written (or failed)."""
         with self._cond:
             return self._pending
+
+    def stored(self, model: str, version: int, shard_idx: int) -> bool:
+        """Whether this writer wrote ``version`` of the shard (among its last 1,024 writes): what
+        may be declared to a server, whatever failure another version's write raised."""
+        with self._cond:
+            return (model, shard_idx, version) in self._stored
 
     @property
     def stats(self) -> dict[str, int]:
@@ -795,6 +816,10 @@ class BucketWriter:
                 return
             try:
                 self._write(job)
+                with self._cond:
+                    self._stored[(job.model, job.shard, job.version)] = None
+                    while len(self._stored) > 1024:
+                        self._stored.popitem(last=False)
             except BaseException as err:  # noqa: BLE001 - kept for the caller's next call, typed
                 self._chains.pop((job.model, job.shard), None)  # the chain restarts with an anchor
                 self._fail(job, err)
@@ -808,8 +833,8 @@ class BucketWriter:
         if isinstance(err, TensorHubError):
             error = err
         else:
-            error = TransportError(f"bucket {self.bucket.url}: writing version {job.version} failed: "
-                                   f"{type(err).__name__}: {err}", **ctx)  # fmt: skip
+            error = BucketError(f"bucket {self.bucket.url}: writing version {job.version} failed: "
+                                f"{type(err).__name__}: {err}", **ctx)  # fmt: skip
             error.__cause__ = err
         with self._cond:
             if self._failure is None:  # the first failure is the one to report

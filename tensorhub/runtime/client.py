@@ -17,6 +17,11 @@ the actor maps it to the current server's id on every message out (and back on e
 in). After a failover the mapping changes; the handles, the engine's
 slots and the user's tensors do not.
 
+Connection identity. The actor's socket carries one random routing id (:attr:`ClientActor.identity`)
+on every connection, kept across reconnects and moves: the server binds each session to the
+connection that opened it, so only this actor can act for its sessions, and a reconnect (the
+server takes the id over from a connection it has not yet seen close) keeps them.
+
 Heartbeats go out every ``heartbeat_interval`` (the server's figure, from ``Opened``) for all
 open sessions in one message. When nothing at all has come from the server for
 ``heartbeat_timeout``, the server is taken as gone (``lost``):
@@ -62,6 +67,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -232,6 +238,10 @@ class ClientActor(Actor):
         super().__init__(f"client:{','.join(self.addresses)}")
         self.index = 0
         self.address = self.addresses[0]
+        #: this process's connection identity on every server (its ZeroMQ routing id): the
+        #: server binds the sessions opened through it to it, so it is random, kept across
+        #: reconnects and never shown (a leading zero byte is reserved by ZeroMQ)
+        self.identity = bytes([1 + secrets.randbelow(255)]) + secrets.token_bytes(15)
         self.ctx = ctx
         self.engine = engine
         self.failover_timeout = failover_timeout
@@ -242,7 +252,7 @@ class ClientActor(Actor):
         self.pending: dict[int, tuple[asyncio.Future, int | None, SessionOwner | None]] = {}
         self.sessions: dict[int, _Shard] = {}  # local id -> shard
         self._remote: dict[int, int] = {}  # the current server's session id -> local id
-        self._dead: dict[int, TensorHubError] = {}  # local sessions that could not be restored
+        self._dead: dict[int, TensorHubError] = {}  # local sessions that could not be restored, or that the server removed
         self.heartbeat_interval = 1.0
         self.heartbeat_timeout = 10.0
         self.last_heard = time.monotonic()
@@ -315,8 +325,8 @@ class ClientActor(Actor):
 
     def _outgoing(self, msg: Any) -> Any:
         """``msg`` with the current server's session ids in place of the local ones."""
-        if isinstance(msg, m.Heartbeat):
-            remote = tuple(s.remote for s in self.sessions.values() if s.remote is not None)
+        if isinstance(msg, m.Heartbeat):  # not for sessions the server removed: they stay removed
+            remote = tuple(s.remote for local, s in self.sessions.items() if s.remote is not None and local not in self._dead)
             return dataclasses.replace(msg, sessions=remote)
         local = getattr(msg, "session", None)
         if local is None:
@@ -547,6 +557,7 @@ class ClientActor(Actor):
             return
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.identity)  # the sessions opened through it are bound to it
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -620,7 +631,11 @@ class ClientActor(Actor):
                 return
             reply = dataclasses.replace(reply, session=local)
             if isinstance(reply, m.Removed):
-                self._fail_session(local, error_from_wire(reply.code, reply.reason))
+                if local in self._dead:
+                    return  # said once already
+                removed = error_from_wire(reply.code, reply.reason)
+                self._dead[local] = removed  # its calls raise this, and it is heartbeated no more
+                self._fail_session(local, removed)
             self.engine.tell(reply)
             return
         if isinstance(reply, m.HeartbeatAck) and reply.term:
@@ -638,9 +653,11 @@ class ClientActor(Actor):
         if isinstance(reply, m.HeartbeatAck) and reply.unknown:
             for remote in reply.unknown:
                 local = self._remote.get(remote)
-                if local is not None and local in self.sessions:
-                    self.engine.tell(m.Removed(local, "replica_removed", "the server no longer knows this session"))
-                    self._fail_session(local, error_from_wire("replica_removed", "the server no longer knows this session"))
+                if local is not None and local in self.sessions and local not in self._dead:
+                    gone = error_from_wire("replica_removed", "the server no longer knows this session")
+                    self._dead[local] = gone  # told once; no more heartbeats for it
+                    self.engine.tell(m.Removed(local, gone.code, gone.message))
+                    self._fail_session(local, gone)
         if isinstance(reply, m.Failed) and reply.code == UnknownSession.code and self.lost is None and self.sessions:
             # A server that never knew our sessions (those it removed or fenced it says so) is a
             # new start at this address: move to it and re-announce, as after any loss; the call

@@ -231,6 +231,7 @@ class Conversion:
         self.sources: dict[int, _Source] = {}
         self.ready: dict[int, asyncio.Event] = {i: asyncio.Event() for i in range(msg.source_shards)}
         self.stats = ConversionStats(msg.version, budget=spec.budget)
+        self.read_by_source: dict[int, int] = {}  # source shard -> bytes read from it (for the history)
         self.task: asyncio.Task | None = None
         self.done = False
         self._layouts: dict[int, tuple[PlacedTensor, ...]] = {}  # each source shard's placements
@@ -327,7 +328,8 @@ class Conversion:
         self.stats.seconds = time.perf_counter() - t0
         self.done = True
         version, term, session = self.version, self.term, self.session
-        self.report(lambda req: m.Converted(req, session, term, version, sums), False)
+        per_source = tuple(self.read_by_source.get(i, 0) for i in range(max(self.read_by_source, default=-1) + 1))
+        self.report(lambda req: m.Converted(req, session, term, version, sums, per_source), False)
         self.sums = sums
 
     def _cost(self, task: Task) -> int:
@@ -378,6 +380,7 @@ class Conversion:
                 self._failed(read.shard, src, lambda req: m.ChecksumFailed(req, self.session, src.grant, src.term, 0, unit))
                 continue
             self.stats.read_bytes += n
+            self.read_by_source[read.shard] = self.read_by_source.get(read.shard, 0) + n
             elem = torch.empty((), dtype=torch_dtype(dtype)).element_size()
             tensor = staging.view(torch_dtype(dtype)) if n else torch.empty(0, dtype=torch_dtype(dtype))
             offset = (read.start - (units[0].start if units else 0)) // elem

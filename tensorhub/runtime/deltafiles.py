@@ -169,10 +169,15 @@ def _common(sparse: bool, version: int, changed_params: int, changed: int, total
 def _save(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     st = _safetensors()
     path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():  # a typo'd -o: say so, not a traceback from the library
+        raise InvalidArgument(f"cannot write {str(path)!r}: the directory {str(parent)!r} does not exist")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         st.torch.save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)
+    except (OSError, st.SafetensorError) as err:
+        raise InvalidArgument(f"cannot write {str(path)!r}: {type(err).__name__}: {err}") from err
     finally:
         if tmp.exists():
             tmp.unlink()

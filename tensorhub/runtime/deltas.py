@@ -387,12 +387,17 @@ def _link(prev: Delta, nxt: Delta, ctx: dict) -> None:
         )
     if nxt.base is not None and nxt.base != prev.version:
         raise BaseMismatch(
-            f"the delta {nxt.base} -> {nxt.version} does not follow {prev.base} -> {prev.version}", **ctx
+            f"{_what(nxt)} does not follow {_what(prev)}: it applies to version {nxt.base}, not {prev.version}", **ctx
         )
     if nxt.base_checksums is not None and prev.checksums is not None and nxt.base_checksums != prev.checksums:
         names = _differing(nxt.layout, prev.checksums, nxt.base_checksums)
-        raise BaseMismatch(f"the delta {nxt.base} -> {nxt.version} is not based on what {prev.base} -> {prev.version} makes: "
+        raise BaseMismatch(f"{_what(nxt)} is not based on what {_what(prev)} makes: "
                            f"tensor {names[0]!r} differs", tensors=names, **ctx)  # fmt: skip
+
+
+def _what(d: Delta) -> str:
+    """A delta in words: an anchor loaded as a chain's first link has no base."""
+    return f"the anchor of version {d.version}" if d.base is None else f"the delta {d.base} -> {d.version}"
 
 
 def _differing(layout: Layout, have: Sequence[int], want: Sequence[int]) -> tuple[str, ...]:
@@ -515,9 +520,13 @@ def apply_chain(
     bad = checksum.first_mismatch(_buffers(tensors, layout), units, expected)
     if bad is not None:
         u = plan_of(layout).units[bad]
-        raise ChecksumMismatch(f"after applying the delta to version {last.version}, tensor {layout.tensors[u.tensor].name!r} "
-                               f"(bytes {u.start}..{u.start + u.length}) does not match its checksum: the tensors hold "
-                               f"neither version", version=last.version, **ctx)  # fmt: skip
+        name = layout.tensors[u.tensor].name
+        if len(deltas) == 1 and first.base is None:  # an anchor alone: its own bytes are wrong
+            raise ChecksumMismatch(f"the anchor of version {last.version} is corrupt: tensor {name!r} (bytes {u.start}.."
+                                   f"{u.start + u.length}) does not match its checksum", version=last.version, **ctx)  # fmt: skip
+        raise ChecksumMismatch(f"after applying {' then '.join(_what(d) for d in deltas)}, tensor {name!r} "
+                               f"(bytes {u.start}..{u.start + u.length}) does not match version {last.version}'s checksum: "
+                               f"the tensors hold neither version", version=last.version, **ctx)  # fmt: skip
 
 
 def apply_delta(

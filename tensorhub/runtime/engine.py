@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from tensorhub.core import messages as m
-from tensorhub.core.errors import InvalidArgument, TensorHubError, TransportError
+from tensorhub.core.errors import InvalidArgument, NotRegistered, TensorHubError, TransportError
 from tensorhub.core.layout import Read
 from tensorhub.core.messages import GRANT_KEY
 from tensorhub.core.session import ReplicationSession
@@ -267,6 +267,17 @@ class StartPublish:
     session: int
     version: int
     checksums: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HashBuffers:
+    """Ask: ``(the checksums of the slot's registered buffers now, packed first; the checksums
+    this slot knew for version ``version`` before, or None)``. A publish of a version number the
+    slot or the server has seen before proves its bytes with them (no version number may name
+    two contents). Only while the buffers hold no published version (nobody reads them)."""
+
+    session: int
+    version: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -1019,8 +1030,12 @@ class EngineActor(Actor):
             return
         if slot.publishing is not None and not slot.publishing.done():
             return  # the same version again while its job runs
-        if msg.version in slot.checksums and slot.buffers.progress.version == msg.version:
-            return  # published again: already packed, hashed and declared
+        _, held, verified = slot.buffers.progress.snapshot()
+        if msg.version in slot.checksums and held == msg.version and verified >= slot.buffers.total_bytes:
+            return  # published again while held: already packed, hashed and declared
+        # Otherwise (a version number published again after an unpublish: the buffers may have
+        # changed since) it is packed again and served only once the packs are filled; its
+        # checksums come with the publish (``msg.checksums``) or are computed again.
         slot.publishing = self.spawn(self._publish_job(slot, msg.version, msg.checksums), "publish")
 
     async def _publish_job(self, slot: _Slot, version: int, known: tuple[int, ...] | None = None) -> None:
@@ -1044,6 +1059,20 @@ class EngineActor(Actor):
             return
         slot.checksums[version] = sums
         self._report(slot, lambda req: m.DeclareChecksums(req, slot.session, version, sums))
+
+    def on_HashBuffers(self, msg: HashBuffers) -> Any:
+        slot = self.slots.get(msg.session)
+        if slot is None:
+            raise NotRegistered("the shard's buffers are not registered with the engine")
+        known = slot.checksums.get(msg.version)
+
+        async def run() -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+            b = slot.buffers
+            if b.packed:
+                await asyncio.to_thread(b.pack)
+            return tuple(await asyncio.to_thread(checksum.compute, b)), known
+
+        return asyncio.ensure_future(run())
 
     def on_WaitPublished(self, msg: WaitPublished) -> Any:
         slot = self.slots.get(msg.session)

@@ -17,6 +17,15 @@ names the server's public key (a ``.key`` file or the 40-character Z85 key) and
 
 Binding: the server binds loopback by default; a non-loopback bind without keys is refused
 unless the operator says ``insecure`` (:func:`check_bind`).
+
+Authorization by model (:class:`ModelPolicy`, ``--model-policy FILE``, CURVE only): a TOML file
+of rules, each mapping model name patterns to the client keys that may *publish* them (publish,
+announce holdings after a failover, convert into them, declare bucket copies) and those that may
+*read* them (open, replicate, update, list, wait). The first rule whose pattern matches the
+model decides; a model no rule matches is refused to every key. A key is named by its file name
+in ``--curve-clients`` (``alice`` for ``alice.key``) or by its 40-character Z85 public key;
+``"*"`` is every admitted key. Publishing implies reading. A delta model (``m@delta``) follows
+the rules of ``m``.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from tensorhub.core.errors import InvalidArgument
 __all__ = [
     "ClientKeys",
     "KeyAuthenticator",
+    "ModelPolicy",
     "ServerKeys",
     "check_bind",
     "client_keys",
@@ -305,3 +315,109 @@ def user_id(frame: Any) -> str | None:
     except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
         return None
     return uid or None
+
+
+RIGHTS = ("publish", "read")
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    patterns: tuple[str, ...]
+    publish: frozenset[str]  # Z85 keys, or "*"
+    read: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    """Which client keys may publish and read which models (see the module docstring).
+
+    Build it with :meth:`load` (a file) or :meth:`parse` (its text); ask it with :meth:`allows`.
+    """
+
+    rules: tuple[_Rule, ...]
+
+    @classmethod
+    def load(cls, path: str, clients: str) -> ModelPolicy:
+        """Read the policy file ``path``; key names resolve against ``clients`` (the directory or
+        file of ``--curve-clients``).
+
+        Raises:
+            InvalidArgument: unreadable, not TOML, or a rule that is not valid (named).
+        """
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise InvalidArgument(f"model policy: cannot read {path!r}: {err}") from None
+        return cls.parse(text, _key_names(clients), where=path)
+
+    @classmethod
+    def parse(cls, text: str, names: dict[str, str], where: str = "the model policy") -> ModelPolicy:
+        """The policy in TOML ``text``; ``names``: key name -> Z85 public key.
+
+        Raises:
+            InvalidArgument: the text is not a valid policy (what and where named).
+        """
+        import fnmatch
+        import tomllib
+
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise InvalidArgument(f"model policy {where}: not TOML: {err}") from None
+        unknown = set(doc) - {"rule"}
+        if unknown:
+            raise InvalidArgument(f"model policy {where}: unknown top-level keys {sorted(unknown)}; only [[rule]] tables")
+        raw = doc.get("rule", [])
+        if not isinstance(raw, list) or not raw:
+            raise InvalidArgument(f"model policy {where}: no [[rule]] table")
+        rules = []
+        for i, r in enumerate(raw, 1):
+            what = f"model policy {where}, rule {i}"
+            if not isinstance(r, dict) or set(r) - {"models", "publish", "read"} or "models" not in r:
+                raise InvalidArgument(f"{what}: a rule has 'models' and optionally 'publish' and 'read', nothing else")
+            models = [r["models"]] if isinstance(r["models"], str) else r["models"]
+            if not isinstance(models, list) or not models or not all(isinstance(p, str) and p for p in models):
+                raise InvalidArgument(f"{what}: 'models' is a pattern or a list of patterns (fnmatch)")
+            for pat in models:
+                fnmatch.translate(pat)
+            keys = {}
+            for right in RIGHTS:
+                given = r.get(right, [])
+                if isinstance(given, str):
+                    given = [given]
+                if not isinstance(given, list) or not all(isinstance(k, str) for k in given):
+                    raise InvalidArgument(f"{what}: {right!r} is a list of key names (or \"*\")")
+                resolved = set()
+                for k in given:
+                    if k == "*":
+                        resolved.add("*")
+                    elif k in names:
+                        resolved.add(names[k])
+                    elif _Z85_KEY.match(k.encode()):
+                        resolved.add(k)
+                    else:
+                        raise InvalidArgument(f"{what}: {right} names {k!r}, which is no allowed client key's name nor a Z85 key")
+                keys[right] = frozenset(resolved)
+            rules.append(_Rule(tuple(models), keys["publish"], keys["publish"] | keys["read"]))
+        return cls(tuple(rules))
+
+    def allows(self, key: str, model: str, right: str) -> bool:
+        """Whether ``key`` (a connection's Z85 public key) may ``right`` (``publish`` or
+        ``read``) ``model``. The first rule whose pattern matches decides; none: refused."""
+        import fnmatch
+
+        from tensorhub.core.naming import delta_owner
+
+        name = delta_owner(model) or model
+        for rule in self.rules:
+            if any(fnmatch.fnmatchcase(name, p) for p in rule.patterns):
+                keys = rule.publish if right == "publish" else rule.read
+                return "*" in keys or key in keys
+        return False
+
+
+def _key_names(clients: str) -> dict[str, str]:
+    """Key name -> Z85 public key, for every ``*.key`` file of ``--curve-clients``."""
+    p = Path(clients)
+    files = sorted(f for f in p.iterdir() if f.suffix == ".key" and f.is_file()) if p.is_dir() else [p]
+    return {f.stem: _read_cert(f, "allowed client key")[0].decode() for f in files}

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
 import random
 import signal
@@ -53,6 +54,7 @@ from tensorhub.core.errors import (
     ContractViolation,
     InvalidArgument,
     MalformedMessage,
+    PermissionDenied,
     ProtocolError,
     TensorHubError,
     UnknownSession,
@@ -65,7 +67,7 @@ from tensorhub.scheduling.selection import SourceIndex
 
 from .actor import Actor
 from .metrics import DURATION_BUCKETS, Counter, Gauge, MetricsServer, Registry
-from .security import KeyAuthenticator, ServerKeys, check_bind, user_id
+from .security import KeyAuthenticator, ModelPolicy, ServerKeys, check_bind, user_id
 
 __all__ = ["ServerActor", "ServerConfig", "serve"]
 
@@ -96,6 +98,8 @@ class ServerConfig:
             no-split-brain rule of :class:`tensorhub.core.table.failover.Reign`.
         peer: the backup's address (the primary asks it for the lease).
         lease: the lease and vote lifetime in seconds (None: half the heartbeat timeout).
+        policy: which client keys may publish and read which models (CURVE only; None: every
+            admitted key may do everything).
     """
 
     bind: str = "tcp://127.0.0.1:5557"
@@ -111,8 +115,11 @@ class ServerConfig:
     role: str = "solo"
     peer: str | None = None
     lease: float | None = None
+    policy: ModelPolicy | None = None
 
     def __post_init__(self) -> None:
+        if self.policy is not None and self.keys is None:
+            raise InvalidArgument("a model policy needs CURVE keys: without them the server cannot tell clients apart")
         if self.role not in ROLES:
             raise InvalidArgument(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.role == "primary" and not self.peer:
@@ -148,6 +155,13 @@ _PEER = b"\0peer"  # the table's peer name for the backup (never a ZeroMQ routin
 
 
 _KINDS_LOCAL = (m.TransferSpan, m.GetTrace, m.GetCluster)
+
+#: the right on the session's model each request needs under a model policy (others need none
+#: of their own: they follow from a publish or a pull the policy already let through)
+_RIGHT_NEEDED: dict[type, str] = {
+    m.OpenShard: "read", m.Replicate: "read", m.Update: "read", m.ListVersions: "read", m.Wait: "read",
+    m.Publish: "publish", m.Converted: "publish", m.BucketStored: "publish", m.Announce: "publish",
+}  # fmt: skip
 
 
 class ServerActor(Actor):
@@ -207,6 +221,8 @@ class ServerActor(Actor):
         self.m_xfer = r.histogram("tensorhub_transfer_seconds", "Transfer durations reported by readers (one per grant)",
                                   ["transport", "outcome"], DURATION_BUCKETS)  # fmt: skip
         self.m_xfer_bytes = r.counter("tensorhub_transfer_bytes_total", "Bytes moved, as reported by readers", ["transport", "outcome"])
+        self.m_policy = r.counter("tensorhub_policy_refusals_total",
+                                  "Requests the model policy refused, by the right they needed and client key", ["right", "client"])  # fmt: skip
         self.m_failures = r.counter("tensorhub_transfer_failures_total", "Failures readers reported to the server", ["reason"])
         self.registry.collectors.append(self._collect)
 
@@ -295,6 +311,9 @@ class ServerActor(Actor):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a connection that is gone raises (and is counted)
+        # A client reconnects under the same (secret, random) routing id, which its sessions are
+        # bound to: the new connection takes the id over from one the server has not seen close.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -440,6 +459,7 @@ class ServerActor(Actor):
             self.m_requests.inc(kind)
             if msg.user is not None:
                 self._guard(request, msg.user)
+                request = self._authorize(request, msg.user)
             if isinstance(request, _KINDS_LOCAL):
                 out = self._handle_local(msg.peer, request)
             else:
@@ -512,6 +532,38 @@ class ServerActor(Actor):
             if owner is not None and owner != user:
                 raise UnknownSession(f"session {sid} was opened by another authenticated client; this key cannot use it")
 
+    def _authorize(self, request: Any, user: str) -> Any:
+        """The model policy (``config.policy``): refuse a request that needs a right on a model
+        the key lacks (:class:`PermissionDenied`, counted), and return the request to handle. An
+        ``Announce`` from a key that may only read keeps its partial pull and answers but not its
+        holdings (a reader's copies are not the model's versions until it pulls them again)."""
+        policy = self.config.policy
+        right = _RIGHT_NEEDED.get(type(request))
+        if policy is None or right is None:
+            return request
+        ctx: dict[str, Any] = {}
+        if isinstance(request, m.OpenShard):
+            model = request.model
+            ctx = {"replica": request.replica, "shard": request.shard_idx}
+        else:
+            s = self.table.sessions.get(request.session)
+            if s is None:
+                return request  # the table answers that the session is unknown
+            model = s.model.name
+            ctx = {"replica": s.replica.name, "shard": s.shard_idx}
+        if isinstance(request, m.Announce):
+            if not request.holdings:
+                right = "read"
+            elif not policy.allows(user, model, "publish") and policy.allows(user, model, "read"):
+                return dataclasses.replace(request, holdings=())
+        if policy.allows(user, model, right):
+            return request
+        self.m_policy.inc(right, client_label(user))
+        raise PermissionDenied(
+            f"the model policy does not let this client key ({client_label(user)}...) {right} model {model!r}",
+            model=model, **ctx,
+        )  # fmt: skip
+
     def _bind_owner(self, peer: bytes, request: m.OpenShard, user: str, out: list[tuple[Any, Any]]) -> None:
         for p, reply in out:
             if p == peer and isinstance(reply, m.Opened) and reply.req == request.req:
@@ -533,9 +585,8 @@ class ServerActor(Actor):
 
     def _on_span(self, peer: bytes, span: m.TransferSpan) -> list[tuple[Any, Any]]:
         s = self.table.sessions.get(span.session)
-        if s is None:
-            raise UnknownSession(f"session {span.session} is not known to this server (term {self.table.term})")
-        s.peer = peer
+        if s is None or s.peer != peer:  # bound to the connection that opened it, as in the table
+            raise UnknownSession(f"session {span.session} is not known to this connection (term {self.table.term})")
         model = s.model.name
         entry = m.SpanEntry(
             s.replica.name, s.shard_idx, s.location.datacenter, s.location.host, span.grant, span.source_replica,

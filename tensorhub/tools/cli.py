@@ -17,13 +17,16 @@ def _server(args: argparse.Namespace) -> int:
     from tensorhub.core.log import configure
     from tensorhub.core.table import TableConfig
     from tensorhub.runtime.actor import run
-    from tensorhub.runtime.security import ServerKeys
+    from tensorhub.runtime.security import ModelPolicy, ServerKeys
     from tensorhub.runtime.server import ServerConfig, serve
 
     configure(args.log_format, args.log_level)
     if (args.curve_secret is None) != (args.curve_clients is None):
         raise InvalidArgument("CURVE needs both --curve-secret (the server's .key_secret) and --curve-clients (allowed keys)")
     keys = ServerKeys.load(args.curve_secret, args.curve_clients) if args.curve_secret else None
+    if args.model_policy is not None and keys is None:
+        raise InvalidArgument("--model-policy needs CURVE (--curve-secret and --curve-clients): it names client keys")
+    policy = ModelPolicy.load(args.model_policy, args.curve_clients) if args.model_policy is not None else None
     config = ServerConfig(
         bind=args.bind,
         table=TableConfig(
@@ -46,6 +49,7 @@ def _server(args: argparse.Namespace) -> int:
         role=args.role,
         peer=args.peer,
         lease=args.lease,
+        policy=policy,
     )
     run(serve(
         config,
@@ -67,6 +71,20 @@ def _client_keys(args: argparse.Namespace) -> Any:
     return client_keys(getattr(args, "server_key", None), getattr(args, "client_key", None))
 
 
+def _address(args: argparse.Namespace) -> str:
+    """The server an operations command talks to: ``--server``, else ``$TENSORHUB_SERVER`` (its
+    first address), else the embedded default's address: where a handle would find it (nothing
+    is started)."""
+    from tensorhub.runtime.embedded import embedded_address, parse_servers
+
+    if args.server:
+        return str(parse_servers(args.server, "--server")[0])
+    env = os.environ.get("TENSORHUB_SERVER")
+    if env:
+        return str(parse_servers(env, "$TENSORHUB_SERVER")[0])
+    return str(embedded_address())
+
+
 def _status(args: argparse.Namespace) -> int:
     import json
     import time
@@ -74,6 +92,7 @@ def _status(args: argparse.Namespace) -> int:
     from .admin import cluster_status
     from .status import render
 
+    args.server = _address(args)
     keys = _client_keys(args)
     as_json = args.json or (not args.watch and not sys.stdout.isatty())
     rounds = args.count if args.count is not None else (None if args.watch else 1)
@@ -97,6 +116,7 @@ def _trace(args: argparse.Namespace) -> int:
     from .admin import transfer_trace
     from .trace import write_chrome_trace
 
+    args.server = _address(args)
     trace = transfer_trace(args.server, args.model, args.version, args.timeout, _client_keys(args))
     doc = write_chrome_trace(trace, args.out)
     print(f"{args.out}: {len(trace.spans)} transfer spans, {len(trace.edges)} grants of {args.model} v{args.version} "
@@ -118,6 +138,7 @@ def _dag(args: argparse.Namespace) -> int:
 
     from .admin import replication_dag
 
+    args.server = _address(args)
     dag = replication_dag(args.server, args.model, args.version, args.timeout, _client_keys(args))
     if args.dot:
         with open(args.dot, "w") as f:
@@ -192,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server's CURVE secret key (a .key_secret file from tensorhub keygen): require authentication")
     s.add_argument("--curve-clients", default=None, metavar="DIR|FILE",
                    help="the client public keys let in: a directory of .key files, or one file")
+    s.add_argument("--model-policy", default=None, metavar="FILE",
+                   help="a TOML file of rules: model name patterns -> the client keys that may publish / read them (CURVE only)")
     s.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --bind without CURVE keys (anyone who reaches the port is trusted)")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any free port)")
@@ -199,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_server)
 
     st = sub.add_parser("status", help="a running server's state: models, versions, replicas, grants, rates")
-    st.add_argument("--server", required=True, help="the server's address, e.g. tcp://127.0.0.1:5557")
+    st.add_argument("--server", default=None,
+                    help="the server's address, e.g. tcp://127.0.0.1:5557 (default: $TENSORHUB_SERVER, else the embedded default's)")
     st.add_argument("--json", action="store_true", help="JSON for scripts (also the default when stdout is not a terminal)")
     st.add_argument("--watch", action="store_true", help="refresh every --interval seconds (JSON: one document a line)")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
@@ -209,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_status)
 
     tr = sub.add_parser("trace", help="a version's replication as a Chrome trace / Perfetto JSON file")
-    tr.add_argument("--server", required=True, help="the server's address")
+    tr.add_argument("--server", default=None, help="the server's address (default: $TENSORHUB_SERVER, else the embedded default's)")
     tr.add_argument("--model", required=True)
     tr.add_argument("--version", type=int, required=True)
     tr.add_argument("--out", required=True, help="the JSON file to write")
@@ -223,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     kg.set_defaults(func=_keygen)
 
     g = sub.add_parser("dag", help="the replication DAG of a version: who served whom (JSON, dot, PNG)")
-    g.add_argument("--server", required=True, help="the server's address")
+    g.add_argument("--server", default=None, help="the server's address (default: $TENSORHUB_SERVER, else the embedded default's)")
     g.add_argument("--model", required=True)
     g.add_argument("--version", type=int, required=True)
     g.add_argument("--json", default=None, help="write JSON here ('-': stdout; the default without --dot/--png)")

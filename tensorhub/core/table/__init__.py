@@ -189,6 +189,9 @@ class ReferenceTable(
         self.fenced: OrderedDict[int, str] = OrderedDict()  # removed session id -> error code
         self.expiry: OrderedDict[int, _Session] = OrderedDict()  # sessions by last_seen
         self.grants: dict[int, _Grant] = {}
+        #: model name -> (its num_shards, its ``buckets``): what the bucket tier holds outlives the
+        #: model's record (a reader may come after every holder left); the newest models kept
+        self.bucket_memory: OrderedDict[str, tuple[int, dict]] = OrderedDict()
         self._by_id: dict[int, _Holder] = {}  # every holder in the table, by id
         self.revoked: OrderedDict[int, None] = OrderedDict()  # recently revoked grant ids
         self.grace_until = clock() + self.config.heartbeat_timeout

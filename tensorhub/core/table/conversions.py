@@ -232,8 +232,11 @@ class ConversionMixin:
         if h is None or h.version != msg.version or h.state is not P or h.converting is None:
             raise ContractViolation("converted: this shard is not converting that version", **s.ctx(msg.version))
         self._check_checksums(s, msg.version, msg.checksums)
-        for g in list(h.converting.values()):
-            self._end_grant(g, "completed")
+        read = msg.read_bytes
+        layout = s.layout
+        share = (layout.total_bytes if layout is not None else 0) // max(1, len(h.converting))
+        for i, g in list(h.converting.items()):  # each edge with the bytes its source gave (if not said: a share)
+            self._end_grant(g, "completed", read[i] if read is not None and i < len(read) else share)
         h.converting = None
         self._fire(h, Event.COMPLETE)
         h.verified = s.layout.total_bytes if s.layout else 0

@@ -55,7 +55,9 @@ replica whose every shard holds one version completely.
   serve a reader (every source failed it, or none is left), the call fails with
   :class:`~tensorhub.core.errors.InBucket` naming the bucket rather than a plain error: the
   handle restores the version from it, verified, and lands it with ``Replicate(held=...)``.
-  A bucket is never chosen while a peer can serve.
+  So does a ``replicate`` of a version that no holder is left of (the last one closed) when the
+  bucket holds every shard of it: the table keeps each bucket copy's checksums with it, to take
+  the restore's claim without any holder. A bucket is never chosen while a peer can serve.
 
 What it must never do: plan a chain that differs between the shards of a replica, or take a
 ``held`` claim for a version whose checksums are unknown.
@@ -71,6 +73,8 @@ from ..errors import InBucket, InvalidArgument, LayoutMismatch, TensorHubError, 
 from ..naming import DELTA_SUFFIX, MAX_NAME_LEN
 from .records import C, _Holder, _Model, _Session, _Txn
 
+#: models whose bucket copies the table remembers once their records are gone (the newest)
+BUCKET_MODELS = 1024
 #: versions whose bucket copies the table remembers per model (the newest)
 BUCKET_VERSIONS = 64
 
@@ -239,10 +243,16 @@ class DeltaMixin:
         model = s.model
         if model.delta_of is not None:
             raise InvalidArgument("a delta model's shards are not stored in a bucket", **s.ctx(msg.version))
-        model.buckets[(msg.version, s.shard_idx)] = msg.url
+        ver = model.versions.get(msg.version)
+        sums = ver.checksums.get(s.shard_idx) if ver is not None else None
+        model.buckets[(msg.version, s.shard_idx)] = (msg.url, sums)  # the sums: to take a restore's claim later
         if len(model.buckets) > BUCKET_VERSIONS * model.num_shards:  # the oldest go first
             for key in sorted(model.buckets)[: len(model.buckets) - BUCKET_VERSIONS * model.num_shards]:
                 del model.buckets[key]
+        self.bucket_memory[model.name] = (model.num_shards, model.buckets)  # outlives the model's record
+        self.bucket_memory.move_to_end(model.name)
+        while len(self.bucket_memory) > BUCKET_MODELS:
+            self.bucket_memory.popitem(last=False)
         self._ack(s, msg.req)
 
     def _in_bucket(self, reader: _Holder, err: TensorHubError) -> TensorHubError:
@@ -250,20 +260,40 @@ class DeltaMixin:
         holds its (version, shard): a source of last resort, never chosen over a peer that can
         serve (this is asked only once none can)."""
         model = reader.session.model
-        url = model.buckets.get((reader.version, reader.shard_idx))
-        if url is None:
+        stored = model.buckets.get((reader.version, reader.shard_idx))
+        if stored is None:
             return err
+        url = stored[0]
         return InBucket(
             f"{err.message}; the bucket at {url} holds it", bucket=url, **reader.session.ctx(reader.version)
         )
 
+    def _bucket_holds(self, model: _Model, version: int) -> str | None:
+        """The bucket URL holding every shard of ``version`` with known checksums, or None: what
+        a reader may restore from once no live holder of the version is left."""
+        urls = []
+        for i in range(model.num_shards):
+            stored = model.buckets.get((version, i))
+            if stored is None or stored[1] is None:
+                return None
+            urls.append(stored[0])
+        return urls[0] if urls else None
+
+    def _known_checksums(self, model: _Model, version: int, shard: int) -> tuple[int, ...] | None:
+        """A (version, shard)'s checksums: declared by a holder, else recorded with its bucket copy."""
+        ver = model.versions.get(version)
+        known = ver.checksums.get(shard) if ver is not None else None
+        if known is None:
+            stored = model.buckets.get((version, shard))
+            known = stored[1] if stored is not None else None
+        return known
+
     def _holds_already(self, s: _Session, version: int, held: tuple[int, ...] | None) -> bool:
         """``held`` (what the shard's buffers hold, by its own verification) is ``version``'s
-        declared checksums for the shard."""
+        declared checksums for the shard (or those recorded with its bucket copy)."""
         if held is None:
             return False
-        ver = s.model.versions.get(version)
-        known = ver.checksums.get(s.shard_idx) if ver is not None else None
+        known = self._known_checksums(s.model, version, s.shard_idx)
         if known is not None and known == held:
             self.stats["deltas_landed"] += 1
             return True

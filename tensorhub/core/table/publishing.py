@@ -10,7 +10,9 @@ version into a CPU copy before it goes; releasing offload copies once retention 
 them; the highest published version, from which retention counts.
 
 Invariants: the checksums of a (version, shard) are declared once; a publish with other ones is
-refused, and a holding declaring other ones is quarantined. An unpublishing holder gets no new
+refused (``VersionConflict``), a publish without them of a (version, shard) whose checksums are
+known is refused with ``ChecksumsRequired`` (the handle hashes and makes the call again with
+them), and a holding declaring other ones is quarantined. An unpublishing holder gets no new
 grants and is freed only when drained. The last non-spot complete copy of a retained version (or
 of a pinned one, in a model that keeps CPU copies: :meth:`_Model.offloads`) is offloaded before
 it unpublishes; an offload copy is released only once its version is not
@@ -26,7 +28,7 @@ from __future__ import annotations
 from typing import Callable, Hashable
 
 from .. import messages as m
-from ..errors import ContractViolation, InvalidArgument, NotRegistered, TensorHubError, VersionConflict
+from ..errors import ChecksumsRequired, ContractViolation, InvalidArgument, NotRegistered, TensorHubError, VersionConflict
 from ..lifecycle import Event
 from .records import SERVING, C, P, U, _Holder, _Model, _offload_of, _Session
 
@@ -37,6 +39,14 @@ class PublishMixin:
 
     def _on_publish(self, peer: Hashable, msg: m.Publish) -> None:
         s = self._session(peer, msg.session)
+        if msg.checksums is None and s.holder is None and s.layout is not None:
+            ver = s.model.versions.get(msg.version)
+            if ver is not None and ver.checksums.get(s.shard_idx) is not None:
+                # The number names a content already: these bytes must prove they are it before
+                # anyone can be granted them (else a reader verifies against the wrong sums forever).
+                raise ChecksumsRequired(
+                    "the version's checksums are known: publish it with this shard's checksums", **s.ctx(msg.version)
+                )
         txn, call = self._join(s, msg.req, msg.call, "publish", msg.version)
         ctx = s.ctx(msg.version)
         try:

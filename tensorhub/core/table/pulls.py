@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Hashable
 
 from .. import messages as m
-from ..errors import NotRegistered, TensorHubError, VersionUnavailable
+from ..errors import InBucket, NotRegistered, TensorHubError, VersionUnavailable
 from ..lifecycle import Event
 from ..naming import VersionSpec, parse_version_spec, seed_owner
 from .records import C, P, _all_done, _Model, _named, _seed_name, _Session, _ShardCall, _Txn
@@ -49,7 +49,12 @@ class PullMixin:
         ver = model.versions.get(v)
         if ver is not None and ver.available:
             return v
-        if ver is not None and ver.ever_available and not self.in_grace:
+        if self.in_grace:
+            return None
+        url = self._bucket_holds(model, v)
+        if url is not None:  # the source of last resort, also once no holder of it is left
+            raise InBucket(f"version {v} has no live holder; the bucket at {url} holds it", bucket=url, **{**ctx, "version": v})
+        if ver is not None and ver.ever_available:
             raise VersionUnavailable(f"version {v} is gone: no live holder has every shard", **{**ctx, "version": v})
         return None
 
@@ -78,7 +83,15 @@ class PullMixin:
             self._pin(txn)
             return
         if txn.kind == "replicate":
-            v = self._resolve(model, spec, ctx)
+            try:
+                v = self._resolve(model, spec, ctx)
+            except InBucket as err:
+                # Made again with what a restore from the bucket verified: take that claim.
+                call = txn.shards.get(s.shard_idx)
+                assert err.version is not None
+                if call is None or call.held is None or call.held != self._known_checksums(model, err.version, s.shard_idx):
+                    raise
+                v = err.version
             if v is None:
                 txn.waiting = True
                 model.parked[txn] = None
@@ -225,8 +238,10 @@ class PullMixin:
         if h is not None:
             self._unpublish(h, lambda: self._advance(txn, call))
             return
-        if self._holds_already(s, v, call.held):  # a delta chain applied in place (see .deltas)
+        if self._holds_already(s, v, call.held):  # a delta chain applied in place, or a bucket restore (see .deltas)
             h = s.holder = self._new_holder(s, v, m.KIND_NORMAL, Event.PUBLISH)
+            if s.model.versions[v].checksums.get(s.shard_idx) is None:
+                self._set_checksums(h, call.held)  # known from the bucket copy only: the version's again
             h.checksums = call.held
             self._maybe_answer(txn)
             return

@@ -367,9 +367,10 @@ class _Model:
         #: (version, datacenter) -> (the replica planned to pull the delta chain to it across, until
         #: when the datacenter counts as seeding it before that pull shows up): see .deltas
         self.delta_seeds: dict[tuple[int, str], tuple[str, float]] = {}
-        #: (version, shard) -> the bucket tier's URL that holds that shard of that version, as its
-        #: writer declared (a source of last resort: see .deltas)
-        self.buckets: dict[tuple[int, int], str] = {}
+        #: (version, shard) -> (the bucket tier's URL that holds that shard of that version, as its
+        #: writer declared; the shard's checksums at that version, when known): a source of last
+        #: resort, also once no holder of the version is left (see .deltas)
+        self.buckets: dict[tuple[int, int], tuple[str, tuple[int, ...] | None]] = {}
         self.layouts: dict[int, tuple[Layout, int]] = {}  # shard_idx -> (layout, sessions using it)
         #: shard_idx -> the placements registered with its layout (None: registered without)
         self.placements: dict[int, tuple[PlacedTensor, ...] | None] = {}

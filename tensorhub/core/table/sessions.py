@@ -6,8 +6,11 @@ What it owns: one session per open shard (``sessions``; ``by_slot``: (model, rep
 session; ``expiry``: least recently heard first), the layouts registered per (model, shard), the
 retention declarations made at open, heartbeats, and the removal of a replica.
 
-Invariants: one session per slot. Opening again with the same incarnation (a retried open) gets
-the same session; a new incarnation removes the old one's replica whole, and the old session's
+Invariants: one session per slot, bound to the connection (``peer``) that opened it: a message
+naming it from any other connection is refused with ``UnknownSession`` and changes nothing (its
+replies never go elsewhere), and a heartbeat from elsewhere does not keep it alive. A client keeps
+one connection identity across reconnects (:mod:`tensorhub.runtime.client`). Opening again with
+the same incarnation from the same connection (a retried open) gets the same session; a new incarnation removes the old one's replica whole, and the old session's
 late messages get ``Fenced``. A replica is removed whole (expiry, fencing): every shard's
 holdings, grants and calls go with it, and its live shards are told; a clean close ends that
 shard's session only, failing the calls it had not finished. ``expiry`` holds every session in
@@ -53,7 +56,10 @@ class SessionMixin:
             if code is not None:
                 raise ReplicaRemoved(f"session {sid} was removed with its replica")
             raise UnknownSession(f"session {sid} is not known to this server (term {self.term}); open again")
-        s.peer = peer
+        if s.peer != peer:
+            # A session is bound to the connection that opened it: knowing its id (status prints
+            # it) lets another connection neither act for it nor re-point its replies.
+            raise UnknownSession(f"session {sid} was not opened on this connection; it cannot be used from here")
         self._touch(s)
         return s
 
@@ -74,8 +80,12 @@ class SessionMixin:
         slot = (msg.model, msg.replica, msg.shard_idx)
         old = self.by_slot.get(slot)
         if old is not None and old.incarnation == msg.incarnation:
-            old.peer = peer  # the same incarnation opening again (a retried open): same session
-            self._touch(old)
+            if old.peer != peer:  # a retried open comes from the connection that opened it
+                raise ContractViolation(
+                    "this incarnation of the shard is open on another connection", model=msg.model,
+                    replica=msg.replica, shard=msg.shard_idx,
+                )  # fmt: skip
+            self._touch(old)  # the same incarnation opening again (a retried open): same session
             self._send(old, self._opened(msg.req, old))
             return
         replica = model.replicas.get(msg.replica) if model is not None else None
@@ -92,6 +102,9 @@ class SessionMixin:
             model = self.models.get(msg.model)  # it may have been dropped with the old replica
         if model is None:
             model = self.models[msg.model] = _Model(msg.model, msg.num_shards, msg.source)
+            kept = self.bucket_memory.get(msg.model)
+            if kept is not None and kept[0] == msg.num_shards:
+                model.buckets = kept[1]  # the bucket copies declared before the model's record went
         if replica is None:
             replica = model.replicas.get(msg.replica)
             if replica is None:
@@ -238,10 +251,9 @@ class SessionMixin:
         unknown = []
         for sid in msg.sessions:
             s = self.sessions.get(sid)
-            if s is None:
+            if s is None or s.peer != peer:  # a session another connection opened is not kept alive from here
                 unknown.append(sid)
                 continue
-            s.peer = peer
             s.last_seen = now
             self.expiry.move_to_end(sid)
         # the term says which start of the server answered (a client that sees it change knows the

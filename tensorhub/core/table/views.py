@@ -59,8 +59,13 @@ class ViewMixin:
                 self.history.popitem(last=False)
         layout = r.session.layout
         total = layout.total_bytes if layout is not None else 0
-        end = total if how == "completed" else (reached if reached is not None else r.verified)
-        nbytes = max(0, end - g.start)
+        if r.converting is not None and g in r.converting.values():
+            # One of a converter's grants (one per source shard): the bytes it read from that
+            # source (as it said, else a share of its shard), never the whole shard per edge.
+            nbytes = max(0, reached) if reached is not None else 0
+        else:
+            end = total if how == "completed" else (reached if reached is not None else r.verified)
+            nbytes = max(0, end - g.start)
         self.bytes_by_link[link_class(r.session.location, src.session.location)] += nbytes
         if len(edges) >= HISTORY_EDGES:
             return
