@@ -45,6 +45,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(f"tensorhub: reference-table state machine ran {module.STEPS[0]} steps")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest first: tests marked ``slow``, then the other ``integration`` tests, then the
+    rest (each group in collection order). On several workers (pytest-xdist) the long ones start
+    at once, spread over the workers, and the many short ones fill in around them, instead of
+    a long test starting last and running alone."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("integration") else 2)
+
+
 @pytest.fixture
 def seed() -> int:
     """The run's seed: derive every random source of a test from it."""

@@ -14,7 +14,7 @@ from benchmarks import bench_bursts, bench_cluster_masking
 from benchmarks.cluster import Cluster, available, leftovers
 from benchmarks.cluster_jobs import MIB, Job, chain_depth
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(150)]
 
 _REASON = available()
 if _REASON:

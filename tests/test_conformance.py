@@ -166,7 +166,9 @@ class HangsOnClose(MemoryTransport):
         (ReturnsAfterPeerDeath, "peer_death", "a read during which the holder closed: returned normally"),
         (ReturnsPartialBytes, "odd_ranges", "the bytes differ"),
         (ReturnsPartialBytes, "large_range", "the bytes differ"),
-        (ServesUncovered, "partial_holder", "ended before any byte was verified"),
+        # Either of two correct failures, as the scheduler decides: its reads ended before the
+        # holder's first byte (seen 50 ms later), or they ended later, with zeros where the bytes go.
+        (ServesUncovered, "partial_holder", "ended before any byte was verified|reads from a partial holder: the bytes differ"),
         (NeverNotReady, "range_not_ready", "not RangeNotReady"),
         (TupleEndpoint, "endpoint_msgpack", r"endpoint\.where is a tuple"),
         (OffByOne, "odd_ranges", "the bytes differ"),

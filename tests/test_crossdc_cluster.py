@@ -11,7 +11,7 @@ from benchmarks.bench_crossdc import run_mode, spec
 from benchmarks.cluster import Cluster, available, leftovers
 from benchmarks.cluster_jobs import MIB
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 
 _REASON = available()
 if _REASON:

@@ -159,7 +159,7 @@ def test_only_dead_servers_is_server_unavailable_within_the_bound():
     t0 = time.monotonic()
     with pytest.raises(e.ServerUnavailable) as err:
         tensorhub.open("actor", "rollout", server=dead, connect_timeout=1.0)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 8  # about 2 s; the default connect_timeout (10 s) alone exceeds it
     assert "actor" in str(err.value) and "rollout" in str(err.value)
 
 

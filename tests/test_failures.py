@@ -162,7 +162,7 @@ def test_an_unpublish_revokes_a_slow_reader_at_the_drain_timeout_and_it_resumes_
     publish_and_wait_checksums(srv, backup, 1)
     t0 = time.monotonic()
     trainer.call("unpublish", timeout=20.0)  # the reader still pulls: revoked at 0.5 s
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 15  # a hang's bound (the call's timeout is 20 s)
     assert reader.result(60.0) == 1
     assert reader.call("holds", 1)
     assert reader.call("last_sources") == ["trainer/0", "trainer-b/0"]

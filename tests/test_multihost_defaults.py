@@ -14,7 +14,7 @@ from benchmarks.cluster import Cluster, available, leftovers
 from benchmarks.cluster_jobs import MIB, Job, publish
 from tensorhub.transports.registry import get_transport
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 _REASON = available()
 if _REASON:

@@ -23,7 +23,7 @@ from benchmarks.partitions import SERVER_FLAGS, reign_overlaps, run, server_stat
 
 from .conftest import SEED
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 _REASON = available()
 if _REASON:

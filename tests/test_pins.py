@@ -26,7 +26,7 @@ from tensorhub.tools.admin import server_status
 
 from .procs import RemoteError, ServerProcess
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 VERSIONS = 12
 MAX_STALENESS = 4  # versions; the trainer publishes about one per rollout round here

@@ -57,19 +57,28 @@ def test_a_reply_to_a_client_that_is_gone_is_counted_and_logged_once(srv, caplog
 def test_a_client_that_does_not_read_gets_its_replies_dropped_not_awaited(srv, caplog):
     caplog.set_level(logging.WARNING)
 
-    async def small_queue() -> None:
-        srv.actor.sock.setsockopt(zmq.SNDHWM, 1)  # applies to connections made from now on
+    # A queue of one reply and small kernel buffers for this client. libzmq copies a socket's
+    # options into a listener when it binds, so they hold on an endpoint bound after setting
+    # them (set on the server's own endpoint they did nothing: its queue of 100,000 replies
+    # plus the kernel's autotuned buffers took seconds, on a loaded machine more than 10 s).
+    async def small_queue() -> str:
+        sock = srv.actor.sock
+        sock.setsockopt(zmq.SNDHWM, 1)
+        sock.setsockopt(zmq.SNDBUF, 4096)
+        sock.bind("tcp://127.0.0.1:*")
+        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
-    srv.loop.run(small_queue())
+    address = srv.loop.run(small_queue())
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.RCVHWM, 1)
+    dealer.setsockopt(zmq.RCVBUF, 4096)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.IDENTITY, b"slow-client")
     try:
-        dealer.connect(srv.address)
+        dealer.connect(address)
         dealer.send(b"not a frame")  # the server learns the routing id (and answers an error)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a hang's bound; it takes well under a second
         while time.monotonic() < deadline and _dropped(srv, "queue full") == 0:
             _send(srv, [(b"slow-client", m.Ack(i)) for i in range(2000)])
         assert _dropped(srv, "queue full") > 0

@@ -188,6 +188,7 @@ def test_same_seed_same_trace() -> None:
     assert c.digest != a.digest
 
 
+@pytest.mark.slow
 def test_churn_finds_no_violation_over_many_seeds(seed: int) -> None:
     """Random crashes (mid-transfer too) and restarts; the table's invariants after every event."""
     total_crashes = 0

@@ -12,7 +12,7 @@ from benchmarks import bench_stragglers
 from benchmarks.cluster import Cluster, available, leftovers
 from benchmarks.cluster_jobs import MIB, SERVER_PORT
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(90)]
 
 _REASON = available()
 if _REASON:

@@ -27,6 +27,7 @@ from .procs import mp
 needs_nixl = pytest.mark.skipif(load_nixl() is None, reason="NIXL is not installed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param("nixl", marks=needs_nixl), pytest.param("rdma_copy", marks=needs_nixl), "local"])
 def test_conformance_across_processes(name, seed):
     check_transport(name, {}, seed=seed, holder_process=True, mp_context=mp())
@@ -37,6 +38,7 @@ _OVER_THE_WIRE = ["odd_ranges", "large_range", "concurrent_readers", "partial_ho
 
 
 @needs_nixl
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["nixl", "rdma_copy"])
 def test_conformance_across_processes_over_ucx_tcp(name, seed):
     """The checks whose bytes cross the wire, with UCX held to TCP on loopback (the rest of the

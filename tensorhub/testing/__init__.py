@@ -46,13 +46,16 @@ exits when the pipe closes, and the suite kills it if it does not answer.
 
 The checks are the same, and fail with the same messages, except:
 
-- ``seqlock_during``: no hook can run inside another process's copy. Instead the holder process
-  changes the holding in a tight loop (new generation with nothing verified, the bytes of one
-  of two seeded contents chosen by the generation, everything verified) while reads run; every
-  read must either fail with a TransportError (not RangeNotReady) or return a generation the
-  holder had with exactly that generation's bytes, and a read after the loop stops must return
-  the final generation and its bytes. This catches a broken seqlock with high probability, not
-  with certainty: whether a given read overlaps a change depends on timing.
+- ``seqlock_during``: the hook runs in the holder process, where the holder's transport takes
+  its memory to send it (a two-sided transport such as ``tcp``), so the read across a change
+  is as deterministic as in this process. Then, in addition, the holder process changes the
+  holding in a tight loop (new generation with nothing verified, the bytes of one of two
+  seeded contents chosen by the generation, everything verified) while reads run; every read
+  must either fail with a TransportError (not RangeNotReady) or return a generation the holder
+  had with exactly that generation's bytes, and a read after the loop stops must return the
+  final generation and its bytes. A one-sided transport (NIXL, ``process_vm_readv``) runs no
+  holder code during a read, so no hook fires in its copy: for it only the loop runs, which
+  catches a broken seqlock with high probability, not with certainty.
 - ``peer_death``: instead of closing the holder from inside the copy, the suite SIGKILLs the
   holder process while a large read (up to 64 MiB) of a partial holder, whose progress the
   child advances slowly, is in flight: the read must fail with a TransportError (not

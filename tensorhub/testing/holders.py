@@ -109,6 +109,19 @@ class _HolderSide:
     def withdraw(self, shard: _ShardSpec) -> None:
         self.transport.withdraw(self._held(shard))
 
+    def arm_change(self, shard: _ShardSpec, version: int) -> None:
+        """Once, right after the transport next takes the holder's memory of ``shard`` to copy
+        it (``views``/``copy_out``, on whichever thread serves the read), the holding moves to
+        a new generation of ``version``, all verified: a change *during* that read, whatever
+        the timing."""
+        buf = self._held(shard)
+        buf.arm(lambda: buf.progress.reset(version, buf.total_bytes))
+
+    def disarm(self, shard: _ShardSpec) -> bool:
+        """No hook on ``shard``'s buffers any more; returns whether the armed one ran (the
+        transport read them through ``views``/``copy_out`` in this process)."""
+        return self._held(shard).disarm()
+
     def feed(self, shard: _ShardSpec, steps: list[int], delay: float) -> None:
         """In a thread: for each ``end`` of ``steps``, after ``delay`` seconds, write the
         shard's bytes up to ``end`` and advance its progress there (a partial holder filling)."""
@@ -188,7 +201,7 @@ class _HolderSide:
 #: The holder's methods the pipe may call (``start`` and ``forget`` are the holder process's).
 _HOLDER_COMMANDS = frozenset(
     {"endpoint", "check_endpoint", "hold", "reset", "advance", "generation", "write", "expose", "withdraw",
-     "feed", "churn", "quiet", "wake", "close", "guard", "refusals"}
+     "arm_change", "disarm", "feed", "churn", "quiet", "wake", "close", "guard", "refusals"}
 )  # fmt: skip
 
 

@@ -139,6 +139,17 @@ class _Pair:
     async def withdraw(self, shard: _Shard) -> None:
         await self.holder.do("withdraw", shard=shard.spec)
 
+    async def arm_change(self, shard: _Shard, version: int = VERSION) -> None:
+        """The holding of ``shard`` moves to a new generation right after the transport next
+        takes its memory to copy it (see :meth:`_HolderSide.arm_change`), here or in the
+        holder process."""
+        await self.holder.do("arm_change", shard=shard.spec, version=version)
+
+    async def disarm(self, shard: _Shard) -> bool:
+        """No hook on the holder's buffers of ``shard`` any more; returns whether the armed one
+        ran."""
+        return await self.holder.do("disarm", shard=shard.spec)
+
     async def feed(self, shard: _Shard, steps: list[int], delay: float) -> None:
         """The holder fills ``shard`` up to each of ``steps`` in turn, ``delay`` s apart."""
         await self.holder.do("feed", shard=shard.spec, steps=steps, delay=delay)

@@ -54,6 +54,14 @@ class _HookedBuffers(ShardBuffers):
             self.hook_threads.append(threading.current_thread())
             hook()
 
+    def disarm(self) -> bool:
+        """No hook from now on; returns whether the armed one ran."""
+        lock = getattr(self, "_hook_lock", None)
+        if lock is not None:
+            with lock:
+                self._hook = None
+        return self.hook_fired
+
     @property
     def hook_fired(self) -> bool:
         return bool(getattr(self, "hook_threads", None))

@@ -170,7 +170,7 @@ def _rollout(replica: str, incarnation: int, shard: int, a: dict, events: Any, t
     import torch
 
     import tensorhub
-    from tensorhub.core.errors import Timeout, UpdateAborted, VersionUnavailable
+    from tensorhub.core.errors import Timeout, TransportError, UpdateAborted, VersionUnavailable
 
     me = (replica, incarnation, shard)
     torch.set_num_threads(1)
@@ -186,8 +186,10 @@ def _rollout(replica: str, incarnation: int, shard: int, a: dict, events: Any, t
             try:
                 h.replicate("latest", timeout=a["timeout"])
                 break
-            except VersionUnavailable as err:  # the version it decided went away mid-pull
-                events.put(("aborted", *me, f"replicate: {err}"))
+            except (VersionUnavailable, TransportError) as err:
+                # The version it decided went away mid-pull, or chaos killed every source it
+                # was granted (a restarted rollout's first pull may come from the other one).
+                events.put(("aborted", *me, f"replicate: {type(err).__name__}: {err}"))
                 if h.empty:
                     events.put(("empty", *me))
         if not h.empty:
