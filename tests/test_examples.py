@@ -61,6 +61,7 @@ def test_example_runs(name: str) -> None:
     assert expected in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.timeout(300)
 def test_rl_loop_prints_reward_and_pause_per_step_and_draws_them(tmp_path: Path, seed: int) -> None:
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
     png = tmp_path / "rl.png"
@@ -79,7 +80,7 @@ def test_rl_loop_prints_reward_and_pause_per_step_and_draws_them(tmp_path: Path,
         "--out",
         str(png),
     ]
-    out = _run("rl_loop.py", args, timeout=120)
+    out = _run("rl_loop.py", args, timeout=280)  # a hang's bound: about 50 s idle, 120 s was hit beside two busy loops
     lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == steps, out.stdout
     for step, line in enumerate(lines):
