@@ -378,14 +378,15 @@ class ClientActor(Actor):
                 self._send(self._outgoing(send.build(0)))
                 return
             req = next(self._req)
-            msg = self._outgoing(send.build(req))
+            built = send.build(req)
+            msg = self._outgoing(built)
         except TensorHubError as err:
             self.log.debug("message not sent", error=str(err))
             return
         self._send(msg)
         fut = asyncio.get_running_loop().create_future()
         fut.add_done_callback(_log_failure(self, msg))
-        self.pending[req] = (fut, None, None)
+        self.pending[req] = (fut, getattr(built, "session", None), None)
 
     def drop_session(self, local: int) -> None:
         """The handle closed. (If it could not tell the server, because none is connected,
@@ -659,11 +660,16 @@ class ClientActor(Actor):
                     self.engine.tell(m.Removed(local, gone.code, gone.message))
                     self._fail_session(local, gone)
         if isinstance(reply, m.Failed) and reply.code == UnknownSession.code and self.lost is None and self.sessions:
-            # A server that never knew our sessions (those it removed or fenced it says so) is a
-            # new start at this address: move to it and re-announce, as after any loss; the call
-            # fails with ServerUnavailable and is made again once moved.
-            self._lose(ServerUnavailable(f"the server at {self.address} does not know this client's sessions: it restarted"))
-            return
+            entry = self.pending.get(reply.req)
+            named = entry[1] if entry is not None else None
+            if named is None or named in self.sessions:
+                # A server that never knew our sessions (those it removed or fenced it says so)
+                # is a new start at this address: move to it and re-announce, as after any loss;
+                # the call fails with ServerUnavailable and is made again once moved.
+                self._lose(ServerUnavailable(f"the server at {self.address} does not know this client's sessions: it restarted"))
+                return
+            # A message for a session this client closed meanwhile (an engine's late report):
+            # only that message failed; the server did not forget the sessions still open.
         if isinstance(reply, _REPLIES):
             entry = self.pending.pop(reply.req, None)
             if entry is None:
