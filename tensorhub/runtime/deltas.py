@@ -66,6 +66,7 @@ __all__ = [
     "bits_of",
     "changed_indices",
     "check_specs",
+    "compare_and_refresh",
     "compute_delta",
     "describe",
     "shard_checksums",
@@ -369,6 +370,173 @@ def compute_delta(
     if with_checksums:
         base_checksums = base_checksums if base_checksums is not None else shard_checksums(base, layout)
         checksums = checksums if checksums is not None else shard_checksums(target, layout)
+    return Delta(
+        layout, base_version, version, tuple(entries),
+        tuple(base_checksums) if base_checksums is not None else None,
+        tuple(checksums) if checksums is not None else None,
+    )  # fmt: skip
+
+
+#: bytes of one staging slot of :func:`compare_and_refresh` (it keeps :data:`STREAM_SLOTS` of them
+#: on the device: the snapshot's next slices are copied in while this one is compared)
+STREAM_SLOT_BYTES = 32 << 20
+STREAM_SLOTS = 4
+
+
+class _Lane:
+    """The streams and events of :func:`compare_and_refresh` on one device: snapshot slices come
+    in on one stream, the target's bytes go out to the snapshot on another, the comparison runs on
+    a third (never the caller's current stream: a trainer's next step is not held behind it).
+    On the CPU every operation runs at once, in order: the same code, tested without a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.into, self.out, self.work = (torch.cuda.Stream(device) for _ in range(3))
+
+    def event(self) -> Any:
+        return torch.cuda.Event() if self.cuda else None
+
+    def run(self, stream: str, after: Sequence[Any], fn: Any, done: Any = None) -> Any:
+        """``fn()`` on ``stream`` once the events ``after`` have passed; record ``done`` there."""
+        if not self.cuda:
+            return fn()
+        s = getattr(self, stream)
+        for ev in after:
+            if ev is not None:
+                s.wait_event(ev)
+        with torch.cuda.stream(s):
+            out = fn()
+            if done is not None:
+                done.record(s)
+        return out
+
+    def finish(self) -> None:
+        if self.cuda:
+            self.out.synchronize()
+            self.work.synchronize()
+
+
+def compare_and_refresh(
+    snapshot: Mapping[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
+    *,
+    base_version: int | None,
+    version: int,
+    layout: Layout | None = None,
+    base_checksums: Sequence[int] | None = None,
+    checksums: Sequence[int] | None = None,
+    slot_bytes: int = STREAM_SLOT_BYTES,
+) -> Delta:
+    """The delta ``snapshot -> target`` with its values in CPU memory, and ``snapshot`` brought to
+    ``target``'s bytes in place: a publisher's compare against its host snapshot of GPU tensors.
+
+    The snapshot (CPU memory, pinned for GPU targets) is streamed to the target's device in
+    slices of ``slot_bytes``, a few slots ahead of the comparison, and compared there; right
+    after a slice came in, the target's bytes of that slice go out over it (the two directions
+    of the bus at once), so the snapshot holds ``target`` when this returns. Only the changed
+    values and their indices come back (one readback per slice). The comparison never runs on
+    the caller's current stream. For CPU targets the same steps run in order, on the CPU.
+
+    Args:
+        snapshot: the base, CPU tensors (same names, dtypes, shapes as ``target``; contiguous).
+            Overwritten with ``target``'s bytes.
+        target: the version to reach (its tensors are only read).
+        base_version, version, layout, base_checksums, checksums: as :func:`compute_delta`
+            (checksums are not computed here).
+        slot_bytes: bytes of one staging slot (:data:`STREAM_SLOTS` slots on the device).
+
+    Returns:
+        The delta, equal entry for entry to :func:`compute_delta`'s, values and indices on the CPU.
+
+    Raises:
+        LayoutMismatch: the two differ in name, dtype or shape (naming the tensor).
+        InvalidArgument: a snapshot tensor not in CPU memory, tensors on several GPUs, or a
+            ``slot_bytes`` smaller than one element.
+    """
+    layout = layout or layout_of(dict(target))
+    ctx: dict[str, Any] = {"version": version}
+    check_specs(target, layout, ctx)
+    check_specs(snapshot, layout, {"version": base_version})
+    devices = {target[t.name].device for t in layout.tensors}
+    if len(devices) > 1:
+        raise InvalidArgument(f"the target's tensors are on {sorted(map(str, devices))}: one device at a time", **ctx)
+    bad = [t.name for t in layout.tensors if snapshot[t.name].device.type != "cpu"]
+    if bad:
+        raise InvalidArgument(f"snapshot tensor {bad[0]!r} is on {snapshot[bad[0]].device}, not in CPU memory", **ctx)
+    widest = max((DTYPE_SIZES[t.dtype] for t in layout.tensors), default=1)
+    if slot_bytes < widest:
+        raise InvalidArgument(f"slot_bytes {slot_bytes} is smaller than one element ({widest} bytes)", **ctx)
+    device = devices.pop() if devices else torch.device("cpu")
+    lane = _Lane(device)
+    nslots = STREAM_SLOTS if lane.cuda else 1
+    slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(nslots)] if lane.cuda else []
+    free = [lane.event() for _ in range(nslots)]  # the comparison no longer reads the slot
+    jobs = []  # (tensor name, first element, end element): slices of at most one slot
+    for spec in layout.tensors:
+        rows = bits_of(target[spec.name]).shape[0]
+        row_bytes = DTYPE_SIZES[spec.dtype]
+        step = max(1, slot_bytes // row_bytes)
+        jobs.extend((spec.name, s, min(rows, s + step)) for s in range(0, rows, step))
+    landed: list[Any] = [None] * len(jobs)
+    staged: list[torch.Tensor | None] = [None] * len(jobs)
+
+    def issue(j: int) -> None:
+        name, lo, hi = jobs[j]
+        old, new = bits_of(snapshot[name]), bits_of(target[name])
+        k = j % nslots
+        landed[j] = lane.event()
+        if lane.cuda:
+            n = (hi - lo) * old[lo:hi].element_size() * (old.shape[1] if old.dim() == 2 else 1)
+            buf = slots[k][:n].view(old.dtype).view((hi - lo, *old.shape[1:]))
+            staged[j] = buf
+            lane.run("into", [free[k]], lambda: buf.copy_(old[lo:hi], non_blocking=True), landed[j])
+            lane.run("out", [landed[j]], lambda: old[lo:hi].copy_(new[lo:hi], non_blocking=True))
+        else:
+            staged[j] = old[lo:hi].clone()  # the base's slice, before the refresh overwrites it
+            old[lo:hi].copy_(new[lo:hi])
+
+    found: dict[str, list[torch.Tensor]] = {}
+    ahead = nslots - 1
+    for j in range(min(ahead, len(jobs))):
+        issue(j)
+    for j, (name, lo, hi) in enumerate(jobs):
+        if j + ahead < len(jobs):
+            issue(j + ahead)
+        new = bits_of(target[name])
+        prev = staged[j]
+        assert prev is not None
+
+        def changed(prev: torch.Tensor = prev, cur: torch.Tensor = new[lo:hi], lo: int = lo) -> torch.Tensor:
+            ne = prev != cur
+            if ne.dim() == 2:
+                ne = ne.any(dim=1)
+            return ne.nonzero().reshape(-1) + lo
+
+        # nonzero() waits for its count: the slot is free again when this returns
+        idx = lane.run("work", [landed[j]], changed, free[j % nslots])
+        staged[j] = None
+        if idx.numel():
+            found.setdefault(name, []).append(idx)
+    entries = []
+    for spec in layout.tensors:
+        parts = found.get(spec.name)
+        if not parts:
+            continue
+        cur = target[spec.name]
+        k, numel = sum(p.numel() for p in parts), cur.numel()
+        if encoding_for(k, numel, DTYPE_SIZES[spec.dtype]) == SPARSE:
+
+            def gather(cur: torch.Tensor = cur, parts: list[torch.Tensor] = parts) -> tuple[torch.Tensor, torch.Tensor]:
+                idx = parts[0] if len(parts) == 1 else torch.cat(parts)  # on the stream that made them
+                return bits_of(cur).index_select(0, idx).cpu(), idx.to(torch.int32).cpu()
+
+            values, indices = lane.run("work", [], gather)
+            entries.append(TensorDelta(spec.name, SPARSE, k, _from_bits(values, cur.dtype), indices))
+        else:  # the refreshed snapshot holds the values already
+            lane.finish()
+            entries.append(TensorDelta(spec.name, DENSE, k, _from_bits(bits_of(snapshot[spec.name]).clone(), cur.dtype)))
+    lane.finish()
     return Delta(
         layout, base_version, version, tuple(entries),
         tuple(base_checksums) if base_checksums is not None else None,
