@@ -841,7 +841,7 @@ class LocalTransport(Transport):
             # A GPU copies the whole range faster than a thread can hand over a part: one copy_
             # per region segment on this thread's stream, then one wait for that stream.
             self._check_open(where)
-            _copy_gpu(desc, into, offset, length)
+            _copy_gpu(desc, into, offset, length, landed=landed)
             return
         if self._helpers is None or length <= _PART_BYTES:
             self._copy_part(desc, into, offset, length, where, None, landed)
@@ -931,28 +931,37 @@ def _stream_for(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
-def _copy_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int, batched: bool = False) -> None:
+def _copy_gpu(
+    desc: _Described, into: ShardBuffers, offset: int, length: int, batched: bool = False, landed: Any = None
+) -> None:
     """GPU memory to GPU memory: the range's segments copied on a side stream of this thread
     (the engine's own kernels on the default stream neither wait for it nor delay it), waited
-    for before returning, so the bytes are in place when the read reports them landed. One
-    ``copy_`` per segment; ``batched``: one ``torch._foreach_copy_`` for all of them instead
-    (fewer launches, but a slower copy on an H100: 792 against 1,329 GB/s for 8 GiB of 128 MiB
-    tensors, benchmarks/results/GPU.md; kept for the diagnosis of gpu_check.py)."""
-    by_device: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for before returning, so the bytes are in place when the read reports them landed. With a
+    device landing from the engine (``landed.copy``, :class:`tensorhub.runtime.checksum.DeviceLanding`)
+    the landing copies the segments itself, hashing the units on the way (one kernel, no second
+    pass for verification). Else one ``copy_`` per segment; ``batched``: one
+    ``torch._foreach_copy_`` for all of them instead (fewer launches, but a slower copy on an H100:
+    792 against 1,329 GB/s for 8 GiB of 128 MiB tensors, benchmarks/results/GPU.md; kept for the
+    diagnosis of gpu_check.py)."""
+    by_device: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = {}
     for seg in into.segments(offset, length):
         src = desc.regions[seg.index].cuda
         dst = into.gpu_bytes(seg)
         assert src is not None and dst is not None
-        dsts, srcs = by_device.setdefault(dst.device.index, ([], []))
+        dsts, srcs, offsets = by_device.setdefault(dst.device.index, ([], [], []))
         dsts.append(dst)
         srcs.append(src[seg.start : seg.start + seg.length])
+        offsets.append(seg.offset)
+    device_landing = getattr(landed, "copy", None) if len(by_device) == 1 else None
     streams = []
-    for dsts, srcs in by_device.values():
+    for dsts, srcs, offsets in by_device.values():
         device = dsts[0].device
         stream = _stream_for(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # earlier work on the buffers comes first
         with torch.cuda.stream(stream):
-            if batched and _FOREACH_COPY is not None:
+            if device_landing is not None:
+                device_landing(list(zip(offsets, srcs, dsts)))
+            elif batched and _FOREACH_COPY is not None:
                 _FOREACH_COPY(dsts, srcs, non_blocking=True)
             else:
                 for d, s in zip(dsts, srcs):

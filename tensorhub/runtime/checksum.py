@@ -38,7 +38,7 @@ from tensorhub.transports.buffers import ShardBuffers, memory_of
 
 from . import wordmix
 
-__all__ = ["ALGORITHMS", "LandingHasher", "compute", "digest", "first_mismatch", "lands"]
+__all__ = ["ALGORITHMS", "DeviceLanding", "LandingHasher", "compute", "digest", "first_mismatch", "lands", "lands_on_device"]
 
 ALGORITHMS = ("xxh3-64", wordmix.NAME)
 _STAGE = 8 << 20  # CUDA units are hashed through pinned staging in pieces of this size
@@ -252,3 +252,88 @@ class LandingHasher:
                 if value is not None:
                     self.digests[u.index] = value
                     self._states[k] = None
+
+
+def lands_on_device(buffers: ShardBuffers) -> bool:
+    """Whether reads into ``buffers`` can be hashed by the copy that lands them on the GPU
+    (:class:`DeviceLanding`): GPU memory under ``wordmix-64``."""
+    return buffers.on_cuda and buffers.layout.checksum == wordmix.NAME
+
+
+class DeviceLanding:
+    """The ``wordmix-64`` checksums of one read's units into GPU memory, computed by the copy that
+    lands them (:func:`~tensorhub.runtime.wordmix.copy_sums_at`: one kernel reads each byte once,
+    writes it and hashes it from the same registers), so that verifying the read costs no second
+    pass over the bytes.
+
+    A transport that reports landing and copies GPU memory to GPU memory itself (``local`` over
+    CUDA IPC) calls :meth:`copy` with the read's segments instead of copying them: each unit
+    wholly inside one segment (same device at both ends) is copied by the kernel and gets its
+    digest; every other byte is copied with ``copy_``. Without the kernel on this device (no
+    Triton, or its self-check failed) everything is copied with ``copy_`` and no digest is
+    computed: the engine then hashes the read after it landed, as for any transport.
+
+    Invariants: a unit's digest exists only if the kernel wrote every byte of it from the values
+    it hashed; the engine compares :attr:`digests` with the declared checksums and reads again
+    what does not match. Calling the object as a CPU landing callback (``landed(offset, length)``)
+    does nothing: bytes landed another way are hashed after the read.
+    """
+
+    __slots__ = ("_count", "_units", "digests")
+
+    def __init__(self, buffers: ShardBuffers, units: Sequence[Unit]) -> None:
+        if not lands_on_device(buffers):
+            what = "CPU memory" if not buffers.on_cuda else f"{buffers.layout.checksum!r} units"
+            raise InvalidArgument(f"device landing needs GPU buffers under {wordmix.NAME}; {what} are verified after the read")
+        self._count = len({u.index for u in units})
+        self.digests: dict[int, int] = {u.index: wordmix.reference(b"") for u in units if not u.length}
+        self._units = sorted((u for u in units if u.length), key=lambda u: u.offset)
+
+    @property
+    def complete(self) -> bool:
+        """Every unit of the read has its digest."""
+        return len(self.digests) == self._count
+
+    def __call__(self, offset: int, length: int) -> None:
+        """A CPU landing report: not hashed here (see the class docstring)."""
+
+    def copy(self, segments: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Copy ``(transfer offset, source, destination)`` segments (flat uint8 CUDA tensors of
+        equal lengths) on the current stream and wait for them; hash the units on the way.
+
+        Raises:
+            InvalidArgument: a segment whose two ends differ in length or are not CUDA bytes.
+        """
+        fused: dict[torch.device, tuple[list[int], list[int], list[int], list[int]]] = {}
+        plain: list[tuple[torch.Tensor, torch.Tensor]] = []
+        devices: set[torch.device] = set()
+        for offset, src, dst in segments:
+            if src.numel() != dst.numel() or src.device.type != "cuda" or dst.device.type != "cuda":
+                raise InvalidArgument(f"segment at transfer byte {offset}: {src.numel()} bytes on {src.device} "
+                                      f"to {dst.numel()} on {dst.device}")  # fmt: skip
+            devices.add(dst.device)
+            end = offset + src.numel()
+            same = src.device == dst.device and wordmix.copy_backend(dst.device) == "triton"
+            at = offset  # copied up to here
+            k = bisect.bisect_left([u.offset for u in self._units], offset) if same else len(self._units)
+            while k < len(self._units) and self._units[k].offset + self._units[k].length <= end:
+                u = self._units[k]
+                if u.offset > at:
+                    plain.append((src[at - offset : u.offset - offset], dst[at - offset : u.offset - offset]))
+                srcs, dsts, sizes, index = fused.setdefault(dst.device, ([], [], [], []))
+                srcs.append(src.data_ptr() + u.offset - offset)
+                dsts.append(dst.data_ptr() + u.offset - offset)
+                sizes.append(u.length)
+                index.append(u.index)
+                at = u.offset + u.length
+                k += 1
+            if at < end:
+                plain.append((src[at - offset :], dst[at - offset :]))
+        for s, d in plain:
+            d.copy_(s, non_blocking=True)
+        for device, (srcs, dsts, sizes, index) in fused.items():
+            got = wordmix.copy_sums_at(np.array(srcs, dtype=np.int64), np.array(dsts, dtype=np.int64),
+                                       np.array(sizes, dtype=np.int64), device)  # fmt: skip
+            self.digests.update(zip(index, got))
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
