@@ -185,7 +185,7 @@ def reader_main(conn: Any, spec: Spec, seed: int, names: list[str], endpoints: d
                     # As the engine: a transport that reports landing gets a hasher per read
                     # (on a GPU, a DeviceLanding: the copy hashes what it lands), and verifying
                     # is then comparing its digests; what it did not hash is hashed after.
-                    fused = t.reports_landing and checksum.lands_on_device(into)
+                    fused = t.reports_landing and checksum.FUSED_GPU_COPY and checksum.lands_on_device(into)
                     res["hashed_on_landing"] = 0
                     for rep in range(warmup + repeats):
                         zero()

@@ -190,15 +190,16 @@ def same_delta(a: Delta, b: Delta) -> bool:
 
 
 @pytest.mark.property
-@given(versions(), st.sampled_from([16, 40, 1 << 20]))
-def test_the_streamed_compare_equals_compute_delta_and_refreshes_the_snapshot(vs, slot_bytes):
+@given(versions(), st.sampled_from([16, 40, 1 << 20]), st.sampled_from([1, 7, 1 << 26]))
+def test_the_streamed_compare_equals_compute_delta_and_refreshes_the_snapshot(vs, slot_bytes, window):
     """compare_and_refresh (the publisher's compare of GPU tensors, here its CPU run) gives
     compute_delta's delta entry for entry, values on the CPU, and leaves the snapshot holding the
     target, whatever the slices (slots of 16 and 40 bytes cut every tensor into many)."""
     base, target = vs
     want = compute_delta(base, target, base_version=3, version=4, with_checksums=False)
     snap, before = clone(base), clone(target)
-    got = rd.compare_and_refresh(snap, target, base_version=3, version=4, slot_bytes=slot_bytes)
+    got = rd.compare_and_refresh(snap, target, base_version=3, version=4, slot_bytes=slot_bytes,
+                                 window_elements=window)  # fmt: skip
     assert same_delta(got, want)
     assert all(e.values.device.type == "cpu" for e in got.tensors)
     assert all(same_bits(snap[k], target[k]) and same_bits(before[k], target[k]) for k in target)
@@ -211,6 +212,8 @@ def test_the_streamed_compare_refuses_bad_input_naming_it(seed):
     v0, v1, _ = fixture_versions(seed)
     with pytest.raises(InvalidArgument, match="slot_bytes 2 is smaller than one element"):
         rd.compare_and_refresh(clone(v0), v1, base_version=0, version=1, slot_bytes=2)
+    with pytest.raises(InvalidArgument, match="window_elements must be at least 1"):
+        rd.compare_and_refresh(clone(v0), v1, base_version=0, version=1, window_elements=0)
     other = clone(v0)
     other["a"] = other["a"].float()
     with pytest.raises(LayoutMismatch, match="'a'"):

@@ -25,6 +25,7 @@ a wrong number of expected values too.
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -252,6 +253,13 @@ class LandingHasher:
                 if value is not None:
                     self.digests[u.index] = value
                     self._states[k] = None
+
+
+#: Whether the engine hands GPU reads a :class:`DeviceLanding` (``TENSORHUB_FUSED_GPU_COPY=1``).
+#: Off by default: on an H100 the fused kernel copied and hashed 1 GiB at 182 GB/s where ``copy_``
+#: then the hashing kernel took 332 + 914 GB/s (benchmarks/results/GPU.md), so it stays an
+#: opt-in until the kernel is faster than the two passes it replaces.
+FUSED_GPU_COPY = os.environ.get("TENSORHUB_FUSED_GPU_COPY", "0") == "1"
 
 
 def lands_on_device(buffers: ShardBuffers) -> bool:

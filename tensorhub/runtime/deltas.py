@@ -102,6 +102,14 @@ def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bits.reshape(-1).view(dtype)
 
 
+def _bits_from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Flat uint8 ``raw`` as the integer bits of ``dtype`` (a copy when not aligned for them)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if raw.data_ptr() % size:
+        raw = raw.clone()
+    return raw.view(_WORDS[size] if size in _WORDS else torch.int64)
+
+
 def changed_indices(base: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The flat indices (int64, ascending, on the target's device) of the elements whose bytes
     differ between ``base`` and ``target`` (same dtype and shape, contiguous; the same device,
@@ -381,6 +389,8 @@ def compute_delta(
 #: on the device: the snapshot's next slices are copied in while this one is compared)
 STREAM_SLOT_BYTES = 32 << 20
 STREAM_SLOTS = 4
+#: elements whose "changed" flags :func:`compare_and_refresh` collects before one readback
+STREAM_WINDOW_ELEMENTS = 1 << 26
 
 
 class _Lane:
@@ -427,6 +437,7 @@ def compare_and_refresh(
     base_checksums: Sequence[int] | None = None,
     checksums: Sequence[int] | None = None,
     slot_bytes: int = STREAM_SLOT_BYTES,
+    window_elements: int = STREAM_WINDOW_ELEMENTS,
 ) -> Delta:
     """The delta ``snapshot -> target`` with its values in CPU memory, and ``snapshot`` brought to
     ``target``'s bytes in place: a publisher's compare against its host snapshot of GPU tensors.
@@ -436,7 +447,9 @@ def compare_and_refresh(
     after a slice came in, the target's bytes of that slice go out over it (the two directions
     of the bus at once), so the snapshot holds ``target`` when this returns. Only the changed
     values and their indices come back (one readback per slice). The comparison never runs on
-    the caller's current stream. For CPU targets the same steps run in order, on the CPU.
+    the caller's current stream, and nothing waits for the device per slice: the slices' flags
+    gather in a window mask, read back once per window. For CPU targets the same steps run in
+    order, on the CPU.
 
     Args:
         snapshot: the base, CPU tensors (same names, dtypes, shapes as ``target``; contiguous).
@@ -445,6 +458,8 @@ def compare_and_refresh(
         base_version, version, layout, base_checksums, checksums: as :func:`compute_delta`
             (checksums are not computed here).
         slot_bytes: bytes of one staging slot (:data:`STREAM_SLOTS` slots on the device).
+        window_elements: elements whose flags are collected before one readback of the changed
+            indices (at least one slice's: a mask of this many bytes on the device).
 
     Returns:
         The delta, equal entry for entry to :func:`compute_delta`'s, values and indices on the CPU.
@@ -467,6 +482,8 @@ def compare_and_refresh(
     widest = max((DTYPE_SIZES[t.dtype] for t in layout.tensors), default=1)
     if slot_bytes < widest:
         raise InvalidArgument(f"slot_bytes {slot_bytes} is smaller than one element ({widest} bytes)", **ctx)
+    if window_elements < 1:
+        raise InvalidArgument(f"window_elements must be at least 1, got {window_elements}", **ctx)
     device = devices.pop() if devices else torch.device("cpu")
     lane = _Lane(device)
     nslots = STREAM_SLOTS if lane.cuda else 1
@@ -496,29 +513,54 @@ def compare_and_refresh(
             staged[j] = old[lo:hi].clone()  # the base's slice, before the refresh overwrites it
             old[lo:hi].copy_(new[lo:hi])
 
+    # Each slice's "changed" flags go into a window mask (no readback per slice): one nonzero()
+    # per window, then the indices are cut by slice with one small readback of the cuts.
+    window = max(min(window_elements, sum(hi - lo for _, lo, hi in jobs)), *(hi - lo for _, lo, hi in jobs)) if jobs else 0
+    mask = torch.empty(window, dtype=torch.bool, device=device)
     found: dict[str, list[torch.Tensor]] = {}
+    placed: list[tuple[str, int, int, int]] = []  # in the window: (tensor, first element, at, count)
+
+    def flush() -> None:
+        at = placed[-1][2] + placed[-1][3]
+
+        def cut() -> tuple[torch.Tensor, list[int]]:
+            idx = mask[:at].nonzero().reshape(-1)  # waits for its count
+            starts = torch.tensor([p[2] for p in placed] + [at], dtype=torch.int64, device=device)
+            return idx, torch.searchsorted(idx, starts).tolist()
+
+        idx, bounds = lane.run("work", [], cut)
+        for (name, lo, pos, _), b0, b1 in zip(placed, bounds, bounds[1:]):
+            if b1 > b0:
+                found.setdefault(name, []).append(lane.run("work", [], lambda: idx[b0:b1] - (pos - lo)))
+        placed.clear()
+
     ahead = nslots - 1
     for j in range(min(ahead, len(jobs))):
         issue(j)
     for j, (name, lo, hi) in enumerate(jobs):
         if j + ahead < len(jobs):
             issue(j + ahead)
-        new = bits_of(target[name])
-        prev = staged[j]
+        if placed and placed[-1][2] + placed[-1][3] + (hi - lo) > window:
+            flush()
+        at = placed[-1][2] + placed[-1][3] if placed else 0
+        prev, cur = staged[j], bits_of(target[name])[lo:hi]
         assert prev is not None
 
-        def changed(prev: torch.Tensor = prev, cur: torch.Tensor = new[lo:hi], lo: int = lo) -> torch.Tensor:
-            ne = prev != cur
-            if ne.dim() == 2:
-                ne = ne.any(dim=1)
-            return ne.nonzero().reshape(-1) + lo
+        def changed(prev: torch.Tensor = prev, cur: torch.Tensor = cur, at: int = at) -> None:
+            out = mask[at : at + cur.shape[0]]
+            if cur.dim() == 2:
+                out.copy_((prev != cur).any(dim=1))
+            else:
+                torch.ne(prev, cur, out=out)
 
-        # nonzero() waits for its count: the slot is free again when this returns
-        idx = lane.run("work", [landed[j]], changed, free[j % nslots])
+        lane.run("work", [landed[j]], changed, free[j % nslots])  # the slot is free once compared
         staged[j] = None
-        if idx.numel():
-            found.setdefault(name, []).append(idx)
-    entries = []
+        placed.append((name, lo, at, hi - lo))
+    if placed:
+        flush()
+    # The changed values of the sparse tensors gathered on the device, read back in one go.
+    entries: list[TensorDelta | None] = []
+    sparse: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (entry, indices, raw bytes of the values)
     for spec in layout.tensors:
         parts = found.get(spec.name)
         if not parts:
@@ -529,16 +571,30 @@ def compare_and_refresh(
 
             def gather(cur: torch.Tensor = cur, parts: list[torch.Tensor] = parts) -> tuple[torch.Tensor, torch.Tensor]:
                 idx = parts[0] if len(parts) == 1 else torch.cat(parts)  # on the stream that made them
-                return bits_of(cur).index_select(0, idx).cpu(), idx.to(torch.int32).cpu()
+                return idx.to(torch.int32), bits_of(cur).index_select(0, idx).reshape(-1).view(torch.uint8)
 
-            values, indices = lane.run("work", [], gather)
-            entries.append(TensorDelta(spec.name, SPARSE, k, _from_bits(values, cur.dtype), indices))
+            sparse.append((len(entries), *lane.run("work", [], gather)))
+            entries.append(None)
         else:  # the refreshed snapshot holds the values already
             lane.finish()
             entries.append(TensorDelta(spec.name, DENSE, k, _from_bits(bits_of(snapshot[spec.name]).clone(), cur.dtype)))
+    if sparse:
+
+        def read_back() -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.cat([i for _, i, _ in sparse]).cpu(), torch.cat([v for _, _, v in sparse]).cpu()
+
+        all_idx, all_vals = lane.run("work", [], read_back)
+        named = [spec.name for spec in layout.tensors if spec.name in found]
+        i = v = 0
+        for e, idx, vals in sparse:
+            n, nb = idx.numel(), vals.numel()
+            dtype = target[named[e]].dtype
+            entries[e] = TensorDelta(named[e], SPARSE, n, _from_bits(_bits_from_bytes(all_vals[v : v + nb], dtype), dtype),
+                                     all_idx[i : i + n])  # fmt: skip
+            i, v = i + n, v + nb
     lane.finish()
     return Delta(
-        layout, base_version, version, tuple(entries),
+        layout, base_version, version, tuple(e for e in entries if e is not None),
         tuple(base_checksums) if base_checksums is not None else None,
         tuple(checksums) if checksums is not None else None,
     )  # fmt: skip

@@ -907,7 +907,7 @@ class EngineActor(Actor):
             if checksum.lands(slot.buffers):
                 hasher = checksum.LandingHasher(slot.buffers, mine)
                 kw["landed"] = hasher.landed
-            elif checksum.lands_on_device(slot.buffers):  # the GPU copy hashes what it lands
+            elif checksum.FUSED_GPU_COPY and checksum.lands_on_device(slot.buffers):  # the GPU copy hashes what it lands
                 hasher = checksum.DeviceLanding(slot.buffers, mine)
                 kw["landed"] = hasher
         if getattr(transport, "checks_grants", False):
