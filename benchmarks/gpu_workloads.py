@@ -67,6 +67,7 @@ Usage: python benchmarks/gpu_workloads.py [--cpu] [--json FILE] [--seed N] [--on
 from __future__ import annotations
 
 import argparse
+import os
 import datetime
 import json
 import statistics
@@ -553,6 +554,16 @@ def deltas(device: str, scale: str, *, seed: int = 0) -> dict[str, Any]:
                      with_checksums=False)  # fmt: skip
         cpu_cmp_s, _ = _timed(dev, lambda: compute_delta(snap, current, **known))
         del current
+        if k == total_steps - 1 and os.environ.get("TENSORHUB_PROFILE_COMPARE") == "1":  # where the compare's time goes
+            import cProfile
+            import pstats
+
+            spare = {n: t.clone().pin_memory() if cuda else t.clone() for n, t in snap.items()}
+            with cProfile.Profile() as prof:
+                _compare(spare, pub, base, version, layout, sums, new_sums)
+                _sync(dev)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            del spare
         handle_s, (delta, snap) = _timed(dev, lambda: _compare(snap, pub, base, version, layout, sums, new_sums))
         gpu_s, on_device = _timed(dev, lambda: compute_delta(prev, pub, **known))
         h2d_s, _ = _timed(dev, lambda: [scratch[: t.numel() * t.element_size()].copy_(_flat(t), non_blocking=True)

@@ -255,11 +255,11 @@ class LandingHasher:
                     self._states[k] = None
 
 
-#: Whether the engine hands GPU reads a :class:`DeviceLanding` (``TENSORHUB_FUSED_GPU_COPY=1``).
-#: Off by default: on an H100 the fused kernel copied and hashed 1 GiB at 182 GB/s where ``copy_``
-#: then the hashing kernel took 332 + 914 GB/s (benchmarks/results/GPU.md), so it stays an
-#: opt-in until the kernel is faster than the two passes it replaces.
-FUSED_GPU_COPY = os.environ.get("TENSORHUB_FUSED_GPU_COPY", "0") == "1"
+#: Whether the engine hands GPU reads a :class:`DeviceLanding` (``TENSORHUB_FUSED_GPU_COPY=0``
+#: turns it off: copy, then hash). On an H100 the kernel alone copies and hashes 1 GiB in 0.87 ms,
+#: against 0.93 ms for the segments' ``copy_`` and 0.97 more for hashing them after
+#: (``benchmarks/gpu_fused.py``, benchmarks/results/GPU.md).
+FUSED_GPU_COPY = os.environ.get("TENSORHUB_FUSED_GPU_COPY", "1") == "1"
 
 
 def lands_on_device(buffers: ShardBuffers) -> bool:
@@ -287,7 +287,7 @@ class DeviceLanding:
     does nothing: bytes landed another way are hashed after the read.
     """
 
-    __slots__ = ("_count", "_units", "digests")
+    __slots__ = ("_count", "_ends", "_index", "_lengths", "_offsets", "digests")
 
     def __init__(self, buffers: ShardBuffers, units: Sequence[Unit]) -> None:
         if not lands_on_device(buffers):
@@ -295,7 +295,11 @@ class DeviceLanding:
             raise InvalidArgument(f"device landing needs GPU buffers under {wordmix.NAME}; {what} are verified after the read")
         self._count = len({u.index for u in units})
         self.digests: dict[int, int] = {u.index: wordmix.reference(b"") for u in units if not u.length}
-        self._units = sorted((u for u in units if u.length), key=lambda u: u.offset)
+        real = sorted((u for u in units if u.length), key=lambda u: u.offset)
+        self._offsets = np.array([u.offset for u in real], dtype=np.int64)
+        self._lengths = np.array([u.length for u in real], dtype=np.int64)
+        self._ends = self._offsets + self._lengths
+        self._index = [u.index for u in real]
 
     @property
     def complete(self) -> bool:
@@ -312,36 +316,42 @@ class DeviceLanding:
         Raises:
             InvalidArgument: a segment whose two ends differ in length or are not CUDA bytes.
         """
-        fused: dict[torch.device, tuple[list[int], list[int], list[int], list[int]]] = {}
+        fused: dict[torch.device, list[tuple[np.ndarray, np.ndarray, np.ndarray, range]]] = {}
         plain: list[tuple[torch.Tensor, torch.Tensor]] = []
         devices: set[torch.device] = set()
+        kernel: dict[torch.device, bool] = {}
         for offset, src, dst in segments:
-            if src.numel() != dst.numel() or src.device.type != "cuda" or dst.device.type != "cuda":
-                raise InvalidArgument(f"segment at transfer byte {offset}: {src.numel()} bytes on {src.device} "
+            n = src.numel()
+            if n != dst.numel() or src.device.type != "cuda" or dst.device.type != "cuda":
+                raise InvalidArgument(f"segment at transfer byte {offset}: {n} bytes on {src.device} "
                                       f"to {dst.numel()} on {dst.device}")  # fmt: skip
             devices.add(dst.device)
-            end = offset + src.numel()
-            same = src.device == dst.device and wordmix.copy_backend(dst.device) == "triton"
-            at = offset  # copied up to here
-            k = bisect.bisect_left([u.offset for u in self._units], offset) if same else len(self._units)
-            while k < len(self._units) and self._units[k].offset + self._units[k].length <= end:
-                u = self._units[k]
-                if u.offset > at:
-                    plain.append((src[at - offset : u.offset - offset], dst[at - offset : u.offset - offset]))
-                srcs, dsts, sizes, index = fused.setdefault(dst.device, ([], [], [], []))
-                srcs.append(src.data_ptr() + u.offset - offset)
-                dsts.append(dst.data_ptr() + u.offset - offset)
-                sizes.append(u.length)
-                index.append(u.index)
-                at = u.offset + u.length
-                k += 1
-            if at < end:
-                plain.append((src[at - offset :], dst[at - offset :]))
+            if dst.device not in kernel:
+                kernel[dst.device] = wordmix.copy_backend(dst.device) == "triton"
+            end = offset + n
+            # the units wholly inside the segment (units are sorted and do not overlap)
+            k0 = int(np.searchsorted(self._offsets, offset, side="left"))
+            k1 = int(np.searchsorted(self._ends, end, side="right"))
+            if src.device != dst.device or not kernel[dst.device] or k1 <= k0:
+                plain.append((src, dst))
+                continue
+            starts, ends = self._offsets[k0:k1], self._ends[k0:k1]
+            rel = starts - offset
+            fused.setdefault(dst.device, []).append(
+                (src.data_ptr() + rel, dst.data_ptr() + rel, self._lengths[k0:k1], range(k0, k1))
+            )
+            # the bytes of the segment outside those units (none where units tile the read)
+            edges = np.concatenate(([offset], ends))
+            gaps = np.flatnonzero(np.concatenate((starts, [end])) > edges)
+            for g in gaps:
+                a = int(edges[g]) - offset
+                b = (int(starts[g]) if g < len(starts) else end) - offset
+                plain.append((src[a:b], dst[a:b]))
         for s, d in plain:
             d.copy_(s, non_blocking=True)
-        for device, (srcs, dsts, sizes, index) in fused.items():
-            got = wordmix.copy_sums_at(np.array(srcs, dtype=np.int64), np.array(dsts, dtype=np.int64),
-                                       np.array(sizes, dtype=np.int64), device)  # fmt: skip
-            self.digests.update(zip(index, got))
+        for device, parts in fused.items():
+            got = wordmix.copy_sums_at(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                                       np.concatenate([p[2] for p in parts]), device)  # fmt: skip
+            self.digests.update(zip((self._index[k] for p in parts for k in p[3]), got))
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
