@@ -39,7 +39,10 @@ from tensorhub.transports.buffers import ShardBuffers, memory_of
 
 from . import wordmix
 
-__all__ = ["ALGORITHMS", "DeviceLanding", "LandingHasher", "compute", "digest", "first_mismatch", "lands", "lands_on_device"]
+__all__ = [
+    "ALGORITHMS", "DeviceLanding", "LandingHasher", "compute", "digest", "first_mismatch", "lands", "lands_on_device",
+    "place_units",
+]
 
 ALGORITHMS = ("xxh3-64", wordmix.NAME)
 _STAGE = 8 << 20  # CUDA units are hashed through pinned staging in pieces of this size
@@ -258,7 +261,9 @@ class LandingHasher:
 #: Whether the engine hands GPU reads a :class:`DeviceLanding` (``TENSORHUB_FUSED_GPU_COPY=0``
 #: turns it off: copy, then hash). On an H100 the kernel alone copies and hashes 1 GiB in 0.87 ms,
 #: against 0.93 ms for the segments' ``copy_`` and 0.97 more for hashing them after
-#: (``benchmarks/gpu_fused.py``, benchmarks/results/GPU.md).
+#: (``benchmarks/gpu_fused.py``). Its first use in ``local`` lost that to Python per segment
+#: (2.6 ms per GiB of 64 segments); the transport now finds a read's segments with numpy and
+#: launches once (benchmarks/results/GPU.md has both runs).
 FUSED_GPU_COPY = os.environ.get("TENSORHUB_FUSED_GPU_COPY", "1") == "1"
 
 
@@ -311,47 +316,72 @@ class DeviceLanding:
 
     def copy(self, segments: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Copy ``(transfer offset, source, destination)`` segments (flat uint8 CUDA tensors of
-        equal lengths) on the current stream and wait for them; hash the units on the way.
+        equal lengths) on the current stream and wait for them; hash the units on the way
+        (:meth:`copy_ranges`, where the kernel runs on the destination's device; else ``copy_``).
 
         Raises:
             InvalidArgument: a segment whose two ends differ in length or are not CUDA bytes.
         """
-        fused: dict[torch.device, list[tuple[np.ndarray, np.ndarray, np.ndarray, range]]] = {}
-        plain: list[tuple[torch.Tensor, torch.Tensor]] = []
-        devices: set[torch.device] = set()
-        kernel: dict[torch.device, bool] = {}
+        devices = set()
         for offset, src, dst in segments:
-            n = src.numel()
-            if n != dst.numel() or src.device.type != "cuda" or dst.device.type != "cuda":
-                raise InvalidArgument(f"segment at transfer byte {offset}: {n} bytes on {src.device} "
+            if src.numel() != dst.numel() or src.device.type != "cuda" or dst.device.type != "cuda":
+                raise InvalidArgument(f"segment at transfer byte {offset}: {src.numel()} bytes on {src.device} "
                                       f"to {dst.numel()} on {dst.device}")  # fmt: skip
-            devices.add(dst.device)
-            if dst.device not in kernel:
-                kernel[dst.device] = wordmix.copy_backend(dst.device) == "triton"
-            end = offset + n
-            # the units wholly inside the segment (units are sorted and do not overlap)
-            k0 = int(np.searchsorted(self._offsets, offset, side="left"))
-            k1 = int(np.searchsorted(self._ends, end, side="right"))
-            if src.device != dst.device or not kernel[dst.device] or k1 <= k0:
-                plain.append((src, dst))
-                continue
-            starts, ends = self._offsets[k0:k1], self._ends[k0:k1]
-            rel = starts - offset
-            fused.setdefault(dst.device, []).append(
-                (src.data_ptr() + rel, dst.data_ptr() + rel, self._lengths[k0:k1], range(k0, k1))
-            )
-            # the bytes of the segment outside those units (none where units tile the read)
-            edges = np.concatenate(([offset], ends))
-            gaps = np.flatnonzero(np.concatenate((starts, [end])) > edges)
-            for g in gaps:
-                a = int(edges[g]) - offset
-                b = (int(starts[g]) if g < len(starts) else end) - offset
-                plain.append((src[a:b], dst[a:b]))
-        for s, d in plain:
-            d.copy_(s, non_blocking=True)
-        for device, parts in fused.items():
-            got = wordmix.copy_sums_at(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-                                       np.concatenate([p[2] for p in parts]), device)  # fmt: skip
-            self.digests.update(zip((self._index[k] for p in parts for k in p[3]), got))
-        for device in devices:
-            torch.cuda.current_stream(device).synchronize()
+            devices.add((src.device, dst.device))
+        if len(devices) == 1 and (pair := devices.pop())[0] == pair[1] and self.kernel_runs_on(pair[1]):
+            arrays = [np.array(col, dtype=np.int64) for col in zip(*((o, s.numel(), s.data_ptr(), d.data_ptr())
+                                                                     for o, s, d in segments))]  # fmt: skip
+            self.copy_ranges(*arrays, pair[1])
+            return
+        for _, src, dst in segments:
+            dst.copy_(src, non_blocking=True)
+        for _, _, dst in segments:
+            torch.cuda.current_stream(dst.device).synchronize()
+
+    @staticmethod
+    def kernel_runs_on(device: torch.device) -> bool:
+        """Whether :meth:`copy_ranges` can run on ``device`` (the fused kernel passed its
+        self-check there)."""
+        return wordmix.copy_backend(device) == "triton"
+
+    def copy_ranges(self, offsets: np.ndarray, lengths: np.ndarray, src: np.ndarray, dst: np.ndarray, device: torch.device) -> None:
+        """Copy segments given as arrays (transfer offsets, lengths, source and destination
+        addresses, all GPU memory of ``device``) with the fused kernel, one launch for the units
+        wholly inside a segment (their digests recorded) and one for the segments they do not
+        cover; on the current stream, waited for. The caller checked
+        ``wordmix.copy_backend(device) == "triton"`` and keeps the memory alive."""
+        units, u_src, u_dst, u_len, rest = place_units(self._offsets, self._lengths, offsets, lengths, src, dst)
+        if len(rest):  # bytes outside whole units (none where reads are whole units): copied, not hashed
+            wordmix.copy_sums_at(src[rest], dst[rest], lengths[rest], device)
+        if len(units):
+            got = wordmix.copy_sums_at(u_src, u_dst, u_len, device)
+            self.digests.update(zip((self._index[k] for k in units.tolist()), got))
+        torch.cuda.current_stream(device).synchronize()
+
+
+def place_units(
+    unit_offsets: np.ndarray, unit_lengths: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+    src: np.ndarray, dst: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Where each unit lies in a read's segments, without a Python loop over either.
+
+    Args:
+        unit_offsets, unit_lengths: the units (transfer offsets, ascending, not overlapping).
+        offsets, lengths, src, dst: the segments (transfer offsets, ascending, not overlapping;
+            lengths; source and destination addresses of their first bytes).
+
+    Returns:
+        ``(units, src, dst, lengths, rest)``: the positions of the units wholly inside one
+        segment, their source and destination addresses and lengths, and the positions of the
+        segments those units do not cover entirely.
+    """
+    seg = np.searchsorted(offsets, unit_offsets, side="right") - 1
+    inside = seg >= 0
+    safe = np.where(inside, seg, 0)
+    inside &= unit_offsets + unit_lengths <= offsets[safe] + lengths[safe]
+    units = np.flatnonzero(inside)
+    owner = seg[units]
+    rel = unit_offsets[units] - offsets[owner]
+    covered = np.bincount(owner, weights=unit_lengths[units], minlength=len(offsets))
+    rest = np.flatnonzero(covered < lengths)
+    return units, src[owner] + rel, dst[owner] + rel, unit_lengths[units], rest

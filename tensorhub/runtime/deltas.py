@@ -42,6 +42,7 @@ decisions about *when* to use a delta are the core's (:func:`tensorhub.core.delt
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -385,46 +386,10 @@ def compute_delta(
     )  # fmt: skip
 
 
-#: bytes of one staging slot of :func:`compare_and_refresh` (it keeps :data:`STREAM_SLOTS` of them
-#: on the device: the snapshot's next slices are copied in while this one is compared)
+#: bytes of the staging slot of :func:`compare_and_refresh` on the device (one slice of the snapshot)
 STREAM_SLOT_BYTES = 32 << 20
-STREAM_SLOTS = 4
 #: elements whose "changed" flags :func:`compare_and_refresh` collects before one readback
 STREAM_WINDOW_ELEMENTS = 1 << 26
-
-
-class _Lane:
-    """The streams and events of :func:`compare_and_refresh` on one device: snapshot slices come
-    in on one stream, the target's bytes go out to the snapshot on another, the comparison runs on
-    a third (never the caller's current stream: a trainer's next step is not held behind it).
-    On the CPU every operation runs at once, in order: the same code, tested without a GPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.into, self.out, self.work = (torch.cuda.Stream(device) for _ in range(3))
-
-    def event(self) -> Any:
-        return torch.cuda.Event() if self.cuda else None
-
-    def run(self, stream: str, after: Sequence[Any], fn: Any, done: Any = None) -> Any:
-        """``fn()`` on ``stream`` once the events ``after`` have passed; record ``done`` there."""
-        if not self.cuda:
-            return fn()
-        s = getattr(self, stream)
-        for ev in after:
-            if ev is not None:
-                s.wait_event(ev)
-        with torch.cuda.stream(s):
-            out = fn()
-            if done is not None:
-                done.record(s)
-        return out
-
-    def finish(self) -> None:
-        if self.cuda:
-            self.out.synchronize()
-            self.work.synchronize()
 
 
 def compare_and_refresh(
@@ -442,22 +407,25 @@ def compare_and_refresh(
     """The delta ``snapshot -> target`` with its values in CPU memory, and ``snapshot`` brought to
     ``target``'s bytes in place: a publisher's compare against its host snapshot of GPU tensors.
 
-    The snapshot (CPU memory, pinned for GPU targets) is streamed to the target's device in
-    slices of ``slot_bytes``, a few slots ahead of the comparison, and compared there; right
-    after a slice came in, the target's bytes of that slice go out over it (the two directions
-    of the bus at once), so the snapshot holds ``target`` when this returns. Only the changed
-    values and their indices come back (one readback per slice). The comparison never runs on
-    the caller's current stream, and nothing waits for the device per slice: the slices' flags
-    gather in a window mask, read back once per window. For CPU targets the same steps run in
-    order, on the CPU.
+    The snapshot (CPU memory, pinned for GPU targets) is copied to the target's device slice by
+    slice (slices of at most ``slot_bytes``, into one staging slot) and compared there, on a side
+    stream: the caller's stream (a trainer's next step) neither waits for it nor delays it, and
+    the host enqueues slice after slice without waiting for the device. The slices' "changed"
+    flags gather in a window mask read back once per window (one ``nonzero``); then the target's
+    bytes of the window's slices go out over the snapshot on a second stream, while the next
+    window's slices come in (the two directions of the bus at once), so the snapshot holds
+    ``target`` when this returns. Only the changed values and their indices come back, all
+    tensors' at once. For CPU targets the same steps run in order, on the CPU.
 
     Args:
         snapshot: the base, CPU tensors (same names, dtypes, shapes as ``target``; contiguous).
             Overwritten with ``target``'s bytes.
-        target: the version to reach (its tensors are only read).
+        target: the version to reach (its tensors are only read; their bytes must be final on
+            the device: the side streams do not wait for work queued on the caller's stream,
+            which a publisher's next step may already fill; its checksums were computed first).
         base_version, version, layout, base_checksums, checksums: as :func:`compute_delta`
             (checksums are not computed here).
-        slot_bytes: bytes of one staging slot (:data:`STREAM_SLOTS` slots on the device).
+        slot_bytes: bytes of the staging slot (the largest slice).
         window_elements: elements whose flags are collected before one readback of the changed
             indices (at least one slice's: a mask of this many bytes on the device).
 
@@ -485,106 +453,102 @@ def compare_and_refresh(
     if window_elements < 1:
         raise InvalidArgument(f"window_elements must be at least 1, got {window_elements}", **ctx)
     device = devices.pop() if devices else torch.device("cpu")
-    lane = _Lane(device)
-    nslots = STREAM_SLOTS if lane.cuda else 1
-    slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(nslots)] if lane.cuda else []
-    free = [lane.event() for _ in range(nslots)]  # the comparison no longer reads the slot
+    cuda = device.type == "cuda"
     jobs = []  # (tensor name, first element, end element): slices of at most one slot
     for spec in layout.tensors:
         rows = bits_of(target[spec.name]).shape[0]
-        row_bytes = DTYPE_SIZES[spec.dtype]
-        step = max(1, slot_bytes // row_bytes)
+        step = max(1, slot_bytes // DTYPE_SIZES[spec.dtype])
         jobs.extend((spec.name, s, min(rows, s + step)) for s in range(0, rows, step))
-    landed: list[Any] = [None] * len(jobs)
-    staged: list[torch.Tensor | None] = [None] * len(jobs)
+    # The slot, the comparison and the readbacks run on one side stream (in its order: a slot
+    # is written again only once compared); the refresh on another, so that it moves while the
+    # next slices come in.
+    work = torch.cuda.Stream(device) if cuda else None
+    out = torch.cuda.Stream(device) if cuda else None
+    with torch.cuda.stream(work) if work is not None else contextlib.nullcontext():
+        entries = _compare_slices(snapshot, target, layout, jobs, device, out, window_elements)
+        if work is not None and out is not None:
+            out.synchronize()
+            work.synchronize()
+    return Delta(
+        layout, base_version, version, tuple(entries),
+        tuple(base_checksums) if base_checksums is not None else None,
+        tuple(checksums) if checksums is not None else None,
+    )  # fmt: skip
 
-    def issue(j: int) -> None:
-        name, lo, hi = jobs[j]
-        old, new = bits_of(snapshot[name]), bits_of(target[name])
-        k = j % nslots
-        landed[j] = lane.event()
-        if lane.cuda:
-            n = (hi - lo) * old[lo:hi].element_size() * (old.shape[1] if old.dim() == 2 else 1)
-            buf = slots[k][:n].view(old.dtype).view((hi - lo, *old.shape[1:]))
-            staged[j] = buf
-            lane.run("into", [free[k]], lambda: buf.copy_(old[lo:hi], non_blocking=True), landed[j])
-            lane.run("out", [landed[j]], lambda: old[lo:hi].copy_(new[lo:hi], non_blocking=True))
-        else:
-            staged[j] = old[lo:hi].clone()  # the base's slice, before the refresh overwrites it
-            old[lo:hi].copy_(new[lo:hi])
 
-    # Each slice's "changed" flags go into a window mask (no readback per slice): one nonzero()
-    # per window, then the indices are cut by slice with one small readback of the cuts.
-    window = max(min(window_elements, sum(hi - lo for _, lo, hi in jobs)), *(hi - lo for _, lo, hi in jobs)) if jobs else 0
+def _compare_slices(
+    snapshot: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], layout: Layout,
+    jobs: list[tuple[str, int, int]], device: torch.device, out: Any, window_elements: int,
+) -> list[TensorDelta]:  # fmt: skip
+    """:func:`compare_and_refresh`'s work, on the current stream (``out``: the refresh's stream,
+    None on the CPU)."""
+    if not jobs:
+        return []
+    width = {spec.name: bits_of(target[spec.name]) for spec in layout.tensors}
+    slot = torch.empty(max((hi - lo) * width[n][lo:hi].element_size() * (width[n].shape[1] if width[n].dim() == 2 else 1)
+                           for n, lo, hi in jobs), dtype=torch.uint8, device=device)  # fmt: skip
+    # Each slice's "changed" flags go into a window mask (nothing read back per slice): one
+    # nonzero() per window, then the indices cut by slice with one small readback of the cuts.
+    window = max(min(window_elements, sum(hi - lo for _, lo, hi in jobs)), *(hi - lo for _, lo, hi in jobs))
     mask = torch.empty(window, dtype=torch.bool, device=device)
     found: dict[str, list[torch.Tensor]] = {}
     placed: list[tuple[str, int, int, int]] = []  # in the window: (tensor, first element, at, count)
 
     def flush() -> None:
         at = placed[-1][2] + placed[-1][3]
-
-        def cut() -> tuple[torch.Tensor, list[int]]:
-            idx = mask[:at].nonzero().reshape(-1)  # waits for its count
-            starts = torch.tensor([p[2] for p in placed] + [at], dtype=torch.int64, device=device)
-            return idx, torch.searchsorted(idx, starts).tolist()
-
-        idx, bounds = lane.run("work", [], cut)
+        # The window's slices of the snapshot have come in: the target's bytes go over them.
+        if out is not None:
+            came_in = torch.cuda.Event()
+            came_in.record(torch.cuda.current_stream(device))
+            out.wait_event(came_in)
+        with torch.cuda.stream(out) if out is not None else contextlib.nullcontext():
+            for name, lo, _, n in placed:
+                bits_of(snapshot[name])[lo : lo + n].copy_(width[name][lo : lo + n], non_blocking=True)
+        idx = mask[:at].nonzero().reshape(-1)  # waits for its count
+        starts = torch.tensor([p[2] for p in placed] + [at], dtype=torch.int64, device=device)
+        bounds = torch.searchsorted(idx, starts).tolist()
         for (name, lo, pos, _), b0, b1 in zip(placed, bounds, bounds[1:]):
             if b1 > b0:
-                found.setdefault(name, []).append(lane.run("work", [], lambda: idx[b0:b1] - (pos - lo)))
+                found.setdefault(name, []).append(idx[b0:b1] - (pos - lo))
         placed.clear()
 
-    ahead = nslots - 1
-    for j in range(min(ahead, len(jobs))):
-        issue(j)
-    for j, (name, lo, hi) in enumerate(jobs):
-        if j + ahead < len(jobs):
-            issue(j + ahead)
-        if placed and placed[-1][2] + placed[-1][3] + (hi - lo) > window:
-            flush()
+    for name, lo, hi in jobs:
         at = placed[-1][2] + placed[-1][3] if placed else 0
-        prev, cur = staged[j], bits_of(target[name])[lo:hi]
-        assert prev is not None
-
-        def changed(prev: torch.Tensor = prev, cur: torch.Tensor = cur, at: int = at) -> None:
-            out = mask[at : at + cur.shape[0]]
-            if cur.dim() == 2:
-                out.copy_((prev != cur).any(dim=1))
-            else:
-                torch.ne(prev, cur, out=out)
-
-        lane.run("work", [landed[j]], changed, free[j % nslots])  # the slot is free once compared
-        staged[j] = None
+        if at + (hi - lo) > window:
+            flush()
+            at = 0
+        old, cur = bits_of(snapshot[name])[lo:hi], width[name][lo:hi]
+        prev = slot[: old.numel() * old.element_size()].view(old.dtype).view(old.shape)
+        prev.copy_(old, non_blocking=True)
+        flags = mask[at : at + (hi - lo)]
+        if cur.dim() == 2:
+            flags.copy_((prev != cur).any(dim=1))
+        else:
+            torch.ne(prev, cur, out=flags)
         placed.append((name, lo, at, hi - lo))
-    if placed:
-        flush()
+    flush()
     # The changed values of the sparse tensors gathered on the device, read back in one go.
     entries: list[TensorDelta | None] = []
     sparse: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (entry, indices, raw bytes of the values)
+    named: list[str] = []
     for spec in layout.tensors:
         parts = found.get(spec.name)
         if not parts:
             continue
-        cur = target[spec.name]
-        k, numel = sum(p.numel() for p in parts), cur.numel()
+        named.append(spec.name)
+        k, numel = sum(p.numel() for p in parts), target[spec.name].numel()
         if encoding_for(k, numel, DTYPE_SIZES[spec.dtype]) == SPARSE:
-
-            def gather(cur: torch.Tensor = cur, parts: list[torch.Tensor] = parts) -> tuple[torch.Tensor, torch.Tensor]:
-                idx = parts[0] if len(parts) == 1 else torch.cat(parts)  # on the stream that made them
-                return idx.to(torch.int32), bits_of(cur).index_select(0, idx).reshape(-1).view(torch.uint8)
-
-            sparse.append((len(entries), *lane.run("work", [], gather)))
+            idx = parts[0] if len(parts) == 1 else torch.cat(parts)
+            sparse.append((len(entries), idx.to(torch.int32), width[spec.name].index_select(0, idx).reshape(-1).view(torch.uint8)))
             entries.append(None)
-        else:  # the refreshed snapshot holds the values already
-            lane.finish()
-            entries.append(TensorDelta(spec.name, DENSE, k, _from_bits(bits_of(snapshot[spec.name]).clone(), cur.dtype)))
+        else:  # the refreshed snapshot holds the values
+            if out is not None:
+                out.synchronize()
+            dtype = target[spec.name].dtype
+            entries.append(TensorDelta(spec.name, DENSE, k, _from_bits(bits_of(snapshot[spec.name]).clone(), dtype)))
     if sparse:
-
-        def read_back() -> tuple[torch.Tensor, torch.Tensor]:
-            return torch.cat([i for _, i, _ in sparse]).cpu(), torch.cat([v for _, _, v in sparse]).cpu()
-
-        all_idx, all_vals = lane.run("work", [], read_back)
-        named = [spec.name for spec in layout.tensors if spec.name in found]
+        all_idx = torch.cat([i for _, i, _ in sparse]).cpu()
+        all_vals = torch.cat([v for _, _, v in sparse]).cpu()
         i = v = 0
         for e, idx, vals in sparse:
             n, nb = idx.numel(), vals.numel()
@@ -592,12 +556,7 @@ def compare_and_refresh(
             entries[e] = TensorDelta(named[e], SPARSE, n, _from_bits(_bits_from_bytes(all_vals[v : v + nb], dtype), dtype),
                                      all_idx[i : i + n])  # fmt: skip
             i, v = i + n, v + nb
-    lane.finish()
-    return Delta(
-        layout, base_version, version, tuple(e for e in entries if e is not None),
-        tuple(base_checksums) if base_checksums is not None else None,
-        tuple(checksums) if checksums is not None else None,
-    )  # fmt: skip
+    return [e for e in entries if e is not None]
 
 
 # --- apply ------------------------------------------------------------------------------------
