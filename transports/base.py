@@ -131,10 +131,13 @@ exactly once (pieces in any order, from any threads). Never report bytes that ar
 (a later write to the same range would go unhashed). A callback that raises fails the read.
 For CUDA destinations under ``wordmix-64`` the engine passes a
 :class:`~tensorhub.runtime.checksum.DeviceLanding` as ``landed`` instead: calling it does
-nothing, but a transport that copies GPU memory to GPU memory itself may hand the read's
-segments to its ``copy([(transfer offset, source bytes, destination bytes), ...])``, which copies
-them on the current stream with a kernel that hashes each unit from the registers it writes
-(the verification's pass over the bytes is gone) and waits for the copy.
+nothing, but a transport that copies GPU memory to GPU memory itself may hand it the read's
+segments instead of copying them: ``copy([(transfer offset, source bytes, destination bytes),
+...])`` with tensors, or, where ``kernel_runs_on(device)``, ``copy_ranges(offsets, lengths,
+source addresses, destination addresses, device)`` with numpy arrays (``local`` keeps a table of
+the regions' addresses and finds a read's segments without a Python loop). Either copies on the
+current stream with a kernel that hashes each unit from the registers it writes (verification's
+pass over the bytes is gone) and waits for the copy.
 
 **Aborting reads** (optional: ``abort_reads(into)``). When the server revokes a grant (its
 source is going away, or is too slow: a straggler), the engine waits for the grant's reads in

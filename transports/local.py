@@ -1004,8 +1004,8 @@ def _gpu_table(desc: _Described, into: ShardBuffers) -> _GpuTable | None:
         offsets = np.array([r.offset for r in regions], dtype=np.int64)
         table = _GpuTable(
             desc, offsets, offsets + np.array([r.nbytes for r in regions], dtype=np.int64),
-            np.array([t.data_ptr() for t in srcs], dtype=np.int64),  # type: ignore[union-attr]
-            np.array([t.data_ptr() for t in dsts], dtype=np.int64),  # type: ignore[union-attr]
+            np.array([t.data_ptr() for t in srcs if t is not None], dtype=np.int64),
+            np.array([t.data_ptr() for t in dsts if t is not None], dtype=np.int64),
             next(iter(devices)),
         )  # fmt: skip
     into.__dict__["_local_gpu_table"] = (desc, table)

@@ -329,9 +329,10 @@ class DeviceLanding:
                                       f"to {dst.numel()} on {dst.device}")  # fmt: skip
             devices.add((src.device, dst.device))
         if len(devices) == 1 and (pair := devices.pop())[0] == pair[1] and self.kernel_runs_on(pair[1]):
-            arrays = [np.array(col, dtype=np.int64) for col in zip(*((o, s.numel(), s.data_ptr(), d.data_ptr())
-                                                                     for o, s, d in segments))]  # fmt: skip
-            self.copy_ranges(*arrays, pair[1])
+            offs, lens, srcs, dsts = (np.array(col, dtype=np.int64) for col in zip(
+                *((o, s.numel(), s.data_ptr(), d.data_ptr()) for o, s, d in segments)
+            ))  # fmt: skip
+            self.copy_ranges(offs, lens, srcs, dsts, pair[1])
             return
         for _, src, dst in segments:
             dst.copy_(src, non_blocking=True)

@@ -454,7 +454,7 @@ def compare_and_refresh(
         raise InvalidArgument(f"window_elements must be at least 1, got {window_elements}", **ctx)
     device = devices.pop() if devices else torch.device("cpu")
     cuda = device.type == "cuda"
-    jobs = []  # (tensor name, first element, end element): slices of at most one slot
+    jobs: list[tuple[str, int, int]] = []  # (tensor name, first element, end element): at most a slot each
     for spec in layout.tensors:
         rows = bits_of(target[spec.name]).shape[0]
         step = max(1, slot_bytes // DTYPE_SIZES[spec.dtype])
