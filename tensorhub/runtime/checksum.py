@@ -258,13 +258,13 @@ class LandingHasher:
                     self._states[k] = None
 
 
-#: Whether the engine hands GPU reads a :class:`DeviceLanding` (``TENSORHUB_FUSED_GPU_COPY=0``
-#: turns it off: copy, then hash). On an H100 the kernel alone copies and hashes 1 GiB in 0.87 ms,
-#: against 0.93 ms for the segments' ``copy_`` and 0.97 more for hashing them after
-#: (``benchmarks/gpu_fused.py``). Its first use in ``local`` lost that to Python per segment
-#: (2.6 ms per GiB of 64 segments); the transport now finds a read's segments with numpy and
-#: launches once (benchmarks/results/GPU.md has both runs).
-FUSED_GPU_COPY = os.environ.get("TENSORHUB_FUSED_GPU_COPY", "1") == "1"
+#: Whether the engine hands GPU reads a :class:`DeviceLanding` (``TENSORHUB_FUSED_GPU_COPY=1``).
+#: Off by default. On an H100 the kernel alone copies and hashes 1 GiB in 0.87 ms, against 0.93 ms
+#: for the segments' ``copy_`` and 0.97 more for hashing them after (``benchmarks/gpu_fused.py``),
+#: but a landing's ``copy_ranges`` takes 1.8 ms (Triton's launch and the bookkeeping around it),
+#: and ``local`` pulls through it measured 295 and 405 GB/s for 1 and 8 GiB, against 277 and 763
+#: copying then hashing (benchmarks/results/GPU.md). Until the launch costs less, copy then hash.
+FUSED_GPU_COPY = os.environ.get("TENSORHUB_FUSED_GPU_COPY", "0") == "1"
 
 
 def lands_on_device(buffers: ShardBuffers) -> bool:
