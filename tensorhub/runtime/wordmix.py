@@ -35,7 +35,8 @@ Three implementations compute the same values (the tests pin them to :func:`refe
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -363,33 +364,31 @@ def _copy_self_check(device: torch.device) -> bool:
         return False
 
 
+def _once(cache: dict[int, Any], device: torch.device, check: Callable[[torch.device], Any]) -> Any:
+    """``check(device)`` for a CUDA device, computed once per process and device index."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    got = cache.get(index)
+    if got is None:
+        with _check_lock:
+            got = cache.get(index)
+            if got is None:
+                got = cache[index] = check(torch.device("cuda", index))
+    return got
+
+
 def copy_backend(device: torch.device) -> str:
     """"triton" where :func:`copy_sums_at` may be used on ``device`` (it passed a self-check in
     this process), else "none": copy and hash apart."""
     if device.type != "cuda":
         return "none"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    got = _copy_checked.get(index)
-    if got is None:
-        with _check_lock:
-            got = _copy_checked.get(index)
-            if got is None:
-                got = _copy_checked[index] = _copy_self_check(torch.device("cuda", index))
-    return "triton" if got else "none"
+    return "triton" if _once(_copy_checked, device, _copy_self_check) else "none"
 
 
 def backend(device: torch.device) -> str:
     """Which implementation :func:`sums` uses for memory on ``device``."""
     if device.type != "cuda":
         return "torch"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    got = _checked.get(index)
-    if got is None:
-        with _check_lock:
-            got = _checked.get(index)
-            if got is None:
-                got = _checked[index] = _self_check(torch.device("cuda", index))
-    return got
+    return str(_once(_checked, device, _self_check))
 
 
 def sums(ranges: Sequence[torch.Tensor]) -> list[int]:
