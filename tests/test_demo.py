@@ -23,10 +23,11 @@ def _demo(*args: str) -> str:
     address = f"tcp://127.0.0.1:{_free_port()}"
     env = {**os.environ, "TENSORHUB_EMBEDDED_ADDRESS": address}
     env.pop("TENSORHUB_SERVER", None)
+    # the demo's own deadline and this one are a hang's bounds (120 s was hit on a loaded machine)
     cmd = [sys.executable, "-m", "tensorhub", "demo", "--rollouts", "2", "--width", "64", "--layers", "1", "--quiet",
-           "--timeout", "120", *args]  # fmt: skip
+           "--timeout", "240", *args]  # fmt: skip
     try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, check=False)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, check=False)
         servers = len(_servers_bound_to(address))
     finally:
         for pid in _servers_bound_to(address):
