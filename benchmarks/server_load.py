@@ -1,0 +1,671 @@
+"""The real reference server process under thousands of sessions: heartbeats, bursts and churn.
+
+A load generator that speaks the real wire protocol (the client's own message classes and
+:mod:`tensorhub.core.wire` encoding) to a real ``tensorhub server`` process on 127.0.0.1, and
+optionally a primary with its backup. It emulates every worker of an RL job as the server sees
+it, without tensors: each shard of each replica is one session on its own ZeroMQ connection
+(as one GPU worker process has), opening, registering a layout (a 1 GiB shard of 16 tensors,
+256 checksums) and a grant key, heartbeating at the server's interval (1 s by default, echoing
+the stamps as real clients do, so that with a backup they are votes), and, for several
+versions in a row, the paper's burst:
+
+1. the trainer replica unpublishes the version before (retention ``latest``) and publishes the
+   next one; its checksums follow in a ``DeclareChecksums``, as the handle sends them;
+2. every rollout replica calls ``update("latest")`` at once (one ``Update`` per shard, the
+   model-parallel call numbered per replica);
+3. each granted shard "pulls" for ``--pull`` seconds: no bytes move (the data plane is not what
+   is measured here), but it sends ``Progress`` every 0.5 s as real readers do while a pull
+   grows, then ``Complete``; a revoked grant waits for its next grant; the server answers the
+   replica's ``Updated`` once every shard holds the version;
+4. churn: ``--churn`` of the rollout replicas crash during each burst (their connections close,
+   nothing is said) and come back as new incarnations after 1 to 12 s (a quick one fences its
+   old incarnation; a slow one finds it expired), then take part in the next burst.
+
+It prints, per session count: the server's CPU (cores, from ``/proc`` of its pid, over the
+measured window), its resident memory (peak), heartbeat round-trip p50/p99 (send to ack, as
+the generator saw it, so the generator's own latency is in it), the time from the publish to
+the last grant and to the last completion of each burst (worst burst), the last grant after
+the last request, and false removals (a session that did not crash told it was removed, or
+unknown in a heartbeat ack). With ``--backup`` (the default runs both), the same with a backup
+server attached (the primary holds its lease; heartbeats are votes), and the backup's CPU and
+memory. The generator's own CPU is printed beside: on a small shared machine it competes with
+the server for the same cores.
+
+Usage: python benchmarks/server_load.py [--sessions 1024,4096,8192] [--quick] [--backup both|no|only]
+       [--versions N] [--procs P] [--pull S] [--churn F] [--profile DIR] [--json FILE]
+
+``--profile DIR`` runs the server under cProfile (``TENSORHUB_SERVER_PROFILE``) and writes one
+profile per run there. Goals at 4,096 sessions: 0 false removals, heartbeat p99 <= 100 ms, <= 1
+server core on average, the burst's last grant within 1 s of its last request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zmq  # noqa: E402
+import zmq.asyncio  # noqa: E402
+
+from benchmarks.server_process import BenchmarkError, Child, start_server, stop_process  # noqa: E402
+from tensorhub.core import messages as m  # noqa: E402
+from tensorhub.core.layout import Layout, TensorSpec  # noqa: E402
+from tensorhub.core.topology import Location  # noqa: E402
+from tensorhub.core.wire import decode, encode  # noqa: E402
+
+MODEL = "actor"
+SHARDS = 8  #: shards per replica (one per GPU of an 8-GPU node)
+PROGRESS_EVERY = 0.5  #: a real reader reports progress at least this often while its pull grows
+GOALS = {"hb_p99_ms": 100.0, "cores": 1.0, "grant_after_request_s": 1.0}
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def layout() -> Layout:
+    """A 1 GiB shard: 16 bfloat16 tensors of 64 MiB (256 checksums of 4 MiB chunks)."""
+    return Layout(tuple(TensorSpec(f"layer{i}.weight", "bfloat16", (8192, 4096), 64 << 20) for i in range(16)),
+                  "xxh3-64", 4 << 20, 2 << 20)  # fmt: skip
+
+
+# ---- /proc ------------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (and its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def memory_mib(pid: int) -> tuple[float, float]:
+    """(resident, peak resident) MiB of a process."""
+    rss = hwm = 0.0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) / 1024
+    return rss, hwm
+
+
+# ---- the generator (one process holds many sessions) -------------------------------------------
+
+
+@dataclass
+class _Pull:
+    grant: int
+    term: int
+    start: float
+    handles: list[asyncio.TimerHandle] = field(default_factory=list)
+
+
+class Shard:
+    """One emulated worker: a session on its own DEALER connection."""
+
+    def __init__(self, gen: "Generator", replica: str, idx: int, retain: int | None) -> None:
+        self.gen = gen
+        self.replica = replica
+        self.idx = idx
+        self.retain = retain
+        self.incarnation = os.urandom(8).hex()
+        self.sock: zmq.asyncio.Socket | None = None
+        self.sid = 0
+        self.term = 0
+        self.stamp = (0, 0.0)
+        self.req = itertools.count(1)
+        self.call = itertools.count(1)
+        self.pending: dict[int, tuple[str, float, asyncio.Future | None]] = {}
+        self.pulls: dict[int, _Pull] = {}
+        self.alive = False
+        self.tasks: list[asyncio.Task] = []
+        self.reigning = True
+        self.asked = 0.0  # when this shard's update of the current burst went out (0: granted since)
+
+    # -- plumbing
+
+    def send(self, build: Any, kind: str, want: bool = True) -> asyncio.Future | None:
+        req = next(self.req)
+        msg = build(req)
+        fut = asyncio.get_running_loop().create_future() if want else None
+        self.pending[req] = (kind, time.monotonic(), fut)
+        assert self.sock is not None
+        self.sock.send(encode(msg), flags=zmq.NOBLOCK)
+        return fut
+
+    def tell(self, msg: Any) -> None:
+        assert self.sock is not None
+        self.sock.send(encode(msg), flags=zmq.NOBLOCK)
+
+    async def start(self, address: str) -> None:
+        sock = self.gen.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, os.urandom(12))
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.connect(address)
+        self.sock = sock
+        self.alive = True
+        self.req = itertools.count(1)
+        self.call = itertools.count(1)
+        self.tasks = [asyncio.ensure_future(self._recv())]
+        inc = self.incarnation
+        opened = await asyncio.wait_for(self.send(lambda r: m.OpenShard(
+            r, MODEL, self.replica, SHARDS, self.idx, inc, self.gen.location(self.replica), False, self.retain), "open"), 60)
+        self.sid, self.term = opened.session, opened.term
+        self.stamp = (opened.term, 0.0)
+        self.interval = opened.heartbeat_interval
+        await asyncio.wait_for(self.send(lambda r: m.Register(
+            r, self.sid, self.gen.layout, {"tcp": {"host": "127.0.0.1", "port": 1}}, os.urandom(32)), "register"), 60)
+        self.tasks.append(asyncio.ensure_future(self._beat()))
+
+    def crash(self) -> None:
+        """Die without a word: the connection closes, the heartbeats stop."""
+        self.alive = False
+        for t in self.tasks:
+            t.cancel()
+        for p in self.pulls.values():
+            for h in p.handles:
+                h.cancel()
+        self.pulls.clear()
+        for _, _, fut in self.pending.values():
+            if fut is not None and not fut.done():
+                fut.cancel()
+        self.pending.clear()
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+        self.incarnation = os.urandom(8).hex()  # the restarted process is a new incarnation
+
+    # -- heartbeats
+
+    async def _beat(self) -> None:
+        await asyncio.sleep(random.random() * self.interval)  # workers start at different times
+        nxt = time.monotonic()
+        while self.alive:
+            term, stamp = self.stamp
+            self.send(lambda r: m.Heartbeat(r, (self.sid,), stamp, term), "heartbeat", want=False)
+            nxt += self.interval
+            await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+
+    # -- replies and pushed messages
+
+    async def _recv(self) -> None:
+        sock = self.sock
+        assert sock is not None
+        while self.alive:
+            frame = await sock.recv()
+            now = time.monotonic()
+            try:
+                msg = decode(frame)
+            except Exception as err:  # noqa: BLE001 - count it, go on
+                self.gen.count(f"undecodable: {err}")
+                continue
+            self.on(msg, now)
+
+    def on(self, msg: Any, now: float) -> None:
+        gen = self.gen
+        t = type(msg)
+        req = getattr(msg, "req", None)
+        if req is not None and t is not m.Grant:
+            kind, sent, fut = self.pending.pop(req, ("?", now, None))
+            if t is m.HeartbeatAck:
+                if gen.measuring:
+                    gen.rtt.append((now - sent) * 1000)
+                self.stamp = (msg.term, msg.stamp)
+                self.reigning = msg.reigning
+                if self.sid in msg.unknown:
+                    gen.false_removal(self, "unknown in a heartbeat ack")
+                return
+            if t is m.Failed:
+                gen.count(f"{kind} failed: {msg.code}")
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return
+        if t is m.Grant:
+            self._pulled(msg, now)
+        elif t is m.Revoke:
+            p = self.pulls.pop(msg.grant, None)
+            if p is not None:
+                for h in p.handles:
+                    h.cancel()
+            gen.count("revoked")
+        elif t is m.OffloadRequest:  # the last copy of a retained version: "copy it to CPU first"
+            self.send(lambda r: m.PublishOffload(r, self.sid, msg.version, True), "offloaded", want=False)
+        elif t in (m.Removed, m.StepDown):
+            gen.false_removal(self, f"{t.__name__}: {getattr(msg, 'reason', '')[:80]}")
+        elif t in (m.ChecksumsReady, m.FreeOffload):
+            pass
+        else:
+            gen.count(f"unexpected {t.__name__}")
+
+    def _pulled(self, g: m.Grant, now: float) -> None:
+        """A grant: emulate the pull (no bytes): progress every 0.5 s, then complete."""
+        gen = self.gen
+        gen.burst.grants += 1
+        gen.burst.last_grant = max(gen.burst.last_grant, now)
+        if self.asked:
+            gen.burst.waits.append(now - self.asked)
+            self.asked = 0.0
+        loop = asyncio.get_running_loop()
+        p = self.pulls[g.grant] = _Pull(g.grant, g.term, now)
+        total = gen.layout.total_bytes
+        steps = max(1, int(gen.pull_s / PROGRESS_EVERY))
+        for k in range(1, steps):
+            verified = total * k // steps
+            p.handles.append(loop.call_later(k * gen.pull_s / steps, self._progress, g.grant, g.term, verified))
+        p.handles.append(loop.call_later(gen.pull_s, self._complete, g.grant, g.term))
+
+    def _progress(self, grant: int, term: int, verified: int) -> None:
+        if self.alive and grant in self.pulls:
+            self.tell(m.Progress(next(self.req), self.sid, grant, term, verified))
+
+    def _complete(self, grant: int, term: int) -> None:
+        if not self.alive or self.pulls.pop(grant, None) is None:
+            return
+        self.gen.burst.last_complete = max(self.gen.burst.last_complete, time.monotonic())
+        self.send(lambda r: m.Complete(r, self.sid, grant, term), "complete", want=False)
+
+
+@dataclass
+class BurstStats:
+    requests: int = 0
+    last_request: float = 0.0
+    grants: int = 0
+    last_grant: float = 0.0
+    last_complete: float = 0.0
+    answered: int = 0
+    last_answer: float = 0.0
+    failed: int = 0
+    timed_out: int = 0
+    waits: list[float] = field(default_factory=list)  # each shard's update -> its first grant
+
+
+class Generator:
+    """The sessions of one load process, driven by the parent over a pipe."""
+
+    def __init__(self, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)
+        self.ctx.set(zmq.MAX_SOCKETS, 65536)
+        self.address = address
+        self.layout = layout()
+        self.checksums = tuple(range(1, self.layout.checksum_count() + 1))
+        self.pull_s = pull_s
+        self.rng = random.Random(seed)
+        self.shards: dict[str, list[Shard]] = {
+            r: [Shard(self, r, i, 0 if r == "trainer" else None) for i in range(SHARDS)] for r in replicas
+        }
+        self.measuring = False
+        self.rtt = array("d")
+        self.counts: dict[str, int] = {}
+        self.false: list[str] = []
+        self.crashed: set[str] = set()
+        self.burst = BurstStats()
+        self.trainer_call = itertools.count(1)
+        self.published: int | None = None
+
+    def location(self, replica: str) -> Location:
+        n = int(replica.rsplit("-", 1)[1]) if "-" in replica else 0
+        return Location("dc0", f"host-{n}", "")
+
+    def count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def false_removal(self, shard: Shard, why: str) -> None:
+        if shard.alive and shard.replica not in self.crashed:
+            self.false.append(f"{shard.replica}/{shard.idx}: {why}")
+
+    async def open_all(self, concurrency: int = 64) -> None:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(s: Shard) -> None:
+            async with sem:
+                await s.start(self.address)
+
+        await asyncio.gather(*(one(s) for shards in self.shards.values() for s in shards))
+
+    async def reigning(self) -> bool:
+        return all(s.reigning and s.stamp[1] > 0 for shards in self.shards.values() for s in shards if s.alive)
+
+    async def publish(self, version: int) -> float:
+        """The trainer: unpublish the last version, publish this one, declare its checksums."""
+        shards = self.shards["trainer"]
+        if self.published is not None:
+            n = next(self.trainer_call)
+            answers = await asyncio.gather(*(asyncio.wait_for(s.send(lambda r, s=s: m.Unpublish(r, s.sid, n), "unpublish"), 60)
+                                             for s in shards))  # fmt: skip
+            self._check(answers, "unpublish")
+        n = next(self.trainer_call)
+        answers = await asyncio.gather(*(asyncio.wait_for(s.send(lambda r, s=s: m.Publish(r, s.sid, n, version, None), "publish"), 60)
+                                         for s in shards))  # fmt: skip
+        self._check(answers, "publish")
+        at = time.monotonic()
+        for s in shards:
+            s.send(lambda r, s=s: m.DeclareChecksums(r, s.sid, version, self.checksums), "checksums", want=False)
+        self.published = version
+        return at
+
+    def _check(self, answers: list[Any], what: str) -> None:
+        bad = [a for a in answers if isinstance(a, m.Failed)]
+        if bad:
+            raise BenchmarkError(f"trainer {what} refused: {bad[0].code}: {bad[0].message}")
+
+    async def update(self, version: int, crash: list[str], crash_within: float, timeout: float) -> dict:
+        """Every live rollout replica updates to "latest" at once; ``crash`` replicas die during it."""
+        self.burst = b = BurstStats()
+        loop = asyncio.get_running_loop()
+        calls: list[tuple[Shard, asyncio.Future]] = []
+        for name, shards in self.shards.items():
+            if name == "trainer" or not all(s.alive for s in shards):
+                continue
+            for s in shards:
+                n = next(s.call)
+                fut = s.send(lambda r, s=s, n=n: m.Update(r, s.sid, n, "latest", timeout), "update")
+                s.asked = time.monotonic()
+                assert fut is not None
+                calls.append((s, fut))
+                b.requests += 1
+        b.last_request = time.monotonic()
+        for name in crash:
+            loop.call_later(self.rng.uniform(0, crash_within), self._crash, name)
+        deadline = time.monotonic() + timeout + 5
+        for s, fut in calls:
+            try:
+                ans = await asyncio.wait_for(asyncio.shield(fut), max(0.01, deadline - time.monotonic()))
+            except asyncio.CancelledError:
+                continue  # it crashed
+            except TimeoutError:
+                if s.alive:
+                    b.timed_out += 1
+                continue
+            if isinstance(ans, m.Updated) and ans.moved and ans.version == version:
+                b.answered += 1
+                b.last_answer = max(b.last_answer, time.monotonic())
+            elif s.alive:
+                b.failed += 1
+        return dict(b.__dict__)
+
+    def _crash(self, name: str) -> None:
+        self.crashed.add(name)
+        for s in self.shards[name]:
+            s.crash()
+        asyncio.get_running_loop().call_later(self.rng.uniform(1.0, 12.0), lambda: asyncio.ensure_future(self._rejoin(name)))
+
+    async def _rejoin(self, name: str) -> None:
+        try:
+            await asyncio.gather(*(s.start(self.address) for s in self.shards[name]))
+        except Exception as err:  # noqa: BLE001
+            self.count(f"rejoin failed: {type(err).__name__}")
+            return
+        self.crashed.discard(name)
+        self.count("rejoined")
+
+    async def close(self) -> None:
+        for shards in self.shards.values():
+            for s in shards:
+                if s.alive:
+                    try:
+                        s.tell(m.CloseShard(next(s.req), s.sid))
+                    except zmq.ZMQError:
+                        pass
+        await asyncio.sleep(0.5)
+        for shards in self.shards.values():
+            for s in shards:
+                s.crash()
+        self.ctx.term()
+
+
+def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(_generator(conn, address, replicas, pull_s, seed))
+    except BaseException:  # noqa: BLE001 - the parent wants to know
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+
+
+async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
+    gen = Generator(address, replicas, pull_s, seed)
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+    loop.add_reader(conn.fileno(), lambda: inbox.put_nowait(conn.recv()))
+    while True:
+        cmd, *args = await inbox.get()
+        if cmd == "quit":
+            break
+        if cmd == "open":
+            await gen.open_all()
+            conn.send(("opened",))
+        elif cmd == "reigning":
+            conn.send(("reigning", await gen.reigning()))
+        elif cmd == "measure":
+            gen.measuring = bool(args[0])
+            if gen.measuring:
+                gen.rtt = array("d")
+            conn.send(("measure",))
+        elif cmd == "publish":
+            conn.send(("published", await gen.publish(args[0])))
+        elif cmd == "update":
+            conn.send(("updated", await gen.update(*args)))
+        elif cmd == "stats":
+            conn.send(("stats", gen.rtt.tobytes(), gen.false, gen.counts, sorted(gen.crashed)))
+        elif cmd == "close":
+            await gen.close()
+            conn.send(("closed",))
+    loop.remove_reader(conn.fileno())
+
+
+# ---- the parent -------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str) -> dict:
+    """One server (and backup), ``sessions`` sessions; returns the figures."""
+    replicas = ["trainer"] + [f"rollout-{i}" for i in range(1, sessions // SHARDS)]
+    rollouts = replicas[1:]
+    env_profile = None
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        env_profile = str(args.profile / f"{run_id}.prof")
+    servers: list[Any] = []
+    children: list[Child] = []
+    rng = random.Random(args.seed * 1_000_003 + sessions)
+    try:
+        extra = ["--seed", str(args.seed)]
+        env = {"TENSORHUB_SERVER_PROFILE": env_profile} if env_profile else None
+        if backup:
+            bproc, baddr = start_server(30, "--role", "backup", *extra, echo_all=False)
+            servers.append(bproc)
+            proc, address = start_server(30, "--role", "primary", "--peer", baddr, *extra, echo_all=False, env=env)
+        else:
+            proc, address = start_server(30, *extra, echo_all=False, env=env)
+        servers.insert(0, proc)
+        procs = max(1, min(args.procs, len(replicas)))
+        parts = [replicas[i::procs] for i in range(procs)]
+        for i, part in enumerate(parts):
+            children.append(Child(f"load-{i}", _generator_main, (address, part, args.pull, args.seed + i), timeout=120))
+        trainer = next(c for c, part in zip(children, parts) if "trainer" in part)
+        t0 = time.monotonic()
+        for c in children:
+            c.send("open")
+        for c in children:
+            c.expect("opened", 300)
+        open_s = time.monotonic() - t0
+        deadline = time.monotonic() + 30
+        while True:  # heartbeats acked (with a backup: the primary reigns and stamps them)
+            time.sleep(1.0)
+            for c in children:
+                c.send("reigning")
+            if all([c.expect("reigning")[1] for c in children]) or time.monotonic() > deadline:
+                break
+        time.sleep(args.warmup)
+        for c in children:
+            c.send("measure", True)
+        for c in children:
+            c.expect("measure")
+        gen_cpu0 = sum(cpu_seconds(c.proc.pid) for c in children)
+        cpu0 = [cpu_seconds(p.pid) for p in servers]
+        w0 = time.monotonic()
+        bursts = []
+        crashed: set[str] = set()
+        for v in range(1, args.versions + 1):
+            children_of = {r: c for c, part in zip(children, parts) for r in part}
+            trainer.send("publish", v)
+            published = trainer.expect("published", 120)[1]
+            # crash some rollouts during this burst (they rejoin later as new incarnations)
+            k = int(round(args.churn * len(rollouts)))
+            crash = [r for r in rng.sample(rollouts, k) if r not in crashed] if v < args.versions else []
+            crashed.update(crash)
+            for c, part in zip(children, parts):
+                mine = [r for r in crash if children_of[r] is c]
+                c.send("update", v, mine, args.pull, args.timeout)
+            per = [c.expect("updated", args.timeout + 60)[1] for c in children]
+            b = {key: sum(p[key] for p in per) for key in ("requests", "grants", "answered", "failed", "timed_out")}
+            b["last_request_s"] = max(p["last_request"] for p in per) - published
+            b["last_grant_s"] = max(p["last_grant"] for p in per) - published if b["grants"] else float("nan")
+            b["last_complete_s"] = max(p["last_complete"] for p in per) - published if b["grants"] else float("nan")
+            b["grant_after_request_s"] = b["last_grant_s"] - b["last_request_s"]
+            b["crashed"] = len(crash)
+            waits = [w for p in per for w in p["waits"]]
+            b["wait_p50_s"], b["wait_p99_s"] = pct(waits, 0.5), pct(waits, 0.99)
+            bursts.append(b)
+            time.sleep(args.gap)
+        window = time.monotonic() - w0
+        cpu1 = [cpu_seconds(p.pid) for p in servers]
+        gen_cpu = sum(cpu_seconds(c.proc.pid) for c in children) - gen_cpu0
+        mem = [memory_mib(p.pid) for p in servers]
+        rtt: list[float] = []
+        false: list[str] = []
+        counts: dict[str, int] = {}
+        for c in children:
+            c.send("stats")
+            _, raw, f, cnt, _crashed = c.expect("stats")
+            a = array("d")
+            a.frombytes(raw)
+            rtt.extend(a)
+            false.extend(f)
+            for key, n in cnt.items():
+                counts[key] = counts.get(key, 0) + n
+        for c in children:
+            c.send("close")
+        for c in children:
+            try:
+                c.expect("closed", 30)
+            except BenchmarkError:
+                pass
+        return {
+            "sessions": len(replicas) * SHARDS, "backup": backup, "open_s": round(open_s, 2), "window_s": round(window, 2),
+            "server_cores": (cpu1[0] - cpu0[0]) / window, "server_rss_mib": mem[0][0], "server_peak_mib": mem[0][1],
+            "backup_cores": (cpu1[1] - cpu0[1]) / window if backup else None,
+            "backup_rss_mib": mem[1][0] if backup else None,
+            "generator_cores": gen_cpu / window, "generator_procs": len(children),
+            "hb_count": len(rtt), "hb_p50_ms": pct(rtt, 0.5), "hb_p99_ms": pct(rtt, 0.99), "hb_max_ms": max(rtt, default=float("nan")),
+            "bursts": bursts, "false_removals": len(false), "false_examples": false[:5], "counts": counts,
+        }  # fmt: skip
+    finally:
+        for c in children:
+            c.stop()
+        for p in servers:
+            stop_process(p)
+
+
+def verdict(r: dict) -> dict[str, bool]:
+    worst = max(b["grant_after_request_s"] for b in r["bursts"])
+    return {
+        "0 false removals": r["false_removals"] == 0,
+        f"heartbeat p99 <= {GOALS['hb_p99_ms']:g} ms": r["hb_p99_ms"] <= GOALS["hb_p99_ms"],
+        f"<= {GOALS['cores']:g} server core": r["server_cores"] <= GOALS["cores"],
+        f"last grant <= {GOALS['grant_after_request_s']:g} s after last request": worst <= GOALS["grant_after_request_s"],
+        "every update answered": all(b["failed"] == 0 and b["timed_out"] == 0 for b in r["bursts"]),
+    }
+
+
+def report(r: dict) -> None:
+    bursts = r["bursts"]
+    worst = max(bursts, key=lambda b: b["last_complete_s"])
+    setup = "primary + backup" if r["backup"] else "one server"
+    print(f"\n{r['sessions']:,} sessions ({r['sessions'] // SHARDS} replicas of {SHARDS} shards), {setup}; "
+          f"{len(bursts)} bursts over {r['window_s']:.0f} s; opened in {r['open_s']:.1f} s")  # fmt: skip
+    line = f"  server   {r['server_cores']:.2f} cores, RSS {r['server_rss_mib']:.0f} MiB (peak {r['server_peak_mib']:.0f})"
+    if r["backup"]:
+        line += f"; backup {r['backup_cores']:.2f} cores, RSS {r['backup_rss_mib']:.0f} MiB"
+    print(line)
+    print(f"  generator {r['generator_cores']:.2f} cores in {r['generator_procs']} processes (on the same machine)")
+    print(f"  heartbeat RTT p50 {r['hb_p50_ms']:.1f} ms, p99 {r['hb_p99_ms']:.1f} ms, max {r['hb_max_ms']:.0f} ms ({r['hb_count']:,} acks)")
+    print(f"  burst (worst of {len(bursts)}): {worst['requests']:,} requests, {worst['grants']:,} grants; from the publish: "
+          f"last request {worst['last_request_s']:.2f} s, last grant {worst['last_grant_s']:.2f} s, "
+          f"last completion {worst['last_complete_s']:.2f} s (pull {worst['last_complete_s'] - worst['last_grant_s']:.1f} s emulated)")  # fmt: skip
+    print(f"  each shard's update -> its grant: p50 {worst['wait_p50_s'] * 1000:.0f} ms, p99 {worst['wait_p99_s'] * 1000:.0f} ms")
+    print(f"  last grant after the last request: worst {max(b['grant_after_request_s'] for b in bursts):.3f} s; "
+          f"updates answered {sum(b['answered'] for b in bursts):,}, failed {sum(b['failed'] for b in bursts)}, "
+          f"timed out {sum(b['timed_out'] for b in bursts)}; crashed {sum(b['crashed'] for b in bursts)} replicas")  # fmt: skip
+    print(f"  false removals {r['false_removals']}" + (f" (e.g. {r['false_examples'][0]})" if r["false_examples"] else ""))
+    if r["counts"]:
+        print("  events: " + ", ".join(f"{k} {v}" for k, v in sorted(r["counts"].items())))
+    v = verdict(r)
+    print("  goals: " + "; ".join(f"{k}: {'met' if ok else 'NOT met'}" for k, ok in v.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sessions", default="1024,4096,8192", help="comma-separated session counts")
+    ap.add_argument("--quick", action="store_true", help="256 sessions, 2 short bursts (a smoke run)")
+    ap.add_argument("--backup", choices=("both", "no", "only"), default="both")
+    ap.add_argument("--versions", type=int, default=4)
+    ap.add_argument("--procs", type=int, default=4, help="load generator processes")
+    ap.add_argument("--pull", type=float, default=2.0, help="emulated seconds each pull takes")
+    ap.add_argument("--churn", type=float, default=0.02, help="fraction of rollout replicas crashing per burst")
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--gap", type=float, default=2.0, help="seconds between bursts")
+    ap.add_argument("--timeout", type=float, default=60.0, help="each update's timeout")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=Path, default=None, help="write a cProfile of the server per run here")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sessions, args.versions, args.procs, args.pull, args.warmup, args.gap = "256", 2, 2, 1.0, 1.0, 0.5
+    counts = [int(x) for x in args.sessions.split(",")]
+    if any(n < 2 * SHARDS for n in counts):
+        raise SystemExit(f"--sessions: at least {2 * SHARDS} (a trainer and one rollout of {SHARDS} shards)")
+    modes = {"both": (False, True), "no": (False,), "only": (True,)}[args.backup]
+    print(f"server load: real server process(es) on 127.0.0.1, {os.cpu_count()} CPUs here (shared); heartbeat interval 1 s; "
+          f"{args.versions} bursts, pull {args.pull:g} s emulated, churn {args.churn:.0%} per burst")  # fmt: skip
+    results = []
+    for n in counts:
+        for backup in modes:
+            r = run_once(n, backup, args, f"s{n}{'-backup' if backup else ''}")
+            report(r)
+            results.append(r)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
