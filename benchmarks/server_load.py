@@ -58,7 +58,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq  # noqa: E402
-import zmq.asyncio  # noqa: E402
 
 from benchmarks.server_process import BenchmarkError, Child, start_server, stop_process  # noqa: E402
 from tensorhub.core import messages as m  # noqa: E402
@@ -70,6 +69,9 @@ MODEL = "actor"
 SHARDS = 8  #: shards per replica (one per GPU of an 8-GPU node)
 PROGRESS_EVERY = 0.5  #: a real reader reports progress at least this often while its pull grows
 GOALS = {"hb_p99_ms": 100.0, "cores": 1.0, "grant_after_request_s": 1.0}
+DEAD_SOURCE_S = 0.2  #: how long a reader takes to find its source's holder gone (a refused connection)
+BEAT_SLOTS = 100  #: heartbeats go out in this many slots per interval (each session in its own, at random)
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -113,7 +115,9 @@ class _Pull:
 
 
 class Shard:
-    """One emulated worker: a session on its own DEALER connection."""
+    """One emulated worker: a session on its own DEALER connection. The generator reads each
+    socket from the event loop's watch of its descriptor (no pyzmq asyncio layer: thousands of
+    sessions in one process must cost the machine as little as possible)."""
 
     def __init__(self, gen: "Generator", replica: str, idx: int, retain: int | None) -> None:
         self.gen = gen
@@ -121,7 +125,9 @@ class Shard:
         self.idx = idx
         self.retain = retain
         self.incarnation = os.urandom(8).hex()
-        self.sock: zmq.asyncio.Socket | None = None
+        self.sock: zmq.Socket | None = None
+        self.fd: int | None = None
+        self.slot = random.randrange(BEAT_SLOTS)
         self.sid = 0
         self.term = 0
         self.stamp = (0, 0.0)
@@ -130,7 +136,6 @@ class Shard:
         self.pending: dict[int, tuple[str, float, asyncio.Future | None]] = {}
         self.pulls: dict[int, _Pull] = {}
         self.alive = False
-        self.tasks: list[asyncio.Task] = []
         self.reigning = True
         self.asked = 0.0  # when this shard's update of the current burst went out (0: granted since)
 
@@ -141,13 +146,15 @@ class Shard:
         msg = build(req)
         fut = asyncio.get_running_loop().create_future() if want else None
         self.pending[req] = (kind, time.monotonic(), fut)
-        assert self.sock is not None
-        self.sock.send(encode(msg), flags=zmq.NOBLOCK)
+        self.tell(msg)
         return fut
 
     def tell(self, msg: Any) -> None:
-        assert self.sock is not None
-        self.sock.send(encode(msg), flags=zmq.NOBLOCK)
+        sock = self.sock
+        assert sock is not None
+        sock.send(encode(msg), _NOBLOCK)
+        if sock.getsockopt(_EVENTS) & _POLLIN:  # the send may have taken the descriptor's signal
+            asyncio.get_running_loop().call_soon(self._readable)
 
     async def start(self, address: str) -> None:
         sock = self.gen.ctx.socket(zmq.DEALER)
@@ -159,22 +166,26 @@ class Shard:
         self.alive = True
         self.req = itertools.count(1)
         self.call = itertools.count(1)
-        self.tasks = [asyncio.ensure_future(self._recv())]
+        self.fd = sock.getsockopt(zmq.FD)
+        asyncio.get_running_loop().add_reader(self.fd, self._readable)
         inc = self.incarnation
         opened = await asyncio.wait_for(self.send(lambda r: m.OpenShard(
             r, MODEL, self.replica, SHARDS, self.idx, inc, self.gen.location(self.replica), False, self.retain), "open"), 60)
         self.sid, self.term = opened.session, opened.term
         self.stamp = (opened.term, 0.0)
-        self.interval = opened.heartbeat_interval
+        self.gen.interval = opened.heartbeat_interval
         await asyncio.wait_for(self.send(lambda r: m.Register(
             r, self.sid, self.gen.layout, {"tcp": {"host": "127.0.0.1", "port": 1}}, os.urandom(32)), "register"), 60)
-        self.tasks.append(asyncio.ensure_future(self._beat()))
+        self.gen.slots[self.slot].append(self)
 
     def crash(self) -> None:
         """Die without a word: the connection closes, the heartbeats stop."""
         self.alive = False
-        for t in self.tasks:
-            t.cancel()
+        if self in self.gen.slots[self.slot]:
+            self.gen.slots[self.slot].remove(self)
+        if self.fd is not None:
+            asyncio.get_running_loop().remove_reader(self.fd)
+            self.fd = None
         for p in self.pulls.values():
             for h in p.handles:
                 h.cancel()
@@ -190,22 +201,19 @@ class Shard:
 
     # -- heartbeats
 
-    async def _beat(self) -> None:
-        await asyncio.sleep(random.random() * self.interval)  # workers start at different times
-        nxt = time.monotonic()
-        while self.alive:
-            term, stamp = self.stamp
-            self.send(lambda r: m.Heartbeat(r, (self.sid,), stamp, term), "heartbeat", want=False)
-            nxt += self.interval
-            await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+    def beat(self) -> None:
+        term, stamp = self.stamp
+        self.send(lambda r: m.Heartbeat(r, (self.sid,), stamp, term), "heartbeat", want=False)
 
     # -- replies and pushed messages
 
-    async def _recv(self) -> None:
+    def _readable(self) -> None:
         sock = self.sock
-        assert sock is not None
-        while self.alive:
-            frame = await sock.recv()
+        while self.alive and sock is not None:
+            try:
+                frame = sock.recv(_NOBLOCK)
+            except zmq.Again:
+                return
             now = time.monotonic()
             try:
                 msg = decode(frame)
@@ -260,6 +268,9 @@ class Shard:
             self.asked = 0.0
         loop = asyncio.get_running_loop()
         p = self.pulls[g.grant] = _Pull(g.grant, g.term, now)
+        if g.source.replica in gen.dead:  # its holder is gone: the connection is refused
+            p.handles.append(loop.call_later(DEAD_SOURCE_S, self._source_failed, g.grant, g.term))
+            return
         total = gen.layout.total_bytes
         steps = max(1, int(gen.pull_s / PROGRESS_EVERY))
         for k in range(1, steps):
@@ -270,6 +281,13 @@ class Shard:
     def _progress(self, grant: int, term: int, verified: int) -> None:
         if self.alive and grant in self.pulls:
             self.tell(m.Progress(next(self.req), self.sid, grant, term, verified))
+
+    def _source_failed(self, grant: int, term: int) -> None:
+        if not self.alive or self.pulls.pop(grant, None) is None:
+            return
+        self.gen.count("source failed (crashed holder)")
+        reason = "connection refused (emulated: the holder crashed)"
+        self.send(lambda r: m.SourceFailed(r, self.sid, grant, term, 0, reason), "source_failed", want=False)
 
     def _complete(self, grant: int, term: int) -> None:
         if not self.alive or self.pulls.pop(grant, None) is None:
@@ -296,7 +314,7 @@ class Generator:
     """The sessions of one load process, driven by the parent over a pipe."""
 
     def __init__(self, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)
         self.ctx.set(zmq.MAX_SOCKETS, 65536)
         self.address = address
@@ -315,6 +333,23 @@ class Generator:
         self.burst = BurstStats()
         self.trainer_call = itertools.count(1)
         self.published: int | None = None
+        self.dead: set[str] = set()
+        self.slots: list[list[Shard]] = [[] for _ in range(BEAT_SLOTS)]
+        self.interval = 1.0
+
+    async def heartbeats(self) -> None:
+        """Every session heartbeats once per interval, in its own slot of it."""
+        k = 0
+        t0 = time.monotonic()
+        while True:
+            for s in list(self.slots[k % BEAT_SLOTS]):
+                if s.alive and s.sid:
+                    try:
+                        s.beat()
+                    except zmq.ZMQError:
+                        self.count("heartbeat not sent")
+            k += 1
+            await asyncio.sleep(max(0.0, t0 + k * self.interval / BEAT_SLOTS - time.monotonic()))
 
     def location(self, replica: str) -> Location:
         n = int(replica.rsplit("-", 1)[1]) if "-" in replica else 0
@@ -362,10 +397,12 @@ class Generator:
         if bad:
             raise BenchmarkError(f"trainer {what} refused: {bad[0].code}: {bad[0].message}")
 
-    async def update(self, version: int, crash: list[str], crash_within: float, timeout: float) -> dict:
-        """Every live rollout replica updates to "latest" at once; ``crash`` replicas die during it."""
+    async def update(self, version: int, dead: list[str], timeout: float) -> dict:
+        """Every live rollout replica updates to "latest" at once. A pull granted from a replica
+        in ``dead`` (crashed, and not yet expired or fenced by the server) fails as a real one
+        would: the connection is refused, and the reader reports ``SourceFailed``."""
         self.burst = b = BurstStats()
-        loop = asyncio.get_running_loop()
+        self.dead = set(dead)
         calls: list[tuple[Shard, asyncio.Future]] = []
         for name, shards in self.shards.items():
             if name == "trainer" or not all(s.alive for s in shards):
@@ -378,8 +415,6 @@ class Generator:
                 calls.append((s, fut))
                 b.requests += 1
         b.last_request = time.monotonic()
-        for name in crash:
-            loop.call_later(self.rng.uniform(0, crash_within), self._crash, name)
         deadline = time.monotonic() + timeout + 5
         for s, fut in calls:
             try:
@@ -397,22 +432,23 @@ class Generator:
                 b.failed += 1
         return dict(b.__dict__)
 
-    def _crash(self, name: str) -> None:
-        self.crashed.add(name)
-        for s in self.shards[name]:
-            s.crash()
-        asyncio.get_running_loop().call_later(self.rng.uniform(1.0, 12.0), lambda: asyncio.ensure_future(self._rejoin(name)))
+    def crash(self, names: list[str]) -> None:
+        for name in names:
+            self.crashed.add(name)
+            for s in self.shards[name]:
+                s.crash()
 
-    async def _rejoin(self, name: str) -> None:
-        try:
-            await asyncio.gather(*(s.start(self.address) for s in self.shards[name]))
-        except Exception as err:  # noqa: BLE001
-            self.count(f"rejoin failed: {type(err).__name__}")
-            return
-        self.crashed.discard(name)
-        self.count("rejoined")
+    async def rejoin(self, names: list[str]) -> None:
+        """Crashed replicas come back as new incarnations (the first shard to open fences the
+        old incarnation, unless the server expired it already)."""
+        await asyncio.gather(*(s.start(self.address) for name in names for s in self.shards[name]))
+        for name in names:
+            self.crashed.discard(name)
+            self.count("rejoined")
 
     async def close(self) -> None:
+        self.slots = [[] for _ in range(BEAT_SLOTS)]  # no more heartbeats
+        await asyncio.sleep(0.3)
         for shards in self.shards.values():
             for s in shards:
                 if s.alive:
@@ -447,11 +483,13 @@ def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float,
 async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
     gen = Generator(address, replicas, pull_s, seed)
     loop = asyncio.get_running_loop()
+    beats = asyncio.ensure_future(gen.heartbeats())
     inbox: asyncio.Queue = asyncio.Queue()
     loop.add_reader(conn.fileno(), lambda: inbox.put_nowait(conn.recv()))
     while True:
         cmd, *args = await inbox.get()
         if cmd == "quit":
+            beats.cancel()
             break
         if cmd == "open":
             await gen.open_all()
@@ -467,6 +505,12 @@ async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float
             conn.send(("published", await gen.publish(args[0])))
         elif cmd == "update":
             conn.send(("updated", await gen.update(*args)))
+        elif cmd == "crash":
+            gen.crash(args[0])
+            conn.send(("crashed",))
+        elif cmd == "rejoin":
+            await gen.rejoin(args[0])
+            conn.send(("rejoined",))
         elif cmd == "stats":
             conn.send(("stats", gen.rtt.tobytes(), gen.false, gen.counts, sorted(gen.crashed)))
         elif cmd == "close":
@@ -533,25 +577,41 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
         cpu0 = [cpu_seconds(p.pid) for p in servers]
         w0 = time.monotonic()
         bursts = []
-        crashed: set[str] = set()
+        children_of = {r: c for c, part in zip(children, parts) for r in part}
+        down: dict[str, int] = {}  # crashed replica -> the burst after which it comes back
+        ever: set[str] = set()
+        k = int(round(args.churn * len(rollouts)))
+
+        def tell_each(cmd: str, names: list[str]) -> None:
+            for c in children:
+                mine = [r for r in names if children_of[r] is c]
+                if mine:
+                    c.send(cmd, mine)
+                    c.expect(cmd.replace("crash", "crashed").replace("rejoin", "rejoined"), 120)
+
         for v in range(1, args.versions + 1):
-            children_of = {r: c for c, part in zip(children, parts) for r in part}
             trainer.send("publish", v)
             published = trainer.expect("published", 120)[1]
-            # crash some rollouts during this burst (they rejoin later as new incarnations)
-            k = int(round(args.churn * len(rollouts)))
-            crash = [r for r in rng.sample(rollouts, k) if r not in crashed] if v < args.versions else []
-            crashed.update(crash)
-            for c, part in zip(children, parts):
-                mine = [r for r in crash if children_of[r] is c]
-                c.send("update", v, mine, args.pull, args.timeout)
+            for c in children:
+                c.send("update", v, sorted(down), args.timeout)
             per = [c.expect("updated", args.timeout + 60)[1] for c in children]
             b = {key: sum(p[key] for p in per) for key in ("requests", "grants", "answered", "failed", "timed_out")}
             b["last_request_s"] = max(p["last_request"] for p in per) - published
             b["last_grant_s"] = max(p["last_grant"] for p in per) - published if b["grants"] else float("nan")
             b["last_complete_s"] = max(p["last_complete"] for p in per) - published if b["grants"] else float("nan")
             b["grant_after_request_s"] = b["last_grant_s"] - b["last_request_s"]
-            b["crashed"] = len(crash)
+            # churn between bursts: some rollouts crash (no word to the server) and come back as
+            # new incarnations one burst later (the new one fences the old) or three (expired by then)
+            back = sorted(r for r, at in down.items() if at <= v)
+            tell_each("rejoin", back)
+            for r in back:
+                del down[r]
+            crash = [r for r in rng.sample(rollouts, k) if r not in ever] if v < args.versions else []
+            tell_each("crash", crash)
+            for r in crash:
+                ever.add(r)
+                down[r] = v + rng.choice((1, 3))
+            b["crashed"], b["rejoined"] = len(crash), len(back)
             waits = [w for p in per for w in p["waits"]]
             b["wait_p50_s"], b["wait_p99_s"] = pct(waits, 0.5), pct(waits, 0.99)
             bursts.append(b)
@@ -624,7 +684,7 @@ def report(r: dict) -> None:
     print(f"  each shard's update -> its grant: p50 {worst['wait_p50_s'] * 1000:.0f} ms, p99 {worst['wait_p99_s'] * 1000:.0f} ms")
     print(f"  last grant after the last request: worst {max(b['grant_after_request_s'] for b in bursts):.3f} s; "
           f"updates answered {sum(b['answered'] for b in bursts):,}, failed {sum(b['failed'] for b in bursts)}, "
-          f"timed out {sum(b['timed_out'] for b in bursts)}; crashed {sum(b['crashed'] for b in bursts)} replicas")  # fmt: skip
+          f"timed out {sum(b['timed_out'] for b in bursts)}; crashed {sum(b['crashed'] for b in bursts)} replicas, {sum(b['rejoined'] for b in bursts)} came back")  # fmt: skip
     print(f"  false removals {r['false_removals']}" + (f" (e.g. {r['false_examples'][0]})" if r["false_examples"] else ""))
     if r["counts"]:
         print("  events: " + ", ".join(f"{k} {v}" for k, v in sorted(r["counts"].items())))
