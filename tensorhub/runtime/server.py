@@ -171,6 +171,7 @@ _KINDS_LOCAL = (m.TransferSpan, m.GetTrace, m.GetCluster)
 _BATCH = 256  # frames taken from the socket per reader callback (then the mailbox handles them)
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags cost more than the call itself
 _POLLIN = int(zmq.POLLIN)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 _EVENTS = int(zmq.EVENTS)
 
 #: the right on the session's model each request needs under a model policy (others need none
@@ -697,9 +698,12 @@ class ServerActor(Actor):
         sock = self._raw
         if sock is None:
             return  # stopping
+        send = sock.send
         for peer, reply in out:
+            frame = encode(reply)
             try:
-                sock.send_multipart([peer, encode(reply)], _NOBLOCK)
+                send(peer, _SNDMORE_NOBLOCK)  # ROUTER: fails here (whole) if the peer is gone or full
+                send(frame, _NOBLOCK)
             except zmq.ZMQError as err:
                 self._dropped(err, peer, type(reply).__name__)
 
