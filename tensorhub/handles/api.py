@@ -940,7 +940,18 @@ class AsyncShardHandle:
             assert self._engine is not None
             before = self._engine.pull_mark(self.session) if self.session is not None else 0
             try:
-                reply = await self._pull(m.Update, version, timeout)
+                try:
+                    reply = await self._pull(m.Update, version, timeout)
+                except ServerUnavailable:
+                    # Refused by a server that does not decide (a backup while the primary holds
+                    # the lease): find the one that does, and ask it instead.
+                    began = self.session is not None and self._engine.pull_began(self.session, before)
+                    if client is None or client.failing_over(self.session) or began:
+                        raise
+                    wait = client.failover_timeout if timeout is None else min(timeout, client.failover_timeout)
+                    if not await client.seek_reign(wait):
+                        return False  # nothing decides now: no newer version is known
+                    reply = await self._pull(m.Update, version, timeout)
                 if reply.deltas is not None:  # the server planned a chain of deltas for this replica
                     if self._delta_reader is None:
                         self._delta_reader = DeltaReader(self)
