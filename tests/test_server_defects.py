@@ -3,6 +3,8 @@
 - A restart fencing race: incarnations are per shard, so a replica killed while only shard 1
   had opened made its restarted shard 1 fence the restarted shard 0 (which had opened first,
   into the replica the dead shard 1 still held).
+- A holder did not check a grant token's term: a token of a server the holder no longer
+  answers to (a stale primary, a server before a restart) admitted its bearer.
 """
 
 from __future__ import annotations
@@ -77,3 +79,37 @@ def test_invariants_hold_after_a_partial_fencing(d):
     for s, req in zip((new0, new1), reqs):
         assert isinstance(s.expect_ok(req), m.Replicated)
     assert check_invariants(d.table) == []
+
+
+def test_the_token_checker_refuses_a_token_of_another_server_term():
+    from tensorhub.core.tokens import GrantToken, InvalidToken, TokenChecker
+
+    key = bytes(range(32))
+    checker = TokenChecker(lambda: 100.0)
+    old, new = (GrantToken(term, 1, 2, 3, 10.0, 60.0).seal(key) for term in (7, 8))
+    assert checker.check(key, new, 3, term=8).term == 8
+    with pytest.raises(InvalidToken) as err:
+        checker.check(key, old, 3, term=8)
+    assert err.value.reason == "stale_term" and "term 7" in str(err.value)
+    assert checker.check(key, old, 3).term == 7  # a holder that knows no term yet judges MAC, version, expiry
+
+
+def test_the_engine_refuses_a_grant_of_a_term_its_session_left():
+    from tensorhub.core.tokens import GrantToken
+    from tensorhub.runtime.engine import EngineActor, ServerTerm, _Slot
+    from tensorhub.transports.base import Transport
+
+    class Quiet(Transport):
+        name = "tcp"
+        checks_grants = True
+
+    engine = EngineActor({"tcp": Quiet()})
+    slot = _Slot(1, 4, None, None, {"replica": "trainer", "shard": 0})  # type: ignore[arg-type]
+    engine.regions[4] = slot
+    engine.on_ServerTerm(ServerTerm(1, 7))
+    stale = GrantToken(7, 1, 2, 3, 10.0, 60.0).seal(slot.key)
+    assert engine.admit(4, 3, stale, "tcp from a") is None
+    engine.on_ServerTerm(ServerTerm(1, 8))  # the holder's client moved to a server of term 8
+    assert engine.admit(4, 3, stale, "tcp from a") is not None
+    assert dict(engine.refusals) == {"stale_term": 1}
+    assert engine.admit(4, 3, GrantToken(8, 1, 2, 3, 10.0, 60.0).seal(slot.key), "tcp from a") is None

@@ -90,7 +90,7 @@ from tensorhub.core.errors import (
 from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
 
 from .actor import Actor
-from .engine import SuspendPull
+from .engine import ServerTerm, SuspendPull
 from .security import ClientKeys, apply_client, client_keys
 
 if TYPE_CHECKING:
@@ -411,6 +411,7 @@ class ClientActor(Actor):
         self.sessions[local] = _Shard(owner, opened.session)
         self._remote[opened.session] = local
         self._learn_timing(opened)
+        self.engine.tell(ServerTerm(local, opened.term))
         return local
 
     def _learn_timing(self, opened: m.Opened) -> None:
@@ -600,6 +601,7 @@ class ClientActor(Actor):
         shard.remote = msg.opened.session
         self._remote[msg.opened.session] = msg.local
         self._learn_timing(msg.opened)
+        self.engine.tell(ServerTerm(msg.local, msg.opened.term))
         return True
 
     def on__Dead(self, msg: _Dead) -> None:
