@@ -5,6 +5,9 @@
   into the replica the dead shard 1 still held).
 - A holder did not check a grant token's term: a token of a server the holder no longer
   answers to (a stale primary, a server before a restart) admitted its bearer.
+- After a failover, deltas were refused until the next publish: a re-announced holding of a
+  delta (``Held``) carried no base, so the next server knew the delta's blob but not what it
+  applies to, and planned full pulls.
 """
 
 from __future__ import annotations
@@ -113,3 +116,32 @@ def test_the_engine_refuses_a_grant_of_a_term_its_session_left():
     assert engine.admit(4, 3, stale, "tcp from a") is not None
     assert dict(engine.refusals) == {"stale_term": 1}
     assert engine.admit(4, 3, GrantToken(8, 1, 2, 3, 10.0, 60.0).seal(slot.key), "tcp from a") is None
+
+
+def test_deltas_are_planned_after_a_failover_from_the_re_announced_holdings():
+    from tensorhub.core.naming import delta_model
+
+    from .table_driver import make_layout
+
+    full, sums = make_layout(4096, 8192), {1: (1, 2), 2: (2, 3)}
+    d = Driver()  # the server the clients moved to: it knows nothing, and is in its grace period
+
+    def announce(s, version: int, checksums: tuple, base: int | None = None) -> None:
+        s.expect_ok(s.request(m.Announce, s.session, (m.Held(version, m.KIND_NORMAL, checksums, base),), None, 0, ()))
+
+    trainer = d.shard("T", 0, 1, layout=full)
+    announce(trainer, 2, sums[2])
+    side = d.shard("T@d0", 0, 1, model=delta_model("actor"), layout=make_layout(300))
+    announce(side, 2, (201,), base=1)  # the delta 1 -> 2 the trainer published before the failover
+    reader = d.shard("R", 0, 1, layout=full)
+    announce(reader, 1, sums[1])
+    d.run_for(11)  # the grace period ends (every shard heartbeating)
+    req = reader.request(m.Update, reader.session, reader.next_call(), "latest", None, False, True)
+    answer = reader.expect_ok(req)
+    assert answer.moved is False and answer.target == 2 and answer.deltas == (m.DeltaRef(2, 1, 300),)
+    assert d.table.stats["delta_plans"] == 1
+
+
+def test_a_held_delta_base_must_come_before_its_version():
+    with pytest.raises(ValueError, match="base"):
+        m.Held(2, m.KIND_NORMAL, None, 2)
