@@ -147,6 +147,7 @@ class Shard:
         self.pulls: dict[int, _Pull] = {}
         self.alive = False
         self.reigning = True
+        self.acked = False  # a heartbeat of this session was answered
         self.asked = 0.0  # when this shard's update of the current burst went out (0: granted since)
 
     # -- plumbing
@@ -243,6 +244,7 @@ class Shard:
                     gen.rtt.append((now - sent) * 1000)
                 self.stamp = (msg.term, msg.stamp)
                 self.reigning = msg.reigning
+                self.acked = True
                 if self.sid in msg.unknown:
                     gen.false_removal(self, "unknown in a heartbeat ack")
                 return
@@ -384,7 +386,7 @@ class Generator:
         await asyncio.gather(*(one(s) for shards in self.shards.values() for s in shards))
 
     async def reigning(self) -> bool:
-        return all(s.reigning and s.stamp[1] > 0 for shards in self.shards.values() for s in shards if s.alive)
+        return all(s.reigning and s.acked for shards in self.shards.values() for s in shards if s.alive)
 
     async def publish(self, version: int) -> float:
         """The trainer: unpublish the last version, publish this one, declare its checksums."""
@@ -575,7 +577,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
         open_s = time.monotonic() - t0
         deadline = time.monotonic() + 30
         while True:  # heartbeats acked (with a backup: the primary reigns and stamps them)
-            time.sleep(1.0)
+            time.sleep(0.25)
             for c in children:
                 c.send("reigning")
             if all([c.expect("reigning")[1] for c in children]) or time.monotonic() > deadline:

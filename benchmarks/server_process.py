@@ -54,9 +54,12 @@ def start_server(timeout: float, *extra: str, echo_all: bool = True,
 
 
 def _relay(stream: Any, echo_all: bool) -> None:
-    for line in stream:  # keep the pipe from filling up; show what the server complains about
-        if echo_all or "warning" in line or "error" in line:
-            sys.stderr.write("[server] " + line)
+    try:
+        for line in stream:  # keep the pipe from filling up; show what the server complains about
+            if echo_all or "warning" in line or "error" in line:
+                sys.stderr.write("[server] " + line)
+    except (ValueError, OSError):  # closed by stop_process
+        pass
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -67,6 +70,8 @@ def stop_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 class Child:
