@@ -953,7 +953,7 @@ class AsyncShardHandle:
                     # Refused by a server that does not decide (a backup while the primary holds
                     # the lease): find the one that does, and ask it instead.
                     began = self.session is not None and self._engine.pull_began(self.session, before)
-                    if client is None or client.failing_over(self.session) or began:
+                    if client is None or client.lost is not None or client.gave_up is not None or began:
                         raise
                     wait = client.failover_timeout if timeout is None else min(timeout, client.failover_timeout)
                     if not await client.seek_reign(wait):
