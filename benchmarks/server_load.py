@@ -516,7 +516,10 @@ async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float
                 gen.rtt = array("d")
             conn.send(("measure",))
         elif cmd == "publish":
-            conn.send(("published", await gen.publish(args[0])))
+            try:
+                conn.send(("published", await gen.publish(args[0]), None))
+            except BenchmarkError as err:  # e.g. the primary stepped down: the run ends there, reported
+                conn.send(("published", None, str(err)))
         elif cmd == "update":
             conn.send(("updated", await gen.update(*args)))
         elif cmd == "crash":
@@ -593,6 +596,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
         load0 = os.getloadavg()[0]
         w0 = time.monotonic()
         bursts = []
+        aborted = None
         children_of = {r: c for c, part in zip(children, parts) for r in part}
         down: dict[str, int] = {}  # crashed replica -> the burst after which it comes back
         ever: set[str] = set()
@@ -607,7 +611,10 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
 
         for v in range(1, args.versions + 1):
             trainer.send("publish", v)
-            published = trainer.expect("published", 120)[1]
+            _, published, refused = trainer.expect("published", 120)
+            if published is None:
+                aborted = f"burst {v}: {refused}"
+                break
             for c in children:
                 c.send("update", v, sorted(down), args.timeout)
             per = [c.expect("updated", args.timeout + 60)[1] for c in children]
@@ -665,7 +672,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             "backup_rss_mib": mem[1][0] if backup else None,
             "generator_cores": gen_cpu / window, "server_cpu_wait": waited / window, "loadavg": load, "generator_procs": len(children),
             "hb_count": len(rtt), "hb_p50_ms": pct(rtt, 0.5), "hb_p99_ms": pct(rtt, 0.99), "hb_max_ms": max(rtt, default=float("nan")),
-            "bursts": bursts, "false_removals": len(false), "false_examples": false[:5], "counts": counts,
+            "bursts": bursts, "aborted": aborted, "false_removals": len(false), "false_examples": false[:5], "counts": counts,
         }  # fmt: skip
     finally:
         for c in children:
@@ -675,18 +682,24 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
 
 
 def verdict(r: dict) -> dict[str, bool]:
-    worst = max(b["grant_after_request_s"] for b in r["bursts"])
+    worst = max((b["grant_after_request_s"] for b in r["bursts"]), default=float("inf"))
     return {
         "0 false removals": r["false_removals"] == 0,
         f"heartbeat p99 <= {GOALS['hb_p99_ms']:g} ms": r["hb_p99_ms"] <= GOALS["hb_p99_ms"],
         f"<= {GOALS['cores']:g} server core": r["server_cores"] <= GOALS["cores"],
         f"last (first) grant <= {GOALS['grant_after_request_s']:g} s after last request": worst <= GOALS["grant_after_request_s"],
-        "every update answered": all(b["failed"] == 0 and b["timed_out"] == 0 for b in r["bursts"]),
+        "every update answered": r["aborted"] is None and all(b["failed"] == 0 and b["timed_out"] == 0 for b in r["bursts"]),
     }
 
 
 def report(r: dict) -> None:
     bursts = r["bursts"]
+    if r["aborted"]:
+        print(f"\n{r['sessions']:,} sessions, {'primary + backup' if r['backup'] else 'one server'}: the run ended early at "
+              f"{r['aborted']}")  # fmt: skip
+    if not bursts:
+        print(f"  false removals {r['false_removals']}; server {r['server_cores']:.2f} cores; no burst completed")
+        return
     worst = max(bursts, key=lambda b: b["last_complete_s"])
     setup = "primary + backup" if r["backup"] else "one server"
     print(f"\n{r['sessions']:,} sessions ({r['sessions'] // SHARDS} replicas of {SHARDS} shards), {setup}; "

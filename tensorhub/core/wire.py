@@ -95,8 +95,12 @@ class _Schema:
             self.decoders[f.name] = _compile_decoder(hints[f.name], max_len)
             self.encoders[f.name] = _compile_encoder(hints[f.name])
         # encoding reads every field at once (in C) and converts only the fields that need it
-        getter = operator.attrgetter(*self.names) if self.names else None
-        self.getter = (lambda v: (getter(v),)) if len(self.names) == 1 else getter
+        self.getter: Callable[[Any], tuple] | None = None
+        if len(self.names) == 1:
+            one = operator.attrgetter(self.names[0])
+            self.getter = lambda v: (one(v),)
+        elif self.names:
+            self.getter = operator.attrgetter(*self.names)
         self.converted = tuple((i, enc) for i, enc in enumerate(self.encoders.values()) if enc is not _identity)
 
 
@@ -367,13 +371,14 @@ def _encode_body(schema: _Schema, msg: Any) -> dict:
     if schema.getter is None:
         return {}
     values = schema.getter(msg)
-    if schema.converted:
-        values = list(values)
-        for i, enc in schema.converted:
-            v = values[i]
-            if v is not None:
-                values[i] = enc(v)
-    return dict(zip(schema.names, values))
+    if not schema.converted:
+        return dict(zip(schema.names, values))
+    out = list(values)
+    for i, enc in schema.converted:
+        v = out[i]
+        if v is not None:
+            out[i] = enc(v)
+    return dict(zip(schema.names, out))
 
 
 def encode(msg: Any) -> bytes:

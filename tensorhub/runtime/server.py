@@ -359,9 +359,10 @@ class ServerActor(Actor):
                 raise InvalidArgument(f"metrics endpoint cannot bind {self.config.metrics_host}:{self.config.metrics_port}: {err}") from err
             self.metrics_server = ms
         self._raw = zmq.Socket.shadow(sock.underlying)
-        self._fd = self._raw.getsockopt(zmq.FD)
-        assert self.loop is not None
-        self.loop.add_reader(self._fd, self._drain)
+        fd = self._raw.getsockopt(zmq.FD)
+        assert isinstance(fd, int) and self.loop is not None
+        self._fd = fd
+        self.loop.add_reader(fd, self._drain)
         self._drain_later()  # frames that came before the descriptor was watched
         self.every(min(1.0, self.config.table.heartbeat_interval), _Tick)
         if self.config.role == "primary" and self.config.peer:
@@ -373,7 +374,7 @@ class ServerActor(Actor):
             peer.connect(self.config.peer)
             self._peer_sock = peer
             self.spawn(self._peer_reader(peer), "server-peer-reader")
-            self.every(self.reign.lease / 5, _LeaseTick)
+            self.spawn(self._lease_ticks(self.reign.lease / 5), "server-lease")
         self.log.info("server listening", address=self.address, term=self.table.term, curve=keys is not None,
                       metrics_port=self.metrics_server.port if self.metrics_server else None)  # fmt: skip
 
@@ -448,7 +449,7 @@ class ServerActor(Actor):
     def _input_waits(self) -> None:
         """After sends (which may consume the descriptor's signal): read what is waiting."""
         sock = self._raw
-        if sock is not None and not self._paused and sock.getsockopt(_EVENTS) & _POLLIN:
+        if sock is not None and not self._paused and int(sock.getsockopt(_EVENTS)) & _POLLIN:
             self._drain_later()
 
     async def _watch(self, mon: zmq.asyncio.Socket) -> None:
@@ -467,9 +468,22 @@ class ServerActor(Actor):
 
     # ---- the lease (a primary asks its backup) ------------------------------------------------
 
+    # The lease is handled ahead of the mailbox (from the loop's own callbacks, on the actor's
+    # thread, between two handlers as a mailbox message would be): a backlog of client frames
+    # must not delay the primary's requests or its backup's answers until the lease runs out,
+    # which would make it step down under load and send every client to the backup.
+
     async def _peer_reader(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            self.tell(_PeerFrames(await sock.recv_multipart()))
+            frames = await sock.recv_multipart()
+            if not self.stopped:
+                self.on__PeerFrames(_PeerFrames(frames))
+
+    async def _lease_ticks(self, interval: float) -> None:
+        while not self.stopped:
+            await asyncio.sleep(interval)
+            if not self.stopped:
+                self.on__LeaseTick(_LeaseTick())
 
     def on__LeaseTick(self, _: _LeaseTick) -> None:
         sock = self._peer_sock
