@@ -342,7 +342,8 @@ class Generator:
         self.measuring = False
         self.rtt = array("d")
         self.counts: dict[str, int] = {}
-        self.false: list[str] = []
+        self.false: list[str] = []  # the first few, for the report
+        self.false_count = 0
         self.crashed: set[str] = set()
         self.burst = BurstStats()
         self.trainer_call = itertools.count(1)
@@ -374,7 +375,9 @@ class Generator:
 
     def false_removal(self, shard: Shard, why: str) -> None:
         if shard.alive and shard.replica not in self.crashed:
-            self.false.append(f"{shard.replica}/{shard.idx}: {why}")
+            self.false_count += 1
+            if len(self.false) < 20:
+                self.false.append(f"{shard.replica}/{shard.idx}: {why}")
 
     async def open_all(self, concurrency: int = 64) -> None:
         sem = asyncio.Semaphore(concurrency)
@@ -529,7 +532,7 @@ async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float
             await gen.rejoin(args[0])
             conn.send(("rejoined",))
         elif cmd == "stats":
-            conn.send(("stats", gen.rtt.tobytes(), gen.false, gen.counts, sorted(gen.crashed)))
+            conn.send(("stats", gen.rtt.tobytes(), gen.false, gen.false_count, gen.counts))
         elif cmd == "close":
             await gen.close()
             conn.send(("closed",))
@@ -583,8 +586,10 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             time.sleep(0.25)
             for c in children:
                 c.send("reigning")
-            if all([c.expect("reigning")[1] for c in children]) or time.monotonic() > deadline:
+            if all([c.expect("reigning")[1] for c in children]):
                 break
+            if time.monotonic() > deadline:
+                raise BenchmarkError("the server did not answer every session's heartbeat (or, with a backup, reign) within 30 s")
         time.sleep(args.warmup)
         for c in children:
             c.send("measure", True)
@@ -648,14 +653,16 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
         mem = [memory_mib(p.pid) for p in servers]
         rtt: list[float] = []
         false: list[str] = []
+        false_count = 0
         counts: dict[str, int] = {}
         for c in children:
             c.send("stats")
-            _, raw, f, cnt, _crashed = c.expect("stats")
+            _, raw, f, nf, cnt = c.expect("stats")
             a = array("d")
             a.frombytes(raw)
             rtt.extend(a)
             false.extend(f)
+            false_count += nf
             for key, n in cnt.items():
                 counts[key] = counts.get(key, 0) + n
         for c in children:
@@ -672,7 +679,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             "backup_rss_mib": mem[1][0] if backup else None,
             "generator_cores": gen_cpu / window, "server_cpu_wait": waited / window, "loadavg": load, "generator_procs": len(children),
             "hb_count": len(rtt), "hb_p50_ms": pct(rtt, 0.5), "hb_p99_ms": pct(rtt, 0.99), "hb_max_ms": max(rtt, default=float("nan")),
-            "bursts": bursts, "aborted": aborted, "false_removals": len(false), "false_examples": false[:5], "counts": counts,
+            "bursts": bursts, "aborted": aborted, "false_removals": false_count, "false_examples": false[:5], "counts": counts,
         }  # fmt: skip
     finally:
         for c in children:
