@@ -523,6 +523,8 @@ async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float
                 conn.send(("published", await gen.publish(args[0]), None))
             except BenchmarkError as err:  # e.g. the primary stepped down: the run ends there, reported
                 conn.send(("published", None, str(err)))
+            except TimeoutError:
+                conn.send(("published", None, "the trainer's unpublish or publish was not answered in 60 s"))
         elif cmd == "update":
             conn.send(("updated", await gen.update(*args)))
         elif cmd == "crash":
@@ -657,7 +659,11 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
         counts: dict[str, int] = {}
         for c in children:
             c.send("stats")
-            _, raw, f, nf, cnt = c.expect("stats")
+            try:
+                _, raw, f, nf, cnt = c.expect("stats")
+            except OSError as err:
+                c.proc.join(5)
+                raise BenchmarkError(f"generator {c.name} died (exit code {c.proc.exitcode}): {err}") from err
             a = array("d")
             a.frombytes(raw)
             rtt.extend(a)
