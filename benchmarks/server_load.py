@@ -26,7 +26,7 @@ measured window), its resident memory (peak), heartbeat round-trip p50/p99 (send
 the generator saw it, so the generator's own latency is in it), the time from the publish to
 the last grant and to the last completion of each burst (worst burst), the last grant after
 the last request, and false removals (a session that did not crash told it was removed, or
-unknown in a heartbeat ack). With ``--backup`` (the default runs both), the same with a backup
+unknown in a heartbeat ack; each session counted once). With ``--backup`` (the default runs both), the same with a backup
 server attached (the primary holds its lease; heartbeats are votes), and the backup's CPU and
 memory. The generator's own CPU is printed beside: on a small shared machine it competes with
 the server for the same cores.
@@ -344,6 +344,7 @@ class Generator:
         self.counts: dict[str, int] = {}
         self.false: list[str] = []  # the first few, for the report
         self.false_count = 0
+        self.falsely_removed: set[tuple[str, int, str]] = set()
         self.crashed: set[str] = set()
         self.burst = BurstStats()
         self.trainer_call = itertools.count(1)
@@ -374,7 +375,9 @@ class Generator:
         self.counts[what] = self.counts.get(what, 0) + 1
 
     def false_removal(self, shard: Shard, why: str) -> None:
-        if shard.alive and shard.replica not in self.crashed:
+        key = (shard.replica, shard.idx, shard.incarnation)
+        if shard.alive and shard.replica not in self.crashed and key not in self.falsely_removed:
+            self.falsely_removed.add(key)  # once per session, however many messages say so
             self.false_count += 1
             if len(self.false) < 20:
                 self.false.append(f"{shard.replica}/{shard.idx}: {why}")
