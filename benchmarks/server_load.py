@@ -506,6 +506,9 @@ async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float
     beats = asyncio.ensure_future(gen.heartbeats())
     inbox: asyncio.Queue = asyncio.Queue()
     loop.add_reader(conn.fileno(), lambda: inbox.put_nowait(conn.recv()))
+    # the event loop made the pipe non-blocking: a large answer (the heartbeat samples of
+    # thousands of sessions) would then be cut short by a full pipe buffer
+    os.set_blocking(conn.fileno(), True)
     while True:
         cmd, *args = await inbox.get()
         if cmd == "quit":
