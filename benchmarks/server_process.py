@@ -4,6 +4,7 @@ loopback port, started and stopped by the benchmark scripts in this folder."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import select
 import socket
 import subprocess
@@ -26,12 +27,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(timeout: float, *extra: str, echo_all: bool = True) -> tuple[subprocess.Popen, str]:
-    """Start a server (``extra``: more ``tensorhub server`` arguments) and wait until it listens.
-    Its output is relayed to stderr afterwards (only warnings and errors unless ``echo_all``)."""
+def start_server(timeout: float, *extra: str, echo_all: bool = True,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start a server (``extra``: more ``tensorhub server`` arguments; ``env``: more environment
+    variables) and wait until it listens. Its output is relayed to stderr afterwards (only
+    warnings and errors unless ``echo_all``)."""
     address = f"tcp://127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "tensorhub", "server", "--bind", address, "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    full_env = {**os.environ, **env} if env else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=full_env)
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     seen = []
@@ -50,9 +54,12 @@ def start_server(timeout: float, *extra: str, echo_all: bool = True) -> tuple[su
 
 
 def _relay(stream: Any, echo_all: bool) -> None:
-    for line in stream:  # keep the pipe from filling up; show what the server complains about
-        if echo_all or "warning" in line or "error" in line:
-            sys.stderr.write("[server] " + line)
+    try:
+        for line in stream:  # keep the pipe from filling up; show what the server complains about
+            if echo_all or "warning" in line or "error" in line:
+                sys.stderr.write("[server] " + line)
+    except (ValueError, OSError):  # closed by stop_process
+        pass
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -63,6 +70,8 @@ def stop_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 class Child:

@@ -390,3 +390,20 @@ def test_a_primary_and_its_backup_stop_at_once_on_sigterm():
             if s.proc.poll() is None:
                 s.proc.kill()
             s.stop()
+
+
+def test_update_on_a_server_that_does_not_reign_moves_to_the_one_that_does(servers, handles):
+    """A rollout whose list names the backup first opens there, where nothing is decided while
+    the primary holds the lease: its update() finds the reigning server and moves (issue 34: it
+    raised ServerUnavailable)."""
+    backup = servers("--role", "backup")
+    primary = servers("--role", "primary", "--peer", backup.address)
+    trainer = handles("trainer", server=primary.address)
+    rollout = handles("rollout-0", server=f"{backup.address},{primary.address}")
+    for h in (trainer, rollout):
+        h.call("register")
+    trainer.call("fill", 1)
+    trainer.call("publish", 1)
+    assert rollout.call("update", "latest", 30.0) is True
+    assert rollout.call("holds", 1)
+    assert rollout.call("server_address") == primary.address

@@ -1,9 +1,9 @@
 """The server never waits on a client and never loses track of a reply it could not send.
 
-Its socket is an asyncio socket, on which a non-blocking send reports failure in the future it
-returns, not by raising. Each such reply must be counted (``tensorhub_replies_dropped_total``)
-and logged once per client and reason, and no future may be left with an unretrieved error
-(asyncio would log "Future exception was never retrieved" when it is collected).
+It sends with plain non-blocking sends on its ROUTER socket: a reply to a client that is gone,
+or whose queue is full, fails at once. Each such reply must be counted
+(``tensorhub_replies_dropped_total``) and logged once per client and reason, and nothing may be
+left behind (no "Future exception was never retrieved" when objects are collected).
 """
 
 from __future__ import annotations

@@ -616,7 +616,7 @@ NESTED_WRONG = [
     ),
     ("listing", {**body_of(BY_KIND["listing"]), "versions": [{"version": "1", "replicas": []}]}),
     ("listing", {**body_of(BY_KIND["listing"]), "versions": [[1, []]]}),
-    ("announce", {**body_of(BY_KIND["announce"]), "holdings": [{"version": 1, "kind": "normal", "checksums": ["1"]}]}),
+    ("announce", {**body_of(BY_KIND["announce"]), "holdings": [{"version": 1, "kind": "normal", "checksums": ["1"], "base": None}]}),
     ("announce", {**body_of(BY_KIND["announce"]), "answers": [{**ANSWER, "moved": 0}]}),
     ("announce", {**body_of(BY_KIND["announce"]), "answers": [{**ANSWER, "epoch": "3"}]}),
     ("announce", {**body_of(BY_KIND["announce"]), "answers": [{**ANSWER, "listing": {"version": 1}}]}),
@@ -653,7 +653,7 @@ OVERSIZE = [
     ("source_failed", "reason", "r" * 1025),
     ("failed", "code", "c" * 65),
     ("heartbeat", "sessions", [1] * 65537),
-    ("announce", "holdings", [{"version": 1, "kind": "normal", "checksums": None}] * 4097),
+    ("announce", "holdings", [{"version": 1, "kind": "normal", "checksums": None, "base": None}] * 4097),
     ("announce", "answers", [ANSWER] * 65),
     ("announce", "answers", [{**ANSWER, "error": "e" * 65}]),  # max_len inside a nested struct
     ("heartbeat_ack", "unknown", [0] * (MAX_COLLECTION + 1)),  # global collection limit
@@ -674,7 +674,7 @@ AT_LIMIT = [
     ("source_failed", "reason", "r" * 1024),
     ("failed", "code", "c" * 64),
     ("heartbeat", "sessions", [1] * 65536),
-    ("announce", "holdings", [{"version": 1, "kind": "normal", "checksums": None}] * 4096),
+    ("announce", "holdings", [{"version": 1, "kind": "normal", "checksums": None, "base": None}] * 4096),
     ("announce", "answers", [ANSWER] * 64),
 ]
 
@@ -769,9 +769,9 @@ SEMANTIC = [
     ("source_failed", {"verified": -1}),
     ("checksum_failed", {"unit": -1}),
     ("checksum_failed", {"verified": -1}),
-    ("announce", {"holdings": [{"version": 1, "kind": "weird", "checksums": None}]}),
-    ("announce", {"holdings": [{"version": -1, "kind": "normal", "checksums": None}]}),
-    ("announce", {"holdings": [{"version": 1, "kind": "normal", "checksums": [-5]}]}),
+    ("announce", {"holdings": [{"version": 1, "kind": "weird", "checksums": None, "base": None}]}),
+    ("announce", {"holdings": [{"version": -1, "kind": "normal", "checksums": None, "base": None}]}),
+    ("announce", {"holdings": [{"version": 1, "kind": "normal", "checksums": [-5], "base": None}]}),
     ("announce", {"partial": {"version": 1, "verified": -1}}),
     ("announce", {"partial": {"version": -1, "verified": 0}}),
     ("announce", {"answers": [{**ANSWER, "call": 0}]}),
@@ -1165,7 +1165,17 @@ def delta_refs(draw) -> m.DeltaRef:
     return m.DeltaRef(version, draw(st.integers(0, version - 1)), draw(NONNEG))
 
 
+@st.composite
+def helds(draw) -> m.Held:
+    held = draw(st.builds(m.Held, version=st.integers(0, MAX_VERSION), kind=st.sampled_from([m.KIND_NORMAL, m.KIND_OFFLOAD]),
+                          checksums=st.none() | st.tuples(NONNEG).map(tuple), base=st.none()))  # fmt: skip
+    if held.version > 0 and draw(st.booleans()):  # a delta's holding names its base
+        held = dataclasses.replace(held, base=draw(st.integers(0, held.version - 1)))
+    return held
+
+
 BY_CLASS: dict[type, st.SearchStrategy] = {
+    m.Held: helds(),
     m.Publish: publishes(),
     m.DeltaRef: delta_refs(),
     m.Register: registers(),

@@ -106,14 +106,20 @@ class DeltaRef:
 
 @struct
 class Held:
-    """A holding re-announced after failover."""
+    """A holding re-announced after failover. ``base``: a delta model's holding names the
+    version its delta applies to, as its publish did (the next server plans deltas with it)."""
 
     version: int
     kind: str
     checksums: tuple[int, ...] | None
+    base: int | None = None
 
     def __post_init__(self) -> None:
         validate_version(self.version)
+        if self.base is not None:
+            validate_version(self.base)
+            if self.base >= self.version:
+                raise ValueError(f"a delta goes forward: base {self.base} is not before version {self.version}")
         if self.kind not in (KIND_NORMAL, KIND_OFFLOAD):
             raise ValueError(f"holding kind must be normal or offload, got {self.kind!r}")
         _checksums(self.checksums)

@@ -19,7 +19,9 @@ with no extra round trip:
   stage request). The holder finds the key of the region asked for and asks
   :meth:`TokenChecker.check`: the MAC must verify under that key (so the token was made by the
   server for this holder slot: another slot's or another holder's token fails), the version
-  must be the one asked for, and the token must not have expired.
+  must be the one asked for, the token must not have expired, and its term must be the term of
+  the server the holder's session is on now (when the holder knows it): a grant of a server the
+  holder left (a primary that stepped down, a server before its restart) admits nobody.
 - **Expiry without synchronised clocks.** ``issued`` is the server's (monotonic) clock; holders
   do not share it. A :class:`TokenChecker` learns it from the tokens themselves: the issue time
   of the newest valid token of a server term, plus the local time elapsed since it was seen, is
@@ -68,7 +70,7 @@ class InvalidToken(ValueError):
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
-        self.reason = reason  #: one word: no_token, malformed, forged, wrong_version, expired, unknown_region
+        self.reason = reason  #: one word: no_token, malformed, forged, wrong_version, stale_term, expired, unknown_region
 
 
 def valid_key(key: object) -> bool:
@@ -161,15 +163,19 @@ class TokenChecker:
         issued, at = seen
         return issued + max(0.0, self._clock() - at)
 
-    def check(self, key: bytes, token: object, version: int) -> GrantToken:
+    def check(self, key: bytes, token: object, version: int, term: int | None = None) -> GrantToken:
         """Admit ``token`` for ``version`` of the holder slot whose key is ``key``.
+
+        Args:
+            term: the term of the server the holder's session is registered with now (None:
+                not known yet; the token's term is then not judged).
 
         Returns:
             The token's fields.
 
         Raises:
             InvalidToken: missing, malformed, forged (another slot's, or altered), for another
-                version, or expired.
+                version, of another server term, or expired.
         """
         blob = token if isinstance(token, bytes) else None
         known = self._verified.get((key, blob)) if blob is not None else None
@@ -183,6 +189,8 @@ class TokenChecker:
             t = known
         if t.version != version:
             raise InvalidToken("wrong_version", f"the grant token is for version {t.version}, not {version}")
+        if term is not None and t.term != term:
+            raise InvalidToken("stale_term", f"the grant token is of server term {t.term}; this holder answers to term {term}")
         now = self.server_now(t.term)
         if now is not None and t.issued + t.ttl < now:
             raise InvalidToken("expired", f"the grant token (grant {t.grant}) expired {now - t.issued - t.ttl:.1f} s ago")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import types
 import typing
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
@@ -78,7 +79,7 @@ else:
 
 
 class _Schema:
-    __slots__ = ("cls", "kind", "names", "decoders", "encoders", "nameset")
+    __slots__ = ("cls", "kind", "names", "decoders", "encoders", "nameset", "getter", "converted")
 
     def __init__(self, cls: type, kind: str | None) -> None:
         self.cls = cls
@@ -93,6 +94,14 @@ class _Schema:
             max_len = f.metadata.get("max_len")
             self.decoders[f.name] = _compile_decoder(hints[f.name], max_len)
             self.encoders[f.name] = _compile_encoder(hints[f.name])
+        # encoding reads every field at once (in C) and converts only the fields that need it
+        self.getter: Callable[[Any], tuple] | None = None
+        if len(self.names) == 1:
+            one = operator.attrgetter(self.names[0])
+            self.getter = lambda v: (one(v),)
+        elif self.names:
+            self.getter = operator.attrgetter(*self.names)
+        self.converted = tuple((i, enc) for i, enc in enumerate(self.encoders.values()) if enc is not _identity)
 
 
 def _dataclass(cls: type[T]) -> type[T]:
@@ -359,7 +368,17 @@ def _identity(v: Any) -> Any:
 
 
 def _encode_body(schema: _Schema, msg: Any) -> dict:
-    return {name: enc(getattr(msg, name)) for name, enc in schema.encoders.items()}
+    if schema.getter is None:
+        return {}
+    values = schema.getter(msg)
+    if not schema.converted:
+        return dict(zip(schema.names, values))
+    out = list(values)
+    for i, enc in schema.converted:
+        v = out[i]
+        if v is not None:
+            out[i] = enc(v)
+    return dict(zip(schema.names, out))
 
 
 def encode(msg: Any) -> bytes:

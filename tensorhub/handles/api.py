@@ -549,6 +549,9 @@ class AsyncShardHandle:
         # this session; a flip moves the session's state to the other handle object and re-points it.
         self._owner = _SessionRef(self)
         self._base_replica = self.replica  # the name the user opened (the banks: it and its shadow replica)
+        #: a delta model's shard: (the version its buffers hold, the base its delta applies to),
+        #: re-announced after a failover so that the next server plans deltas with it
+        self.delta_base: tuple[int, int] | None = None
         self._shadow: AsyncShardHandle | None = None  # the standby bank (None: no shadow set)
         self._prefetch: asyncio.Future | None = None  # the standby's pull of the next version
         self._prefetch_version: int | None = None
@@ -629,7 +632,8 @@ class AsyncShardHandle:
         _, held, verified = buffers.progress.snapshot()
         live = held if held is not None and held == self.version and verified >= buffers.total_bytes else None
         if live is not None:
-            holdings.append(m.Held(live, m.KIND_NORMAL, sums.get(live)))
+            base = self.delta_base[1] if self.delta_base is not None and self.delta_base[0] == live else None
+            holdings.append(m.Held(live, m.KIND_NORMAL, sums.get(live), base))
         holdings.extend(m.Held(v, m.KIND_OFFLOAD, sums.get(v)) for v in offloads)
         partial = None
         if live is None and held is not None and verified < buffers.total_bytes and self._busy in ("replicate", "update"):
@@ -854,6 +858,9 @@ class AsyncShardHandle:
                 def publish(req: int) -> m.Publish:
                     return m.Publish(req, self.session, n, version, proof, base, delta_from)
 
+                if base is not None:
+                    self.delta_base = (version, base)
+
                 try:
                     await self._numbered(n, "publish", publish, version)
                 except ChecksumsRequired:  # the server knows the number's checksums: prove these bytes
@@ -940,7 +947,18 @@ class AsyncShardHandle:
             assert self._engine is not None
             before = self._engine.pull_mark(self.session) if self.session is not None else 0
             try:
-                reply = await self._pull(m.Update, version, timeout)
+                try:
+                    reply = await self._pull(m.Update, version, timeout)
+                except ServerUnavailable:
+                    # Refused by a server that does not decide (a backup while the primary holds
+                    # the lease): find the one that does, and ask it instead.
+                    began = self.session is not None and self._engine.pull_began(self.session, before)
+                    if client is None or client.lost is not None or client.gave_up is not None or began:
+                        raise
+                    wait = client.failover_timeout if timeout is None else min(timeout, client.failover_timeout)
+                    if not await client.seek_reign(wait):
+                        return False  # nothing decides now: no newer version is known
+                    reply = await self._pull(m.Update, version, timeout)
                 if reply.deltas is not None:  # the server planned a chain of deltas for this replica
                     if self._delta_reader is None:
                         self._delta_reader = DeltaReader(self)

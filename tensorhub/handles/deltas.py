@@ -355,6 +355,7 @@ class DeltaReader:
             await self.side._open()
         blob = await _hold_blob(self.side, ref.nbytes)
         await self.side.replicate(ref.version, timeout)
+        self.side.delta_base = (ref.version, ref.base)  # re-announced with the holding after a failover
         got = from_bytes(blob.numpy().tobytes(), layout=self.owner.buffers.layout, where=f"delta {ref.version}")
         if not isinstance(got, Delta) or got.version != ref.version or got.base != ref.base:
             raise _mismatch(ref, got)

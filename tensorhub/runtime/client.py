@@ -51,9 +51,11 @@ heartbeats are its vote: each echoes the latest stamp of the current server's
 ``HeartbeatAck`` (forgotten on every move, so a vote never follows the client elsewhere). A
 ``StepDown`` from the server (it stopped deciding) is a loss, acted on at once: the client
 moves to the next address. A server that answers ``reigning=False`` refuses calls (they fail
-with ``ServerUnavailable``); a client parked there probes the addresses before it every
-``_LOOK_BACK_EVERY`` s and moves back to the first that answers (the primary, once it is
-reachable again).
+with ``ServerUnavailable``); a client parked there probes the other addresses (those before it
+first) every ``_LOOK_BACK_EVERY`` s and moves to the first that answers that it decides (the
+primary, once it is reachable again; or the primary when the list names its backup first). A
+handle's ``update()`` refused there asks for that look at once (:meth:`ClientActor.seek_reign`)
+and is made again on the server found.
 
 A pull under way at the loss survives it: its handle waits for the move (within the call's
 timeout), re-announces the pull as a partial holding with what it verified (``partial`` of
@@ -88,7 +90,7 @@ from tensorhub.core.errors import (
 from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
 
 from .actor import Actor
-from .engine import SuspendPull
+from .engine import ServerTerm, SuspendPull
 from .security import ClientKeys, apply_client, client_keys
 
 if TYPE_CHECKING:
@@ -409,6 +411,7 @@ class ClientActor(Actor):
         self.sessions[local] = _Shard(owner, opened.session)
         self._remote[opened.session] = local
         self._learn_timing(opened)
+        self.engine.tell(ServerTerm(local, opened.term))
         return local
 
     def _learn_timing(self, opened: m.Opened) -> None:
@@ -430,7 +433,7 @@ class ClientActor(Actor):
             if waiting and now - self.last_heard > self.heartbeat_timeout:
                 self._lose(ServerUnavailable(f"no word from the server at {self.address} for {self.heartbeat_timeout:g} s"))
                 return
-            if not self.reigning and self.index > 0 and not self._looking_back and now >= self._next_look_back:
+            if not self.reigning and len(self.addresses) > 1 and not self._looking_back and now >= self._next_look_back:
                 self._next_look_back = now + _LOOK_BACK_EVERY
                 self._looking_back = True
                 self.spawn(self._look_back(), "client-look-back")
@@ -454,18 +457,35 @@ class ClientActor(Actor):
             self.pending[req] = (fut, None, None)
 
     async def _look_back(self) -> None:
-        """Parked on a server that does not decide: move back to an earlier one of the list (the
-        primary) as soon as it answers."""
+        """Parked on a server that does not decide: move to another one of the list that says
+        it decides (the earlier ones first: the primary)."""
+        from .embedded import probe
+
         try:
-            for idx in range(self.index):
-                if await self._probe(self.addresses[idx]):
+            order = [*range(self.index), *range(self.index + 1, len(self.addresses))]
+            for idx in order:
+                if await probe(self.ctx, self.addresses[idx], self.attempt_timeout, self.keys, reigning=True):
                     self.tell(_MoveBack(idx))
                     return
         finally:
             self._looking_back = False
 
+    async def seek_reign(self, timeout: float) -> bool:
+        """Parked on a server that does not decide: look for one that does now (not at the next
+        periodic look) and wait, within ``timeout`` seconds, until the client is connected to a
+        server that decides. Returns whether it is."""
+        self._next_look_back = 0.0
+        deadline = time.monotonic() + max(0.0, timeout)
+        while not self.stopped and self.gave_up is None:
+            if self.lost is None and self.reigning and self._stamp[1] > 0:
+                return True  # connected, and the server's latest answer said it decides
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return False
+
     def on__MoveBack(self, msg: _MoveBack) -> None:
-        if self.lost is None and not self.reigning and msg.index < self.index:
+        if self.lost is None and not self.reigning and msg.index != self.index:
             self._lose(ServerUnavailable(f"the server at {self.address} does not decide; moving back to "
                                          f"{self.addresses[msg.index]}"), start=msg.index)  # fmt: skip
 
@@ -581,6 +601,7 @@ class ClientActor(Actor):
         shard.remote = msg.opened.session
         self._remote[msg.opened.session] = msg.local
         self._learn_timing(msg.opened)
+        self.engine.tell(ServerTerm(msg.local, msg.opened.term))
         return True
 
     def on__Dead(self, msg: _Dead) -> None:

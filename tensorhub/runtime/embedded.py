@@ -49,9 +49,10 @@ def embedded_address() -> str:
     return os.environ.get("TENSORHUB_EMBEDDED_ADDRESS", EMBEDDED_ADDRESS)
 
 
-async def probe(ctx: zmq.asyncio.Context, address: str, timeout: float = 0.5, keys: Any = None) -> bool:
+async def probe(ctx: zmq.asyncio.Context, address: str, timeout: float = 0.5, keys: Any = None, reigning: bool = False) -> bool:
     """Whether a TensorHub server answers at ``address`` within ``timeout`` seconds (through
-    CURVE with ``keys``, a :class:`~tensorhub.runtime.security.ClientKeys`, when given)."""
+    CURVE with ``keys``, a :class:`~tensorhub.runtime.security.ClientKeys`, when given); with
+    ``reigning``, one that also says it decides now (a primary or backup may not)."""
     from .security import apply_client
 
     sock = ctx.socket(zmq.DEALER)
@@ -63,7 +64,8 @@ async def probe(ctx: zmq.asyncio.Context, address: str, timeout: float = 0.5, ke
         if not await sock.poll(int(timeout * 1000)):
             return False
         try:
-            return isinstance(decode(await sock.recv()), m.HeartbeatAck)
+            ack = decode(await sock.recv())
+            return isinstance(ack, m.HeartbeatAck) and (ack.reigning or not reigning)
         except Exception:  # noqa: BLE001 - something answered, but not a TensorHub server
             return False
     finally:

@@ -239,6 +239,15 @@ class Holdings:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerTerm:
+    """The client opened (or re-opened) ``session`` on a server of ``term``: the holder admits
+    only grant tokens of that term from now on (a grant of a server it left is void)."""
+
+    session: int
+    term: int
+
+
+@dataclass(frozen=True, slots=True)
 class SuspendPull:
     """The server was lost: the slot's grant is void (its term is gone), but what the pull
     verified stays. Reads stop; the pull waits for a grant from the server the client moves to
@@ -360,6 +369,7 @@ class EngineActor(Actor):
         #: data-plane requests refused for want of a valid grant token, by reason (thread-safe reads)
         self.refusals: Counter[str] = Counter()
         self._tokens = TokenChecker(time.monotonic)
+        self._terms: dict[int, int] = {}  # session -> the term of the server it is open on (ServerTerm)
         self._admit_lock = threading.Lock()
         self._refusal_logged: dict[str, float] = {}
         for t in transports.values():
@@ -397,7 +407,7 @@ class EngineActor(Actor):
             try:
                 if slot is None:
                     raise InvalidToken("unknown_region", f"no registered shard has region {region}")
-                self._tokens.check(slot.key, token, version)
+                self._tokens.check(slot.key, token, version, self._terms.get(slot.session))
                 return None
             except InvalidToken as err:
                 self.refusals[err.reason] += 1
@@ -701,6 +711,12 @@ class EngineActor(Actor):
                 self.log.exception("transport abort_reads raised", transport=t.name, **slot.ctx)
         if ended:
             self.log.info("reads in flight aborted", reads=ended, why=why, **slot.ctx)
+
+    def on_ServerTerm(self, msg: ServerTerm) -> None:
+        with self._admit_lock:  # admit() reads it from transport threads
+            self._terms[msg.session] = msg.term
+            if len(self._terms) > 4 * len(self.slots) + 1024:  # closed sessions' entries
+                self._terms = {s: t for s, t in self._terms.items() if s in self.slots}
 
     def on_SuspendPull(self, msg: SuspendPull) -> None:
         slot = self.slots.get(msg.session)

@@ -79,6 +79,10 @@ class Counter(_Family):
     kind = "counter"
 
     def inc(self, *labels: str, by: float = 1.0) -> None:
+        series = self.series
+        if labels in series:  # the common case: a label set seen before (str labels)
+            series[labels] += by
+            return
         key = self._key(labels)
         if key is not None:
             self.series[key] = self.series.get(key, 0.0) + by
@@ -113,12 +117,14 @@ class Histogram(_Family):
         self.buckets = tuple(sorted(buckets))
 
     def observe(self, value: float, *labels: str) -> None:
-        key = self._key(labels)
-        if key is None:
-            return
-        s = self.series.get(key)
+        s = self.series.get(labels)  # the common case: a label set seen before (str labels)
         if s is None:
-            s = self.series[key] = [[0] * len(self.buckets), 0.0, 0]
+            key = self._key(labels)
+            if key is None:
+                return
+            s = self.series.get(key)
+            if s is None:
+                s = self.series[key] = [[0] * len(self.buckets), 0.0, 0]
         i = bisect.bisect_left(self.buckets, value)
         if i < len(self.buckets):
             s[0][i] += 1

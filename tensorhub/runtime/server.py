@@ -9,6 +9,14 @@ changes nothing), hands it to the table with the sender's routing id as the peer
 table's replies. A timer wakes the table at its next deadline (heartbeat expiry, drain and call
 timeouts). The clock is ``time.monotonic``; the random source is seeded once per start.
 
+The socket is read without pyzmq's asyncio layer: the event loop watches the ROUTER's
+notification descriptor, and a callback takes every frame waiting (up to ``_BATCH``) in one go
+and hands them to the mailbox as one batch; replies go out with plain non-blocking sends. A
+descriptor that signals only changes (ZeroMQ's is edge-like) is handled by checking the socket
+for more input after every batch and every send, so no frame waits for a signal that already
+came. At thousands of sessions this is most of the server's cost: one future, two enum flag
+operations and a wakeup of the mailbox task per frame, against one of each per batch.
+
 The server never dies of a client's message: anything unexpected raised while handling one is
 logged with the message kind and answered as a protocol error. Every frame is counted by its
 outcome (``ok`` or the error code it was answered with); a frame over the socket's size limit
@@ -137,6 +145,11 @@ class _Frames:
 
 
 @dataclass(frozen=True, slots=True)
+class _Batch:
+    frames: list[_Frames]
+
+
+@dataclass(frozen=True, slots=True)
 class _Tick:
     pass
 
@@ -155,6 +168,11 @@ _PEER = b"\0peer"  # the table's peer name for the backup (never a ZeroMQ routin
 
 
 _KINDS_LOCAL = (m.TransferSpan, m.GetTrace, m.GetCluster)
+_BATCH = 256  # frames taken from the socket per reader callback (then the mailbox handles them)
+_NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags cost more than the call itself
+_POLLIN = int(zmq.POLLIN)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+_EVENTS = int(zmq.EVENTS)
 
 #: the right on the session's model each request needs under a model policy (others need none
 #: of their own: they follow from a publish or a pull the policy already let through)
@@ -183,6 +201,9 @@ class ServerActor(Actor):
         self._peer_sock: zmq.asyncio.Socket | None = None
         self._lease_req = 0
         self.sock: zmq.asyncio.Socket | None = None
+        self._raw: zmq.Socket | None = None  # the same socket without the asyncio layer: reads and sends
+        self._fd: int | None = None
+        self._drain_soon = False
         self.address = config.bind
         self._wake: asyncio.TimerHandle | None = None
         self._wake_at: float | None = None
@@ -195,8 +216,7 @@ class ServerActor(Actor):
         self._monitor: zmq.asyncio.Socket | None = None
         self._owner: dict[int, str] = {}  # session id -> the CURVE key that opened it
         self._queued = 0
-        self._room = asyncio.Event()
-        self._room.set()
+        self._paused = False  # the mailbox is full: the socket is not read until it has room
         #: (model, version) -> reported transfer spans, oldest first
         self.spans: collections.OrderedDict[tuple[str, int], list[m.SpanEntry]] = collections.OrderedDict()
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=100_000)  # (received, bytes)
@@ -338,7 +358,12 @@ class ServerActor(Actor):
             except OSError as err:
                 raise InvalidArgument(f"metrics endpoint cannot bind {self.config.metrics_host}:{self.config.metrics_port}: {err}") from err
             self.metrics_server = ms
-        self.spawn(self._reader(), "server-reader")
+        self._raw = zmq.Socket.shadow(sock.underlying)
+        fd = self._raw.getsockopt(zmq.FD)
+        assert isinstance(fd, int) and self.loop is not None
+        self._fd = fd
+        self.loop.add_reader(fd, self._drain)
+        self._drain_later()  # frames that came before the descriptor was watched
         self.every(min(1.0, self.config.table.heartbeat_interval), _Tick)
         if self.config.role == "primary" and self.config.peer:
             peer = self.ctx.socket(zmq.DEALER)
@@ -349,7 +374,7 @@ class ServerActor(Actor):
             peer.connect(self.config.peer)
             self._peer_sock = peer
             self.spawn(self._peer_reader(peer), "server-peer-reader")
-            self.every(self.reign.lease / 5, _LeaseTick)
+            self.spawn(self._lease_ticks(self.reign.lease / 5), "server-lease")
         self.log.info("server listening", address=self.address, term=self.table.term, curve=keys is not None,
                       metrics_port=self.metrics_server.port if self.metrics_server else None)  # fmt: skip
 
@@ -360,6 +385,10 @@ class ServerActor(Actor):
     async def on_stop(self) -> None:
         if self.metrics_server is not None:
             await self.metrics_server.stop()
+        if self._fd is not None and self.loop is not None:
+            self.loop.remove_reader(self._fd)
+            self._fd = None
+        self._raw = None
         if self.sock is not None:
             if self._monitor is not None:
                 try:
@@ -377,23 +406,51 @@ class ServerActor(Actor):
         self.done.set()
         self.log.info("server stopped", address=self.address)
 
-    async def _reader(self) -> None:
-        sock = self.sock
-        assert sock is not None
+    def _drain(self) -> None:
+        """Take the frames waiting on the socket (up to ``_BATCH``, and while the mailbox has
+        room) and hand them to the mailbox as one batch."""
+        self._drain_soon = False
+        sock = self._raw
+        if sock is None or self.stopped:
+            return
+        room = self.config.max_queued - self._queued
+        if room <= 0:
+            self._paused = True
+            return
         authenticated = self.config.keys is not None
-        while True:
-            if self._queued >= self.config.max_queued:
-                self._room.clear()
-                await self._room.wait()
-            if authenticated:
-                parts = await sock.recv_multipart(copy=False)
-                user = user_id(parts[-1])
-                frames = [p.bytes for p in parts]
-            else:
-                frames = await sock.recv_multipart(copy=True)
-                user = None
-            self._queued += 1
-            self.tell(_Frames(frames[0], frames[1:], user, time.monotonic()))
+        batch: list[_Frames] = []
+        now = time.monotonic()
+        try:
+            for _ in range(min(_BATCH, room)):
+                if authenticated:
+                    parts = sock.recv_multipart(_NOBLOCK, copy=False)
+                    user = user_id(parts[-1])
+                    frames = [p.bytes for p in parts]
+                else:
+                    frames = sock.recv_multipart(_NOBLOCK)
+                    user = None
+                batch.append(_Frames(frames[0], frames[1:], user, now))
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as err:  # the socket is closing
+            self.log.debug("server socket read ended", error=str(err))
+            return
+        if batch:
+            self._queued += len(batch)
+            self.tell(_Batch(batch))
+            if len(batch) == _BATCH or len(batch) == room:
+                self._drain_later()  # more may wait; the descriptor will not say so again
+
+    def _drain_later(self) -> None:
+        if not self._drain_soon and self.loop is not None:
+            self._drain_soon = True
+            self.loop.call_soon(self._drain)
+
+    def _input_waits(self) -> None:
+        """After sends (which may consume the descriptor's signal): read what is waiting."""
+        sock = self._raw
+        if sock is not None and not self._paused and int(sock.getsockopt(_EVENTS)) & _POLLIN:
+            self._drain_later()
 
     async def _watch(self, mon: zmq.asyncio.Socket) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -411,9 +468,22 @@ class ServerActor(Actor):
 
     # ---- the lease (a primary asks its backup) ------------------------------------------------
 
+    # The lease is handled ahead of the mailbox (from the loop's own callbacks, on the actor's
+    # thread, between two handlers as a mailbox message would be): a backlog of client frames
+    # must not delay the primary's requests or its backup's answers until the lease runs out,
+    # which would make it step down under load and send every client to the backup.
+
     async def _peer_reader(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            self.tell(_PeerFrames(await sock.recv_multipart()))
+            frames = await sock.recv_multipart()
+            if not self.stopped:
+                self.on__PeerFrames(_PeerFrames(frames))
+
+    async def _lease_ticks(self, interval: float) -> None:
+        while not self.stopped:
+            await asyncio.sleep(interval)
+            if not self.stopped:
+                self.on__LeaseTick(_LeaseTick())
 
     def on__LeaseTick(self, _: _LeaseTick) -> None:
         sock = self._peer_sock
@@ -439,13 +509,26 @@ class ServerActor(Actor):
             return
         self._send(self.table.handle(_PEER, reply))
         self._schedule()
+        self._input_waits()
 
     # ---- messages ----------------------------------------------------------------------------
 
+    def on__Batch(self, batch: _Batch) -> None:
+        for msg in batch.frames:
+            self._handle(msg)
+        self._schedule()
+        self._queued -= len(batch.frames)
+        if self._paused and self._queued <= self.config.max_queued // 2:
+            self._paused = False
+            self._drain_later()
+        self._input_waits()
+
     def on__Frames(self, msg: _Frames) -> None:
-        self._queued -= 1
-        if self._queued <= self.config.max_queued // 2:
-            self._room.set()
+        """One frame handed to the actor directly (tests; the socket hands batches)."""
+        self._queued += 1
+        self.on__Batch(_Batch([msg]))
+
+    def _handle(self, msg: _Frames) -> None:
         self.frames_in += 1
         self.m_clients.inc(client_label(msg.user))
         kind = "undecodable"
@@ -492,7 +575,6 @@ class ServerActor(Actor):
             out = [(msg.peer, m.Failed.of(req or _salvage_req(msg.frames), ProtocolError(f"internal server error: {err!r}")))]
         self.m_frames.inc(outcome)
         self._send(out)
-        self._schedule()
         if msg.at:
             self.m_latency.observe(time.monotonic() - msg.at, kind)
 
@@ -611,6 +693,7 @@ class ServerActor(Actor):
     def on__Tick(self, _: _Tick) -> None:
         was = self.reign.reigning
         self._send(self.table.tick())
+        self._input_waits()
         if was != self.reign.reigning:
             self.log.warning("reigns" if self.reign.reigning else "stepped down", role=self.config.role,
                              term=self.table.term, why=None if self.reign.reigning else self.reign.why_not())  # fmt: skip
@@ -624,24 +707,21 @@ class ServerActor(Actor):
                 self.spawn(self.stop(), "server-idle-exit")
 
     def _send(self, out: list[tuple[Any, Any]]) -> None:
-        """Send replies without ever waiting. On the asyncio socket a non-blocking send reports
-        its outcome in the future it returns (resolved at once unless an earlier send is still
-        queued), not by raising: every future is read here, so a reply to a slow or vanished
-        client is counted and logged, never left as an unretrieved future error."""
-        sock = self.sock
-        assert sock is not None
+        """Send replies without ever waiting: a reply to a client whose queue is full, or whose
+        connection is gone, is dropped, counted and logged (once per client and reason)."""
+        sock = self._raw
+        if sock is None:
+            return  # stopping
+        send = sock.send
         for peer, reply in out:
-            fut = sock.send_multipart([peer, encode(reply)], flags=zmq.NOBLOCK)
-            kind = type(reply).__name__
-            if fut.done():
-                self._sent(fut, peer, kind)
-            else:
-                fut.add_done_callback(lambda f, peer=peer, kind=kind: self._sent(f, peer, kind))
+            frame = encode(reply)
+            try:
+                send(peer, _SNDMORE_NOBLOCK)  # ROUTER: fails here (whole) if the peer is gone or full
+                send(frame, _NOBLOCK)
+            except zmq.ZMQError as err:
+                self._dropped(err, peer, type(reply).__name__)
 
-    def _sent(self, fut: Any, peer: bytes, kind: str) -> None:
-        err = None if fut.cancelled() else fut.exception()
-        if err is None:
-            return
+    def _dropped(self, err: zmq.ZMQError, peer: bytes, kind: str) -> None:
         if isinstance(err, zmq.Again):
             reason, what = "queue full", "client not keeping up; reply dropped"
         elif isinstance(err, zmq.ZMQError) and err.errno == zmq.EHOSTUNREACH:
@@ -693,7 +773,29 @@ def _salvage_req(frames: list[bytes]) -> int:
 
 async def serve(config: ServerConfig, ready: Any = None, metrics_ready: Any = None) -> None:
     """Run a server until SIGINT/SIGTERM (or idle exit). ``ready(address)`` is called once bound;
-    ``metrics_ready(port)`` once the metrics endpoint listens (if it is configured)."""
+    ``metrics_ready(port)`` once the metrics endpoint listens (if it is configured).
+
+    With ``$TENSORHUB_SERVER_PROFILE`` set to a file name, the server runs under cProfile and
+    writes its profile there when it stops (``python -m pstats FILE``): how
+    ``benchmarks/server_load.py --profile`` looks inside the real process. The profile counts the
+    event loop thread's CPU time, not wall time: on a busy machine a wall-time profile charges
+    whatever call the thread was descheduled in (a socket send that woke ZeroMQ's I/O thread)."""
+    profile_to = os.environ.get("TENSORHUB_SERVER_PROFILE")
+    if profile_to:
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time)
+        profiler.enable()
+        try:
+            await _serve(config, ready, metrics_ready)
+        finally:
+            profiler.disable()
+            profiler.dump_stats(profile_to)
+        return
+    await _serve(config, ready, metrics_ready)
+
+
+async def _serve(config: ServerConfig, ready: Any, metrics_ready: Any) -> None:
     server = ServerActor(config)
     try:
         await server.start()

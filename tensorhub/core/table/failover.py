@@ -60,6 +60,8 @@ class FailoverMixin:
             try:
                 if held.checksums is not None:
                     self._check_checksums(s, held.version, held.checksums)
+                if s.model.delta_of is not None and held.base is not None:
+                    self._check_delta_publish(s, held.version, held.base)
             except TensorHubError:
                 dropped.append(held.version)
                 continue
@@ -70,6 +72,8 @@ class FailoverMixin:
                 s.offloads[h.id] = h
             if held.checksums is not None:
                 self._set_checksums(h, held.checksums)
+            if held.kind == m.KIND_NORMAL:  # a delta's base and blob layout, as its publish recorded them
+                self._record_delta(s, held.version, held.base, None)
             self._published(s.model, held.version)
         if msg.partial is not None:
             h = s.holder = self._new_holder(s, msg.partial.version, m.KIND_NORMAL, Event.GRANT)

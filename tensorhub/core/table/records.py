@@ -161,7 +161,7 @@ class _Holder:
 class _Session:
     __slots__ = (
         "id", "peer", "model", "replica", "shard_idx", "incarnation", "location", "spot", "retain",
-        "last_seen", "layout", "endpoint", "grant_key", "holder", "offloads", "announced", "answered",
+        "last_seen", "opened", "layout", "endpoint", "grant_key", "holder", "offloads", "announced", "answered",
     )  # fmt: skip
 
     def __init__(self, sid: int, peer: Hashable, model: "_Model", replica: "_Replica", msg: m.OpenShard, now: float):
@@ -175,6 +175,7 @@ class _Session:
         self.spot = msg.spot
         self.retain = msg.retain
         self.last_seen = now
+        self.opened = now  # when it opened (a fencing keeps the replica's shards opened after the fenced one went silent)
         self.layout: Layout | None = None
         self.endpoint: Any = None
         self.grant_key: bytes | None = None  # signs the tokens of grants from this session (never sent out)

@@ -97,7 +97,7 @@ class SessionMixin:
                 shard=msg.shard_idx,
             )
         if old is not None:
-            self._remove_replica(old.replica, Fenced, f"shard {msg.shard_idx} opened as a new incarnation")
+            self._fence(old, f"shard {msg.shard_idx} opened as a new incarnation")
             replica = None
             model = self.models.get(msg.model)  # it may have been dropped with the old replica
         if model is None:
@@ -245,6 +245,44 @@ class SessionMixin:
         for s in list(replica.shards.values()):
             self._send(s, m.Removed(s.id, error.code, err.message))
             self._end_session(s, fenced_code=error.code)
+
+    def _fence(self, old: _Session, reason: str) -> None:
+        """A new incarnation of ``old``'s shard opened: remove the old incarnation of the replica.
+
+        Incarnations are per shard, so the table tells the old incarnation's shards from the
+        new one's by time: the shards that opened after ``old`` was last heard from (its process
+        had died by then) are the restarted replica's own, opened before this one; they stay.
+        Every other shard of the replica, ``old`` included, goes with its holdings and calls, as
+        in any removal of a replica; when none stays, that is the whole replica."""
+        replica = old.replica
+        heard = old.last_seen
+        stale = [s for s in replica.shards.values() if s.opened <= heard]
+        if len(stale) == len(replica.shards):
+            self._remove_replica(replica, Fenced, reason)
+            return
+        err = Fenced(f"replica removed: {reason}", model=replica.model.name, replica=replica.name)
+        gone = {s.id for s in stale}
+        for txn in list(replica.txns.values()):
+            mine = {idx: call for idx, call in txn.shards.items() if call.session.id in gone}
+            if not mine:
+                continue
+            if len(mine) == len(txn.shards) or txn.decided:  # the old incarnation's call (or one it decided)
+                txn.error = txn.error or err
+                for call in txn.shards.values():
+                    if not call.done and call.session.id in self.sessions:
+                        self._reply_error(call, err)
+                        call.done = True
+                self._drop_txn(txn)
+            else:  # undecided, joined by the new incarnation: it goes on without the old shards
+                for idx, call in mine.items():
+                    del txn.shards[idx]
+                    txn.consumed.pop(idx, None)
+        live_txns = set(map(id, replica.txns.values()))
+        replica.model.waits = [w for w in replica.model.waits
+                               if w[0].replica is not replica or (id(w[0]) in live_txns and w[1].session.id not in gone)]
+        for s in stale:
+            self._send(s, m.Removed(s.id, Fenced.code, err.message))
+            self._end_session(s, fenced_code=Fenced.code)
 
     def _on_heartbeat(self, peer: Hashable, msg: m.Heartbeat) -> None:
         now = self.clock()

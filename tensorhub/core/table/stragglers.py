@@ -174,6 +174,20 @@ class StragglerMixin:
         if not judged:
             return
         slow: dict[int, str] = {}
+        # The two fastest judged sources per (model, link class), so that each grant's reference
+        # (the fastest *other* source of its kind) costs a lookup, not a scan of every grant.
+        best: dict[tuple[str, str], list[tuple[float, int]]] = {}
+        for other in self.grants.values():
+            src = other.source
+            if src.id not in aggregate:
+                continue
+            k = (other.reader.session.model.name, link_class(other.reader.session.location, src.session.location))
+            top = best.setdefault(k, [])
+            entry = (aggregate[src.id], src.id)
+            if entry not in top:
+                top.append(entry)
+                top.sort(reverse=True)
+                del top[2:]
         for gid, (rate, caught_up) in judged.items():
             if caught_up:
                 continue
@@ -183,12 +197,10 @@ class StragglerMixin:
                 continue
             key = (g.reader.session.model.name, link_class(g.reader.session.location, g.source.session.location))
             ref = max(self.pace_recent.get(key, ()), default=0.0)
-            for other in self.grants.values():  # the other sources serving this model over this link class
-                s = other.source
-                if s is not g.source and s.id in aggregate and other.reader.session.model is g.reader.session.model and (
-                    link_class(other.reader.session.location, s.session.location) == key[1]
-                ):
-                    ref = max(ref, aggregate[s.id])
+            for agg_other, sid in best.get(key, ()):  # the other sources serving this model over this link class
+                if sid != g.source.id:
+                    ref = max(ref, agg_other)
+                    break
             agg = aggregate.get(g.source.id, 0.0)
             if ref > 0 and agg < cfg.straggler_ratio * ref:
                 slow[gid] = f"slow source: {agg / 1e6:.1f} MB/s against {ref / 1e6:.1f} MB/s"

@@ -1,0 +1,785 @@
+"""The real reference server process under thousands of sessions: heartbeats, bursts and churn.
+
+A load generator that speaks the real wire protocol (the client's own message classes and
+:mod:`tensorhub.core.wire` encoding) to a real ``tensorhub server`` process on 127.0.0.1, and
+optionally a primary with its backup. It emulates every worker of an RL job as the server sees
+it, without tensors: each shard of each replica is one session on its own ZeroMQ connection
+(as one GPU worker process has), opening, registering a layout (a 1 GiB shard of 16 tensors,
+256 checksums) and a grant key, heartbeating at the server's interval (1 s by default, echoing
+the stamps as real clients do, so that with a backup they are votes), and, for several
+versions in a row, the paper's burst:
+
+1. the trainer replica unpublishes the version before (retention ``latest``) and publishes the
+   next one; its checksums follow in a ``DeclareChecksums``, as the handle sends them;
+2. every rollout replica calls ``update("latest")`` at once (one ``Update`` per shard, the
+   model-parallel call numbered per replica);
+3. each granted shard "pulls" for ``--pull`` seconds: no bytes move (the data plane is not what
+   is measured here), but it sends ``Progress`` every 0.5 s as real readers do while a pull
+   grows, then ``Complete``; a revoked grant waits for its next grant; the server answers the
+   replica's ``Updated`` once every shard holds the version;
+4. churn: ``--churn`` of the rollout replicas crash during each burst (their connections close,
+   nothing is said) and come back as new incarnations after 1 to 12 s (a quick one fences its
+   old incarnation; a slow one finds it expired), then take part in the next burst.
+
+It prints, per session count: the server's CPU (cores, from ``/proc`` of its pid, over the
+measured window), its resident memory (peak), heartbeat round-trip p50/p99 (send to ack, as
+the generator saw it, so the generator's own latency is in it), the time from the publish to
+the last grant and to the last completion of each burst (worst burst), the last grant after
+the last request, and false removals (a session that did not crash told it was removed, or
+unknown in a heartbeat ack; each session counted once). With ``--backup`` (the default runs both), the same with a backup
+server attached (the primary holds its lease; heartbeats are votes), and the backup's CPU and
+memory. The generator's own CPU is printed beside: on a small shared machine it competes with
+the server for the same cores.
+
+Usage: python benchmarks/server_load.py [--sessions 1024,4096,8192] [--quick] [--backup both|no|only]
+       [--versions N] [--procs P] [--pull S] [--churn F] [--profile DIR] [--json FILE]
+
+``--profile DIR`` runs the server under cProfile (``TENSORHUB_SERVER_PROFILE``) and writes one
+profile per run there. Goals at 4,096 sessions: 0 false removals, heartbeat p99 <= 100 ms, <= 1
+server core on average, the burst's last grant within 1 s of its last request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zmq  # noqa: E402
+
+from benchmarks.server_process import BenchmarkError, Child, start_server, stop_process  # noqa: E402
+from tensorhub.core import messages as m  # noqa: E402
+from tensorhub.core.layout import Layout, TensorSpec  # noqa: E402
+from tensorhub.core.topology import Location  # noqa: E402
+from tensorhub.core.wire import decode, encode  # noqa: E402
+
+MODEL = "actor"
+SHARDS = 8  #: shards per replica (one per GPU of an 8-GPU node)
+PROGRESS_EVERY = 0.5  #: a real reader reports progress at least this often while its pull grows
+GOALS = {"hb_p99_ms": 100.0, "cores": 1.0, "grant_after_request_s": 1.0}
+DEAD_SOURCE_S = 0.2  #: how long a reader takes to find its source's holder gone (a refused connection)
+BEAT_SLOTS = 100  #: heartbeats go out in this many slots per interval (each session in its own, at random)
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def layout() -> Layout:
+    """A 1 GiB shard: 16 bfloat16 tensors of 64 MiB (256 checksums of 4 MiB chunks)."""
+    return Layout(tuple(TensorSpec(f"layer{i}.weight", "bfloat16", (8192, 4096), 64 << 20) for i in range(16)),
+                  "xxh3-64", 4 << 20, 2 << 20)  # fmt: skip
+
+
+# ---- /proc ------------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (and its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def cpu_wait_seconds(pid: int) -> float:
+    """Seconds the process's main thread (the server's event loop) was runnable but waiting for
+    a CPU (``/proc/PID/schedstat``): on a busy machine, latency that no code change can remove."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def memory_mib(pid: int) -> tuple[float, float]:
+    """(resident, peak resident) MiB of a process."""
+    rss = hwm = 0.0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) / 1024
+    return rss, hwm
+
+
+# ---- the generator (one process holds many sessions) -------------------------------------------
+
+
+@dataclass
+class _Pull:
+    grant: int
+    term: int
+    start: float
+    handles: list[asyncio.TimerHandle] = field(default_factory=list)
+
+
+class Shard:
+    """One emulated worker: a session on its own DEALER connection. The generator reads each
+    socket from the event loop's watch of its descriptor (no pyzmq asyncio layer: thousands of
+    sessions in one process must cost the machine as little as possible)."""
+
+    def __init__(self, gen: "Generator", replica: str, idx: int, retain: int | None) -> None:
+        self.gen = gen
+        self.replica = replica
+        self.idx = idx
+        self.retain = retain
+        self.incarnation = os.urandom(8).hex()
+        self.sock: zmq.Socket | None = None
+        self.fd: int | None = None
+        self.slot = random.randrange(BEAT_SLOTS)
+        self.sid = 0
+        self.term = 0
+        self.stamp = (0, 0.0)
+        self.req = itertools.count(1)
+        self.call = itertools.count(1)
+        self.pending: dict[int, tuple[str, float, asyncio.Future | None]] = {}
+        self.pulls: dict[int, _Pull] = {}
+        self.alive = False
+        self.reigning = True
+        self.acked = False  # a heartbeat of this session was answered
+        self.asked = 0.0  # when this shard's update of the current burst went out (0: granted since)
+
+    # -- plumbing
+
+    def send(self, build: Any, kind: str, want: bool = True) -> asyncio.Future | None:
+        req = next(self.req)
+        msg = build(req)
+        fut = asyncio.get_running_loop().create_future() if want else None
+        self.pending[req] = (kind, time.monotonic(), fut)
+        self.tell(msg)
+        return fut
+
+    def tell(self, msg: Any) -> None:
+        sock = self.sock
+        assert sock is not None
+        sock.send(encode(msg), _NOBLOCK)
+        if sock.getsockopt(_EVENTS) & _POLLIN:  # the send may have taken the descriptor's signal
+            asyncio.get_running_loop().call_soon(self._readable)
+
+    async def start(self, address: str) -> None:
+        sock = self.gen.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, os.urandom(12))
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.connect(address)
+        self.sock = sock
+        self.alive = True
+        self.req = itertools.count(1)
+        self.call = itertools.count(1)
+        self.fd = sock.getsockopt(zmq.FD)
+        asyncio.get_running_loop().add_reader(self.fd, self._readable)
+        inc = self.incarnation
+        opened = await asyncio.wait_for(self.send(lambda r: m.OpenShard(
+            r, MODEL, self.replica, SHARDS, self.idx, inc, self.gen.location(self.replica), False, self.retain), "open"), 300)
+        self.sid, self.term = opened.session, opened.term
+        self.stamp = (opened.term, 0.0)
+        self.gen.interval = opened.heartbeat_interval
+        await asyncio.wait_for(self.send(lambda r: m.Register(
+            r, self.sid, self.gen.layout, {"tcp": {"host": "127.0.0.1", "port": 1}}, os.urandom(32)), "register"), 300)
+        self.gen.slots[self.slot].append(self)
+
+    def crash(self) -> None:
+        """Die without a word: the connection closes, the heartbeats stop."""
+        self.alive = False
+        if self in self.gen.slots[self.slot]:
+            self.gen.slots[self.slot].remove(self)
+        if self.fd is not None:
+            asyncio.get_running_loop().remove_reader(self.fd)
+            self.fd = None
+        for p in self.pulls.values():
+            for h in p.handles:
+                h.cancel()
+        self.pulls.clear()
+        for _, _, fut in self.pending.values():
+            if fut is not None and not fut.done():
+                fut.cancel()
+        self.pending.clear()
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+        self.incarnation = os.urandom(8).hex()  # the restarted process is a new incarnation
+
+    # -- heartbeats
+
+    def beat(self) -> None:
+        term, stamp = self.stamp
+        self.send(lambda r: m.Heartbeat(r, (self.sid,), stamp, term), "heartbeat", want=False)
+
+    # -- replies and pushed messages
+
+    def _readable(self) -> None:
+        sock = self.sock
+        while self.alive and sock is not None:
+            try:
+                frame = sock.recv(_NOBLOCK)
+            except zmq.Again:
+                return
+            now = time.monotonic()
+            try:
+                msg = decode(frame)
+            except Exception as err:  # noqa: BLE001 - count it, go on
+                self.gen.count(f"undecodable: {err}")
+                continue
+            self.on(msg, now)
+
+    def on(self, msg: Any, now: float) -> None:
+        gen = self.gen
+        t = type(msg)
+        req = getattr(msg, "req", None)
+        if req is not None and t is not m.Grant:
+            kind, sent, fut = self.pending.pop(req, ("?", now, None))
+            if t is m.HeartbeatAck:
+                if gen.measuring:
+                    gen.rtt.append((now - sent) * 1000)
+                self.stamp = (msg.term, msg.stamp)
+                self.reigning = msg.reigning
+                self.acked = True
+                if self.sid in msg.unknown:
+                    gen.false_removal(self, "unknown in a heartbeat ack")
+                return
+            if t is m.Failed:
+                gen.count(f"{kind} failed: {msg.code}")
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return
+        if t is m.Grant:
+            self._pulled(msg, now)
+        elif t is m.Revoke:
+            p = self.pulls.pop(msg.grant, None)
+            if p is not None:
+                for h in p.handles:
+                    h.cancel()
+            gen.count("revoked")
+        elif t is m.OffloadRequest:  # the last copy of a retained version: "copy it to CPU first"
+            self.send(lambda r: m.PublishOffload(r, self.sid, msg.version, True), "offloaded", want=False)
+        elif t in (m.Removed, m.StepDown):
+            gen.false_removal(self, f"{t.__name__}: {getattr(msg, 'reason', '')[:80]}")
+        elif t in (m.ChecksumsReady, m.FreeOffload):
+            pass
+        else:
+            gen.count(f"unexpected {t.__name__}")
+
+    def _pulled(self, g: m.Grant, now: float) -> None:
+        """A grant: emulate the pull (no bytes): progress every 0.5 s, then complete."""
+        gen = self.gen
+        gen.burst.grants += 1
+        gen.burst.last_grant = max(gen.burst.last_grant, now)
+        if self.asked:
+            gen.burst.waits.append(now - self.asked)
+            gen.burst.last_first_grant = max(gen.burst.last_first_grant, now)
+            self.asked = 0.0
+        loop = asyncio.get_running_loop()
+        p = self.pulls[g.grant] = _Pull(g.grant, g.term, now)
+        if g.source.replica in gen.dead:  # its holder is gone: the connection is refused
+            p.handles.append(loop.call_later(DEAD_SOURCE_S, self._source_failed, g.grant, g.term))
+            return
+        total = gen.layout.total_bytes
+        steps = max(1, int(gen.pull_s / PROGRESS_EVERY))
+        for k in range(1, steps):
+            verified = total * k // steps
+            p.handles.append(loop.call_later(k * gen.pull_s / steps, self._progress, g.grant, g.term, verified))
+        p.handles.append(loop.call_later(gen.pull_s, self._complete, g.grant, g.term))
+
+    def _progress(self, grant: int, term: int, verified: int) -> None:
+        if self.alive and grant in self.pulls:
+            self.tell(m.Progress(next(self.req), self.sid, grant, term, verified))
+
+    def _source_failed(self, grant: int, term: int) -> None:
+        if not self.alive or self.pulls.pop(grant, None) is None:
+            return
+        self.gen.count("source failed (crashed holder)")
+        reason = "connection refused (emulated: the holder crashed)"
+        self.send(lambda r: m.SourceFailed(r, self.sid, grant, term, 0, reason), "source_failed", want=False)
+
+    def _complete(self, grant: int, term: int) -> None:
+        if not self.alive or self.pulls.pop(grant, None) is None:
+            return
+        self.gen.burst.last_complete = max(self.gen.burst.last_complete, time.monotonic())
+        self.send(lambda r: m.Complete(r, self.sid, grant, term), "complete", want=False)
+
+
+@dataclass
+class BurstStats:
+    requests: int = 0
+    last_request: float = 0.0
+    grants: int = 0
+    last_grant: float = 0.0
+    last_first_grant: float = 0.0  # the last shard's first grant (later ones replace a failed or revoked source)
+    last_complete: float = 0.0
+    answered: int = 0
+    last_answer: float = 0.0
+    failed: int = 0
+    timed_out: int = 0
+    waits: list[float] = field(default_factory=list)  # each shard's update -> its first grant
+
+
+class Generator:
+    """The sessions of one load process, driven by the parent over a pipe."""
+
+    def __init__(self, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
+        self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)
+        self.ctx.set(zmq.MAX_SOCKETS, 65536)
+        self.address = address
+        self.layout = layout()
+        self.checksums = tuple(range(1, self.layout.checksum_count() + 1))
+        self.pull_s = pull_s
+        self.rng = random.Random(seed)
+        self.shards: dict[str, list[Shard]] = {
+            r: [Shard(self, r, i, 0 if r == "trainer" else None) for i in range(SHARDS)] for r in replicas
+        }
+        self.measuring = False
+        self.rtt = array("d")
+        self.counts: dict[str, int] = {}
+        self.false: list[str] = []  # the first few, for the report
+        self.false_count = 0
+        self.falsely_removed: set[tuple[str, int, str]] = set()
+        self.crashed: set[str] = set()
+        self.burst = BurstStats()
+        self.trainer_call = itertools.count(1)
+        self.published: int | None = None
+        self.dead: set[str] = set()
+        self.slots: list[list[Shard]] = [[] for _ in range(BEAT_SLOTS)]
+        self.interval = 1.0
+
+    async def heartbeats(self) -> None:
+        """Every session heartbeats once per interval, in its own slot of it."""
+        k = 0
+        t0 = time.monotonic()
+        while True:
+            for s in list(self.slots[k % BEAT_SLOTS]):
+                if s.alive and s.sid:
+                    try:
+                        s.beat()
+                    except zmq.ZMQError:
+                        self.count("heartbeat not sent")
+            k += 1
+            await asyncio.sleep(max(0.0, t0 + k * self.interval / BEAT_SLOTS - time.monotonic()))
+
+    def location(self, replica: str) -> Location:
+        n = int(replica.rsplit("-", 1)[1]) if "-" in replica else 0
+        return Location("dc0", f"host-{n}", "")
+
+    def count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def false_removal(self, shard: Shard, why: str) -> None:
+        key = (shard.replica, shard.idx, shard.incarnation)
+        if shard.alive and shard.replica not in self.crashed and key not in self.falsely_removed:
+            self.falsely_removed.add(key)  # once per session, however many messages say so
+            self.false_count += 1
+            if len(self.false) < 20:
+                self.false.append(f"{shard.replica}/{shard.idx}: {why}")
+
+    async def open_all(self, concurrency: int = 64) -> None:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(s: Shard) -> None:
+            async with sem:
+                await s.start(self.address)
+
+        await asyncio.gather(*(one(s) for shards in self.shards.values() for s in shards))
+
+    async def reigning(self) -> bool:
+        return all(s.reigning and s.acked for shards in self.shards.values() for s in shards if s.alive)
+
+    async def publish(self, version: int) -> float:
+        """The trainer: unpublish the last version, publish this one, declare its checksums."""
+        shards = self.shards["trainer"]
+        if self.published is not None:
+            n = next(self.trainer_call)
+            answers = await asyncio.gather(*(asyncio.wait_for(s.send(lambda r, s=s: m.Unpublish(r, s.sid, n), "unpublish"), 60)
+                                             for s in shards))  # fmt: skip
+            self._check(answers, "unpublish")
+        n = next(self.trainer_call)
+        answers = await asyncio.gather(*(asyncio.wait_for(s.send(lambda r, s=s: m.Publish(r, s.sid, n, version, None), "publish"), 60)
+                                         for s in shards))  # fmt: skip
+        self._check(answers, "publish")
+        at = time.monotonic()
+        for s in shards:
+            s.send(lambda r, s=s: m.DeclareChecksums(r, s.sid, version, self.checksums), "checksums", want=False)
+        self.published = version
+        return at
+
+    def _check(self, answers: list[Any], what: str) -> None:
+        bad = [a for a in answers if isinstance(a, m.Failed)]
+        if bad:
+            raise BenchmarkError(f"trainer {what} refused: {bad[0].code}: {bad[0].message}")
+
+    async def update(self, version: int, dead: list[str], timeout: float) -> dict:
+        """Every live rollout replica updates to "latest" at once. A pull granted from a replica
+        in ``dead`` (crashed, and not yet expired or fenced by the server) fails as a real one
+        would: the connection is refused, and the reader reports ``SourceFailed``."""
+        self.burst = b = BurstStats()
+        self.dead = set(dead)
+        calls: list[tuple[Shard, asyncio.Future]] = []
+        for name, shards in self.shards.items():
+            if name == "trainer" or not all(s.alive for s in shards):
+                continue
+            for s in shards:
+                n = next(s.call)
+                fut = s.send(lambda r, s=s, n=n: m.Update(r, s.sid, n, "latest", timeout), "update")
+                s.asked = time.monotonic()
+                assert fut is not None
+                calls.append((s, fut))
+                b.requests += 1
+        b.last_request = time.monotonic()
+        deadline = time.monotonic() + timeout + 5
+        for s, fut in calls:
+            try:
+                ans = await asyncio.wait_for(asyncio.shield(fut), max(0.01, deadline - time.monotonic()))
+            except asyncio.CancelledError:
+                continue  # it crashed
+            except TimeoutError:
+                if s.alive:
+                    b.timed_out += 1
+                continue
+            if isinstance(ans, m.Updated) and ans.moved and ans.version == version:
+                b.answered += 1
+                b.last_answer = max(b.last_answer, time.monotonic())
+            elif s.alive:
+                b.failed += 1
+        return dict(b.__dict__)
+
+    def crash(self, names: list[str]) -> None:
+        for name in names:
+            self.crashed.add(name)
+            for s in self.shards[name]:
+                s.crash()
+
+    async def rejoin(self, names: list[str]) -> None:
+        """Crashed replicas come back as new incarnations (the first shard to open fences the
+        old incarnation, unless the server expired it already)."""
+        await asyncio.gather(*(s.start(self.address) for name in names for s in self.shards[name]))
+        for name in names:
+            self.crashed.discard(name)
+            self.count("rejoined")
+
+    async def close(self) -> None:
+        self.slots = [[] for _ in range(BEAT_SLOTS)]  # no more heartbeats
+        await asyncio.sleep(0.3)
+        for shards in self.shards.values():
+            for s in shards:
+                if s.alive:
+                    try:
+                        s.tell(m.CloseShard(next(s.req), s.sid))
+                    except zmq.ZMQError:
+                        pass
+        await asyncio.sleep(0.5)
+        for shards in self.shards.values():
+            for s in shards:
+                s.crash()
+        self.ctx.term()
+
+
+def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(_generator(conn, address, replicas, pull_s, seed))
+    except BaseException:  # noqa: BLE001 - the parent wants to know
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+
+
+async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
+    gen = Generator(address, replicas, pull_s, seed)
+    loop = asyncio.get_running_loop()
+    beats = asyncio.ensure_future(gen.heartbeats())
+    inbox: asyncio.Queue = asyncio.Queue()
+    loop.add_reader(conn.fileno(), lambda: inbox.put_nowait(conn.recv()))
+    # the event loop made the pipe non-blocking: a large answer (the heartbeat samples of
+    # thousands of sessions) would then be cut short by a full pipe buffer
+    os.set_blocking(conn.fileno(), True)
+    while True:
+        cmd, *args = await inbox.get()
+        if cmd == "quit":
+            beats.cancel()
+            break
+        if cmd == "open":
+            await gen.open_all()
+            conn.send(("opened",))
+        elif cmd == "reigning":
+            conn.send(("reigning", await gen.reigning()))
+        elif cmd == "measure":
+            gen.measuring = bool(args[0])
+            if gen.measuring:
+                gen.rtt = array("d")
+            conn.send(("measure",))
+        elif cmd == "publish":
+            try:
+                conn.send(("published", await gen.publish(args[0]), None))
+            except BenchmarkError as err:  # e.g. the primary stepped down: the run ends there, reported
+                conn.send(("published", None, str(err)))
+            except TimeoutError:
+                conn.send(("published", None, "the trainer's unpublish or publish was not answered in 60 s"))
+        elif cmd == "update":
+            conn.send(("updated", await gen.update(*args)))
+        elif cmd == "crash":
+            gen.crash(args[0])
+            conn.send(("crashed",))
+        elif cmd == "rejoin":
+            await gen.rejoin(args[0])
+            conn.send(("rejoined",))
+        elif cmd == "stats":
+            conn.send(("stats", gen.rtt.tobytes(), gen.false, gen.false_count, gen.counts))
+        elif cmd == "close":
+            await gen.close()
+            conn.send(("closed",))
+    loop.remove_reader(conn.fileno())
+
+
+# ---- the parent -------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str) -> dict:
+    """One server (and backup), ``sessions`` sessions; returns the figures."""
+    replicas = ["trainer"] + [f"rollout-{i}" for i in range(1, sessions // SHARDS)]
+    rollouts = replicas[1:]
+    env_profile = None
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        env_profile = str(args.profile / f"{run_id}.prof")
+    servers: list[Any] = []
+    children: list[Child] = []
+    rng = random.Random(args.seed * 1_000_003 + sessions)
+    try:
+        extra = ["--seed", str(args.seed)]
+        env = {"TENSORHUB_SERVER_PROFILE": env_profile} if env_profile else None
+        if backup:
+            bproc, baddr = start_server(30, "--role", "backup", *extra, echo_all=False)
+            servers.append(bproc)
+            proc, address = start_server(30, "--role", "primary", "--peer", baddr, *extra, echo_all=False, env=env)
+        else:
+            proc, address = start_server(30, *extra, echo_all=False, env=env)
+        servers.insert(0, proc)
+        procs = max(1, min(args.procs, len(replicas)))
+        parts = [replicas[i::procs] for i in range(procs)]
+        for i, part in enumerate(parts):
+            children.append(Child(f"load-{i}", _generator_main, (address, part, args.pull, args.seed + i), timeout=120))
+        trainer = next(c for c, part in zip(children, parts) if "trainer" in part)
+        t0 = time.monotonic()
+        for c in children:
+            c.send("open")
+        for c in children:
+            c.expect("opened", 300)
+        open_s = time.monotonic() - t0
+        deadline = time.monotonic() + 30
+        while True:  # heartbeats acked (with a backup: the primary reigns and stamps them)
+            time.sleep(0.25)
+            for c in children:
+                c.send("reigning")
+            if all([c.expect("reigning")[1] for c in children]):
+                break
+            if time.monotonic() > deadline:
+                raise BenchmarkError("the server did not answer every session's heartbeat (or, with a backup, reign) within 30 s")
+        time.sleep(args.warmup)
+        for c in children:
+            c.send("measure", True)
+        for c in children:
+            c.expect("measure")
+        gen_cpu0 = sum(cpu_seconds(c.proc.pid) for c in children)
+        cpu0 = [cpu_seconds(p.pid) for p in servers]
+        wait0 = cpu_wait_seconds(servers[0].pid)
+        load0 = os.getloadavg()[0]
+        w0 = time.monotonic()
+        bursts = []
+        aborted = None
+        children_of = {r: c for c, part in zip(children, parts) for r in part}
+        down: dict[str, int] = {}  # crashed replica -> the burst after which it comes back
+        ever: set[str] = set()
+        k = int(round(args.churn * len(rollouts)))
+
+        def tell_each(cmd: str, names: list[str]) -> None:
+            for c in children:
+                mine = [r for r in names if children_of[r] is c]
+                if mine:
+                    c.send(cmd, mine)
+                    c.expect(cmd.replace("crash", "crashed").replace("rejoin", "rejoined"), 120)
+
+        for v in range(1, args.versions + 1):
+            trainer.send("publish", v)
+            _, published, refused = trainer.expect("published", 120)
+            if published is None:
+                aborted = f"burst {v}: {refused}"
+                break
+            for c in children:
+                c.send("update", v, sorted(down), args.timeout)
+            per = [c.expect("updated", args.timeout + 60)[1] for c in children]
+            b = {key: sum(p[key] for p in per) for key in ("requests", "grants", "answered", "failed", "timed_out")}
+            b["last_request_s"] = max(p["last_request"] for p in per) - published
+            b["last_grant_s"] = max(p["last_grant"] for p in per) - published if b["grants"] else float("nan")
+            b["last_complete_s"] = max(p["last_complete"] for p in per) - published if b["grants"] else float("nan")
+            b["last_first_grant_s"] = max(p["last_first_grant"] for p in per) - published if b["grants"] else float("nan")
+            b["grant_after_request_s"] = b["last_first_grant_s"] - b["last_request_s"]
+            # churn between bursts: some rollouts crash (no word to the server) and come back as
+            # new incarnations one burst later (the new one fences the old) or three (expired by then)
+            back = sorted(r for r, at in down.items() if at <= v)
+            tell_each("rejoin", back)
+            for r in back:
+                del down[r]
+            crash = [r for r in rng.sample(rollouts, k) if r not in ever] if v < args.versions else []
+            tell_each("crash", crash)
+            for r in crash:
+                ever.add(r)
+                down[r] = v + rng.choice((1, 3))
+            b["crashed"], b["rejoined"] = len(crash), len(back)
+            waits = [w for p in per for w in p["waits"]]
+            b["wait_p50_s"], b["wait_p99_s"] = pct(waits, 0.5), pct(waits, 0.99)
+            bursts.append(b)
+            time.sleep(args.gap)
+        window = time.monotonic() - w0
+        cpu1 = [cpu_seconds(p.pid) for p in servers]
+        waited = cpu_wait_seconds(servers[0].pid) - wait0
+        load = (load0 + os.getloadavg()[0]) / 2
+        gen_cpu = sum(cpu_seconds(c.proc.pid) for c in children) - gen_cpu0
+        mem = [memory_mib(p.pid) for p in servers]
+        rtt: list[float] = []
+        false: list[str] = []
+        false_count = 0
+        counts: dict[str, int] = {}
+        for c in children:
+            c.send("stats")
+            try:
+                _, raw, f, nf, cnt = c.expect("stats")
+            except OSError as err:
+                c.proc.join(5)
+                raise BenchmarkError(f"generator {c.name} died (exit code {c.proc.exitcode}): {err}") from err
+            a = array("d")
+            a.frombytes(raw)
+            rtt.extend(a)
+            false.extend(f)
+            false_count += nf
+            for key, n in cnt.items():
+                counts[key] = counts.get(key, 0) + n
+        for c in children:
+            c.send("close")
+        for c in children:
+            try:
+                c.expect("closed", 30)
+            except BenchmarkError:
+                pass
+        return {
+            "sessions": len(replicas) * SHARDS, "backup": backup, "open_s": round(open_s, 2), "window_s": round(window, 2),
+            "server_cores": (cpu1[0] - cpu0[0]) / window, "server_rss_mib": mem[0][0], "server_peak_mib": mem[0][1],
+            "backup_cores": (cpu1[1] - cpu0[1]) / window if backup else None,
+            "backup_rss_mib": mem[1][0] if backup else None,
+            "generator_cores": gen_cpu / window, "server_cpu_wait": waited / window, "loadavg": load, "generator_procs": len(children),
+            "hb_count": len(rtt), "hb_p50_ms": pct(rtt, 0.5), "hb_p99_ms": pct(rtt, 0.99), "hb_max_ms": max(rtt, default=float("nan")),
+            "bursts": bursts, "aborted": aborted, "false_removals": false_count, "false_examples": false[:5], "counts": counts,
+        }  # fmt: skip
+    finally:
+        for c in children:
+            c.stop()
+        for p in servers:
+            stop_process(p)
+
+
+def verdict(r: dict) -> dict[str, bool]:
+    worst = max((b["grant_after_request_s"] for b in r["bursts"]), default=float("inf"))
+    return {
+        "0 false removals": r["false_removals"] == 0,
+        f"heartbeat p99 <= {GOALS['hb_p99_ms']:g} ms": r["hb_p99_ms"] <= GOALS["hb_p99_ms"],
+        f"<= {GOALS['cores']:g} server core": r["server_cores"] <= GOALS["cores"],
+        f"last (first) grant <= {GOALS['grant_after_request_s']:g} s after last request": worst <= GOALS["grant_after_request_s"],
+        "every update answered": r["aborted"] is None and all(b["failed"] == 0 and b["timed_out"] == 0 for b in r["bursts"]),
+    }
+
+
+def report(r: dict) -> None:
+    bursts = r["bursts"]
+    if r["aborted"]:
+        print(f"\n{r['sessions']:,} sessions, {'primary + backup' if r['backup'] else 'one server'}: the run ended early at "
+              f"{r['aborted']}")  # fmt: skip
+    if not bursts:
+        print(f"  false removals {r['false_removals']}; server {r['server_cores']:.2f} cores; no burst completed")
+        return
+    worst = max(bursts, key=lambda b: b["last_complete_s"])
+    setup = "primary + backup" if r["backup"] else "one server"
+    print(f"\n{r['sessions']:,} sessions ({r['sessions'] // SHARDS} replicas of {SHARDS} shards), {setup}; "
+          f"{len(bursts)} bursts over {r['window_s']:.0f} s; opened in {r['open_s']:.1f} s")  # fmt: skip
+    line = f"  server   {r['server_cores']:.2f} cores, RSS {r['server_rss_mib']:.0f} MiB (peak {r['server_peak_mib']:.0f})"
+    if r["backup"]:
+        line += f"; backup {r['backup_cores']:.2f} cores, RSS {r['backup_rss_mib']:.0f} MiB"
+    print(line)
+    print(f"  server's event loop runnable but waiting for a CPU {r['server_cpu_wait']:.0%} of the time "
+          f"(machine load average {r['loadavg']:.1f} on {os.cpu_count()} CPUs)")
+    print(f"  generator {r['generator_cores']:.2f} cores in {r['generator_procs']} processes (on the same machine)")
+    print(f"  heartbeat RTT p50 {r['hb_p50_ms']:.1f} ms, p99 {r['hb_p99_ms']:.1f} ms, max {r['hb_max_ms']:.0f} ms ({r['hb_count']:,} acks)")
+    print(f"  burst (worst of {len(bursts)}): {worst['requests']:,} requests, {worst['grants']:,} grants; from the publish: "
+          f"last request {worst['last_request_s']:.2f} s, last first grant {worst['last_first_grant_s']:.2f} s, "
+          f"last grant {worst['last_grant_s']:.2f} s, "
+          f"last completion {worst['last_complete_s']:.2f} s (pull {worst['last_complete_s'] - worst['last_grant_s']:.1f} s emulated)")  # fmt: skip
+    print(f"  each shard's update -> its grant: p50 {worst['wait_p50_s'] * 1000:.0f} ms, p99 {worst['wait_p99_s'] * 1000:.0f} ms")
+    print(f"  each shard's first grant, the last of them, after the last request: worst {max(b['grant_after_request_s'] for b in bursts):.3f} s; "
+          f"updates answered {sum(b['answered'] for b in bursts):,}, failed {sum(b['failed'] for b in bursts)}, "
+          f"timed out {sum(b['timed_out'] for b in bursts)}; crashed {sum(b['crashed'] for b in bursts)} replicas, {sum(b['rejoined'] for b in bursts)} came back")  # fmt: skip
+    print(f"  false removals {r['false_removals']}" + (f" (e.g. {r['false_examples'][0]})" if r["false_examples"] else ""))
+    if r["counts"]:
+        print("  events: " + ", ".join(f"{k} {v}" for k, v in sorted(r["counts"].items())))
+    v = verdict(r)
+    print("  goals: " + "; ".join(f"{k}: {'met' if ok else 'NOT met'}" for k, ok in v.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sessions", default="1024,4096,8192", help="comma-separated session counts")
+    ap.add_argument("--quick", action="store_true", help="256 sessions, 2 short bursts (a smoke run)")
+    ap.add_argument("--backup", choices=("both", "no", "only"), default="both")
+    ap.add_argument("--versions", type=int, default=4)
+    ap.add_argument("--procs", type=int, default=4, help="load generator processes")
+    ap.add_argument("--pull", type=float, default=2.0, help="emulated seconds each pull takes")
+    ap.add_argument("--churn", type=float, default=0.02, help="fraction of rollout replicas crashing per burst")
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--gap", type=float, default=2.0, help="seconds between bursts")
+    ap.add_argument("--timeout", type=float, default=60.0, help="each update's timeout")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=Path, default=None, help="write a cProfile of the server per run here")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sessions, args.versions, args.procs, args.pull, args.warmup, args.gap = "256", 2, 2, 1.0, 1.0, 0.5
+    counts = [int(x) for x in args.sessions.split(",")]
+    if any(n < 2 * SHARDS for n in counts):
+        raise SystemExit(f"--sessions: at least {2 * SHARDS} (a trainer and one rollout of {SHARDS} shards)")
+    modes = {"both": (False, True), "no": (False,), "only": (True,)}[args.backup]
+    print(f"server load: real server process(es) on 127.0.0.1, {os.cpu_count()} CPUs here (shared); heartbeat interval 1 s; "
+          f"{args.versions} bursts, pull {args.pull:g} s emulated, churn {args.churn:.0%} per burst")  # fmt: skip
+    results = []
+    for n in counts:
+        for backup in modes:
+            r = run_once(n, backup, args, f"s{n}{'-backup' if backup else ''}")
+            report(r)
+            results.append(r)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

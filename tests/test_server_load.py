@@ -1,0 +1,43 @@
+"""The server load generator (``benchmarks/server_load.py``), small and bounded: a real server
+process, 128 sessions (each on its own connection) from one generator process, two
+bursts with churn. What it checks is behaviour, not speed: every live replica's update is
+answered with the new version, every request gets a grant, no session that did not crash is
+told it was removed, and the figures the benchmark prints are there and sane. The full run
+(1,024 to 8,192 sessions, with and without a backup) is the benchmark's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from benchmarks.server_load import SHARDS, run_once, verdict
+
+pytestmark = pytest.mark.integration
+
+
+def _args(seed: int, **kw) -> argparse.Namespace:
+    base = dict(versions=2, procs=1, pull=0.5, churn=0.1, warmup=0.2, gap=0.2, timeout=30.0, seed=seed % 1000,
+                profile=None)  # fmt: skip
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("backup", [False, True], ids=["one server", "primary and backup"])
+def test_a_hundred_sessions_burst_and_churn_without_false_removals(seed, backup):
+    r = run_once(128, backup, _args(seed), "test")
+    assert r["sessions"] == 128
+    assert r["false_removals"] == 0, r["false_examples"]
+    for b in r["bursts"]:
+        assert b["failed"] == 0 and b["timed_out"] == 0, b
+        live = b["requests"] // SHARDS  # replicas asked (the crashed ones are not)
+        assert b["answered"] == live * SHARDS
+        assert b["grants"] >= b["requests"]  # each shard granted once at least (again after a failed source)
+        assert 0 <= b["last_request_s"] <= b["last_first_grant_s"] <= b["last_complete_s"]
+    assert sum(b["crashed"] for b in r["bursts"]) >= 1  # the churn happened
+    assert r["hb_count"] > 0 and 0 < r["hb_p50_ms"] <= r["hb_p99_ms"]
+    assert r["server_cores"] > 0 and r["server_rss_mib"] > 0 and not math.isnan(r["server_cpu_wait"])
+    assert (r["backup_cores"] is not None) == backup
+    assert set(verdict(r)) >= {"0 false removals", "every update answered"}
