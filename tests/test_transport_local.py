@@ -516,12 +516,13 @@ def test_malformed_descriptions_fail_with_transport_errors(reply: dict) -> None:
 
 class HookedLocal(LocalTransport):
     """Runs ``hook`` once, after the first piece of a copy (what the suite's hooked buffers do
-    for transports that copy through ShardBuffers.views)."""
+    for transports that copy through ShardBuffers.views): CPU memory is copied piece by piece
+    with ``_vm_copy``."""
 
     hook: Any = None
 
-    def _copy_piece(self, *args: Any) -> None:
-        super()._copy_piece(*args)
+    def _vm_copy(self, *args: Any) -> None:
+        super()._vm_copy(*args)
         hook, self.hook = self.hook, None
         if hook is not None:
             hook()
