@@ -108,7 +108,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -919,13 +919,13 @@ class LocalTransport(Transport):
             stop.set()
             self._check_open(where)
             raise
-        failure: BaseException | None = None
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as err:  # noqa: BLE001 - the first failure is the one to report
-                failure = failure or err
-                stop.set()
+        # One wake-up for the whole read (not one per part), unless a part fails: then the
+        # others stop at their next piece, and the first failure is the one reported.
+        done, rest = wait(futures, return_when=FIRST_EXCEPTION)
+        if rest:
+            stop.set()
+            wait(rest)
+        failure = next((f.exception() for f in futures if f.exception() is not None), None)
         if failure is not None:
             raise failure
 

@@ -186,7 +186,7 @@ class _Slot:
         self.convert: ConvertSpec | None = None  # a converted model's shard: how it converts
         self.conversion: Conversion | None = None  # its conversion in progress (or the last one)
         self.progress_timer: asyncio.TimerHandle | None = None  # a time-based progress report pending
-        self.packed = buffers.packed  # fixed at registration; asked after every verified read
+        self.packed: bool | None = None  # buffers.packed, fixed at registration (asked after every verified read)
         self.read_hint = 0  # the read size the transport of the grant being taken asks for (0: none)
 
 
@@ -340,15 +340,20 @@ class _Offloaded:
 class EngineActor(Actor):
     """Args:
     transports: started transports by name (the order breaks ties when no preferred one fits).
-    chunk_bytes: size of one read of a pull.
+    chunk_bytes: size of one read of a pull; None (the default): 8 MiB, or what the transport
+        of a pull's first grant asks for (``Transport.read_bytes``) when that is more.
     preference: edge kind -> transport names (:func:`tensorhub.scheduling.edges.parse_preference`);
         None: the defaults (same host ``local``, same datacenter ``nixl``, else ``tcp``).
     """
 
     def __init__(
-        self, transports: dict[str, Transport], chunk_bytes: int = 8 << 20, preference: dict[str, list[str]] | None = None
+        self, transports: dict[str, Transport], chunk_bytes: int | None = None, preference: dict[str, list[str]] | None = None
     ) -> None:
         super().__init__("engine")
+        #: whether the read size was given (then transports' ``read_bytes`` do not change it)
+        self.chunk_fixed = chunk_bytes is not None
+        if chunk_bytes is None:
+            chunk_bytes = 8 << 20
         if chunk_bytes < 1:
             raise InvalidArgument(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.transports = transports
@@ -543,7 +548,7 @@ class EngineActor(Actor):
         # asks for it (``Transport.read_bytes``: local's reads each cost a round trip through
         # this loop, which its copy workers do not need).
         hint = slot.read_hint
-        chunk = max(self.chunk_bytes, hint if type(hint) is int else 0)
+        chunk = max(self.chunk_bytes, hint if type(hint) is int and not self.chunk_fixed else 0)
         plan = b.plan.reads(b.read_bytes(chunk))
         slot.reads = {r.offset: r for r in plan if r.length}
         return ReplicationSession(
@@ -849,7 +854,10 @@ class EngineActor(Actor):
         slot = self.slots.get(msg.session)
         if slot is None or not slot.core.is_current(msg.pull):
             return
-        if msg.bad_unit is None and slot.packed:
+        packed = slot.packed
+        if packed is None:
+            packed = slot.packed = slot.buffers.packed
+        if msg.bad_unit is None and packed:
             # Its tiny tensors are final: copy them out now, overlapped with the rest of the pull.
             units = slot.buffers.plan.units
             tiny = [units[u].tensor for u in slot.reads[msg.offset].units if units[u].region >= 0
