@@ -52,10 +52,16 @@ transport's threads (never on the event loop):
    check for a close (of this transport) between pieces; a range larger than 4 MiB is cut into
    4 MiB parts queued on the transport's ``threads`` copy workers, which every read in flight
    shares (so they stay busy while one read's completion travels through the event loop, and
-   never run more copies at once than there are workers). After each piece that landed in CPU
-   memory the caller's ``landed`` callback, if any, hashes it while it is in the copying core's
-   cache. CPU -> CPU is one ``process_vm_readv`` per piece (looping over
-   partial transfers and ``IOV_MAX``); CUDA sources are copied by torch from the opened IPC
+   never run more copies at once than there are workers); the read's thread waits once for
+   all its parts. After each piece that landed in CPU memory the caller's ``landed`` callback,
+   if any, hashes it while it is in the copying core's cache (1 MiB pieces by default: a 4 MiB
+   piece has left a 512 KiB L2 by the time it is hashed). CPU -> CPU works out a part's
+   spans on both sides once, then makes one ``process_vm_readv`` per piece (looping over
+   partial transfers and ``IOV_MAX``; one span each side, the usual piece, goes through one
+   iovec per side made once per thread). The engine plans a pull through this transport in
+   reads of ``read_bytes`` (32 MiB) unless a chunk size was configured: each read costs a round
+   trip through the engine's event loop, which the copy workers, cutting it into parts, do not
+   need. CUDA sources are copied by torch from the opened IPC
    memory; a CPU source into CUDA memory is staged through a CPU buffer and ``copy_in``;
 4. reads the words again (a seqlock): the tag and generation must be unchanged, the version
    still held and ``verified`` still covering the range -> :class:`TransportError` otherwise.
