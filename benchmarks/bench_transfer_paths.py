@@ -215,10 +215,11 @@ def close_transport(runner: asyncio.Runner, transport: Any, timeout: float) -> N
 
 
 async def transport_pull(transport: Any, peer: dict, region: int, into: ShardBuffers, reads: list[tuple[int, int]],
-                         streams: int) -> int:  # fmt: skip
+                         streams: int, landing: Any = None) -> int:  # fmt: skip
     """One pull of the whole shard through ``transport``: the engine's read plan, ``streams``
-    reads in flight, each read after the first passing the generation the first returned.
-    Returns that generation."""
+    reads in flight, each read after the first passing the generation the first returned;
+    ``landing(offset, length)``, if given, makes each read's ``landed`` argument (as the engine
+    passes a hasher to a transport that reports landing). Returns that generation."""
     gate = asyncio.Semaphore(streams)
     seen: set[int] = set()
     gen: int | None = None
@@ -226,7 +227,8 @@ async def transport_pull(transport: Any, peer: dict, region: int, into: ShardBuf
     async def one(offset: int, length: int) -> None:
         nonlocal gen
         async with gate:
-            got = await transport.read(peer, region, VERSION, offset, length, into, gen)
+            kw = {} if landing is None else {"landed": landing(offset, length)}
+            got = await transport.read(peer, region, VERSION, offset, length, into, gen, **kw)
         if gen is None:
             gen = got
         seen.add(got)

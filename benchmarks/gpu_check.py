@@ -156,7 +156,9 @@ def reader_main(conn: Any, spec: Spec, seed: int, names: list[str], endpoints: d
         into = ShardBuffers(tensors, layout_of(tensors, pack_threshold=DEFAULT_PACK_THRESHOLD))
         if len(sums) != len(into.plan.units):
             raise BenchmarkError(f"the holder sent {len(sums)} checksums for {len(into.plan.units)} units")
-        reads = [(r.offset, r.length) for r in into.plan.reads(into.read_bytes(ENGINE_CHUNK)) if r.length]
+        plan_reads = [r for r in into.plan.reads(into.read_bytes(ENGINE_CHUNK)) if r.length]
+        reads = [(r.offset, r.length) for r in plan_reads]
+        units_of = {r.offset: [into.plan.units[u] for u in r.units] for r in plan_reads}
         devices = {torch.device(d) for d in (device, holder_device) if d != "cpu"}
 
         def sync() -> None:
@@ -180,15 +182,33 @@ def reader_main(conn: Any, spec: Spec, seed: int, names: list[str], endpoints: d
                     res["expose_s"] = time.perf_counter() - t0
                     peer = endpoints[name]
                     runner.run(asyncio.wait_for(transport_pull(t, peer, REGION, into, reads[:1], 1), timeout))
+                    # As the engine: a transport that reports landing gets a hasher per read
+                    # (on a GPU, a DeviceLanding: the copy hashes what it lands), and verifying
+                    # is then comparing its digests; what it did not hash is hashed after.
+                    fused = t.reports_landing and checksum.FUSED_GPU_COPY and checksum.lands_on_device(into)
+                    res["hashed_on_landing"] = 0
                     for rep in range(warmup + repeats):
                         zero()
+                        landings: list[Any] = []
+
+                        def landing(offset: int, length: int) -> Any:
+                            landings.append(checksum.DeviceLanding(into, units_of[offset]))
+                            return landings[-1]
+
                         t0 = time.perf_counter()
-                        runner.run(asyncio.wait_for(transport_pull(t, peer, REGION, into, reads, t.streams), timeout))
+                        runner.run(asyncio.wait_for(
+                            transport_pull(t, peer, REGION, into, reads, t.streams, landing if fused else None), timeout
+                        ))  # fmt: skip
                         sync()
                         dt = time.perf_counter() - t0
                         t0 = time.perf_counter()
-                        bad = mismatches(into, sums)  # the layout's checksum (wordmix-64 on a GPU: the kernel)
+                        hashed = {i: v for h in landings for i, v in h.digests.items()}
+                        rest = [i for i in range(len(sums)) if i not in hashed]
+                        # the layout's checksum (wordmix-64 on a GPU: the kernel) of what was not hashed landing
+                        got = dict(zip(rest, checksum.compute(into, rest))) if rest else {}
+                        bad = sum(1 for i, v in {**hashed, **got}.items() if v != sums[i])
                         dv = time.perf_counter() - t0
+                        res["hashed_on_landing"] = len(hashed)
                         if bad:
                             raise BenchmarkError(f"pull {rep + 1}: {bad} of {len(sums)} checksum units hold wrong bytes")
                         if rep >= warmup:

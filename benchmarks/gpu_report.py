@@ -333,8 +333,11 @@ def render(report: dict[str, Any]) -> str:
                 if name == "tcp":
                     b = bound.get(f"{res['bytes'] >> 20} MiB", {}).get("bound_gbps")
                     goal = f">= 0.8x bound: {p['gbps_median'] / b:.2f}x of {b:.2f}" if b else ""
+                sums = _fmt(p.get("verify_gbps_median"), ".0f")
+                if p.get("hashed_on_landing"):  # the copy hashed what it landed: verifying compared digests
+                    sums = f"hashed by the copy ({p['hashed_on_landing']} units); then {sums}"
                 lines.append(f"| {label} | {name} | {p['gbps_median']:.2f} | {_fmt(ratio)}x | {goal} | "
-                             f"{_fmt(p.get('verify_gbps_median'), '.0f')} | verified |")  # fmt: skip
+                             f"{sums} | verified |")  # fmt: skip
         lines.append("")
     if bound:
         lines += ["### What tcp staging is made of, measured alone", "",

@@ -34,15 +34,16 @@ step, timed apart:
 
 - the compare as the handle does it (``tensorhub.handles.deltas._compare``, called as
   ``DeltaPublisher`` calls it, with the publish job's checksums): the registered GPU tensors
-  compared on the GPU against the pinned CPU snapshot of the previous version (its slices copied
-  over), only the changes brought back, the snapshot brought forward in place; beside it, the
-  path the handle had before (a pageable copy of the tensors to CPU memory, ``compute_delta``
+  compared on the GPU against the pinned CPU snapshot of the previous version
+  (``compare_and_refresh``: the snapshot's slices stream in a few slots ahead of the comparison
+  while the target's bytes stream back over them), only the changes brought back; beside it, the
+  first path the handle had (a pageable copy of the tensors to CPU memory, ``compute_delta``
   there), its two parts timed apart;
 - ``compute_delta`` on the device with both versions there (the library function on GPU memory);
-- a streamed compare (a prototype of moving the compare to the GPU, not the library's path): each
-  tensor of a pinned CPU snapshot copied into a scratch buffer on the device, compared there, only
-  the changed values and indices brought back, the snapshot brought forward in place by
-  ``apply_delta`` on the CPU; with its floor, the host-to-device copy of the whole snapshot;
+- the second path the handle had (first device run): each tensor of a pinned CPU snapshot copied
+  into a scratch buffer on the device, compared there, only the changed values and indices brought
+  back, the snapshot brought forward in place by ``apply_delta`` on the CPU; with the floor of any
+  compare against a host snapshot, the host-to-device copy of the whole snapshot;
 - the publish job's checksums of the shard (for scale: one hashing pass with the layout's
   algorithm);
 - the reader's apply on GPU memory (``apply_delta`` of the handle's delta, values in CPU memory as
@@ -50,8 +51,8 @@ step, timed apart:
   ``index_copy_``, verification of the units written), and the write alone on a copy.
 
 Checked each step: the reader's GPU tensors equal the trainer's new bf16 weights bit for bit; the
-streamed and on-device deltas equal the handle's, entry for entry; the pinned snapshot equals the
-new version; on the first step a reader whose base has one planted flipped bit is refused with
+earlier path's and the on-device deltas equal the handle's, entry for entry; both pinned snapshots
+equal the new version; on the first step a reader whose base has one planted flipped bit is refused with
 ``BaseMismatch`` and nothing is written. Reported: medians over the steps after a warm-up step, the
 compare as a % of the step (goal <= 5 %), the fraction of elements changed, delta bytes against the
 full bytes.
@@ -66,6 +67,7 @@ Usage: python benchmarks/gpu_workloads.py [--cpu] [--json FILE] [--seed N] [--on
 from __future__ import annotations
 
 import argparse
+import os
 import datetime
 import json
 import statistics
@@ -552,6 +554,16 @@ def deltas(device: str, scale: str, *, seed: int = 0) -> dict[str, Any]:
                      with_checksums=False)  # fmt: skip
         cpu_cmp_s, _ = _timed(dev, lambda: compute_delta(snap, current, **known))
         del current
+        if k == total_steps - 1 and os.environ.get("TENSORHUB_PROFILE_COMPARE") == "1":  # where the compare's time goes
+            import cProfile
+            import pstats
+
+            spare = {n: t.clone().pin_memory() if cuda else t.clone() for n, t in snap.items()}
+            with cProfile.Profile() as prof:
+                _compare(spare, pub, base, version, layout, sums, new_sums)
+                _sync(dev)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            del spare
         handle_s, (delta, snap) = _timed(dev, lambda: _compare(snap, pub, base, version, layout, sums, new_sums))
         gpu_s, on_device = _timed(dev, lambda: compute_delta(prev, pub, **known))
         h2d_s, _ = _timed(dev, lambda: [scratch[: t.numel() * t.element_size()].copy_(_flat(t), non_blocking=True)
@@ -561,7 +573,7 @@ def deltas(device: str, scale: str, *, seed: int = 0) -> dict[str, Any]:
         )
         checks["device_equals_handle"] &= _same_delta(on_device, delta)
         checks["streamed_equals_handle"] &= _same_delta(streamed, delta)
-        checks["snapshot_brought_forward"] &= _same_tensors(pinned, pub)
+        checks["snapshot_brought_forward"] &= _same_tensors(pinned, pub) and _same_tensors(snap, pub)
         del on_device, streamed
         if k == 0:
             checks["planted_base"] = _planted_base(rd, delta)
@@ -669,10 +681,10 @@ def delta_lines(r: dict[str, Any]) -> list[str]:
     out.append(f"  {'training step (fwd+bwd, AdamW, bf16 cast)':<58} {step:>9.2f}")
     ok = "met" if r["goal_met"] else "NOT met"
     row("compare as the handle does it (_compare)", "compare_handle", f"  (goal <= {r['goal_fraction']:.0%}: {ok})")
-    row("  the previous path: copy of the GPU tensors to CPU memory", "compare_handle_copy")
-    row("                     then compute_delta on the CPU", "compare_handle_cpu")
+    row("  the first path: copy of the GPU tensors to CPU memory", "compare_handle_copy")
+    row("                  then compute_delta on the CPU", "compare_handle_cpu")
     row("compute_delta on the device (both versions there)", "compare_device")
-    row("streamed compare (pinned snapshot -> device, prototype)", "compare_streamed")
+    row("  the second path: slices copied over, apply on the CPU", "compare_streamed")
     row("  its floor: host-to-device copy of the snapshot", "snapshot_h2d")
     row(f"publish checksums ({r['checksum']}, one pass, for scale)", "publish_checksums")
     row("apply on the device (base check, write, verify)", "apply")

@@ -11,6 +11,7 @@ import asyncio
 import pytest
 import torch
 
+from tensorhub.core.errors import InvalidArgument
 from tensorhub.runtime import checksum, wordmix
 from tensorhub.transports.buffers import ShardBuffers, layout_of
 from tensorhub.transports.tcp import TcpTransport
@@ -65,6 +66,49 @@ def test_gpu_shards_default_to_the_gpu_checksum_computed_by_the_kernel(seed: int
     assert wordmix.sums_triton([gpu[a : a + n] for a, n in cut]) == [wordmix.reference(bytes(raw[a : a + n].tolist())) if n < 4096
                                                                     else wordmix.sums_torch([raw[a : a + n]])[0] for a, n in cut]  # fmt: skip
 
+
+def test_a_device_landing_copies_exactly_and_hashes_what_it_wrote(seed: int) -> None:
+    """DeviceLanding.copy (the local transport's GPU to GPU path): every byte copied; each unit
+    wholly inside a segment hashed by the fused kernel (equal to hashing the destination after),
+    a unit cut by a segment's end copied but not hashed; a byte flipped at the source changes
+    that unit's digest and no other."""
+    src_t = tensors("cuda", seed)
+    dst_t = {k: torch.zeros_like(v) for k, v in src_t.items()}
+    src, dst = ShardBuffers(src_t, layout_of(src_t)), ShardBuffers(dst_t, layout_of(dst_t))
+    src.pack()
+    declared = checksum.compute(src)
+    total = src.layout.total_bytes
+    units = list(dst.plan.units)
+    big = max(units, key=lambda u: u.length)
+    cut = big.offset + big.length // 2  # two segments cut the largest unit in two
+    segs = []
+    for lo, hi in ((0, cut), (cut, total)):
+        for a, b in zip(src.segments(lo, hi - lo), dst.segments(lo, hi - lo)):
+            s_bytes, d_bytes = src.gpu_bytes(a), dst.gpu_bytes(b)
+            assert s_bytes is not None and d_bytes is not None
+            segs.append((a.offset, s_bytes, d_bytes))
+    landing = checksum.DeviceLanding(dst, units)
+    landing.copy(segs)
+    dst.unpack()
+    assert all(torch.equal(src_t[k], dst_t[k]) for k in src_t)
+    device = torch.device("cuda", torch.cuda.current_device())
+    if wordmix.copy_backend(device) != "triton":
+        assert all(not u.length for u in units if u.index in landing.digests)
+        pytest.skip(f"no fused copy on {device}: copied with copy_, hashed after")
+    assert big.index not in landing.digests and not landing.complete
+    assert landing.digests == {u.index: declared[u.index] for u in units if u.index != big.index}
+    # a flipped source byte: the digest is of the flipped bytes, as they landed
+    other = next(u for u in units if u.index != big.index and u.length)
+    (seg,), (dseg,) = src.segments(other.offset, other.length), dst.segments(other.offset, other.length)
+    s_bytes, d_bytes = src.gpu_bytes(seg), dst.gpu_bytes(dseg)
+    assert s_bytes is not None and d_bytes is not None
+    s_bytes[0] ^= 0xFF
+    again = checksum.DeviceLanding(dst, [other])
+    again.copy([(seg.offset, s_bytes, d_bytes)])
+    assert again.complete and again.digests[other.index] != declared[other.index]
+    assert again.digests[other.index] == checksum.compute(dst, [other.index])[0]
+    with pytest.raises(InvalidArgument, match="device landing needs GPU buffers"):
+        checksum.DeviceLanding(ShardBuffers(tensors("cpu", seed), layout_of(tensors("cpu", seed))), units)
 
 def test_tcp_moves_gpu_packs_and_tensors_byte_exact(seed: int) -> None:
     src = tensors("cuda", seed)

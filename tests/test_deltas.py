@@ -175,6 +175,56 @@ def test_dense_when_most_elements_change(seed):
     assert same_bits(work["w"], target["w"])
 
 
+def same_delta(a: Delta, b: Delta) -> bool:
+    """Entry for entry: names, encodings, counts, values' bits and indices."""
+    if [(e.name, e.encoding, e.changed) for e in a.tensors] != [(e.name, e.encoding, e.changed) for e in b.tensors]:
+        return False
+    for x, y in zip(a.tensors, b.tensors):
+        if not same_bits(x.values.cpu(), y.values.cpu()):
+            return False
+        if (x.indices is None) != (y.indices is None) or (
+            x.indices is not None and not torch.equal(x.indices.cpu(), y.indices.cpu())  # type: ignore[union-attr]
+        ):
+            return False
+    return True
+
+
+@pytest.mark.property
+@given(versions(), st.sampled_from([16, 40, 1 << 20]), st.sampled_from([1, 7, 1 << 26]))
+def test_the_streamed_compare_equals_compute_delta_and_refreshes_the_snapshot(vs, slot_bytes, window):
+    """compare_and_refresh (the publisher's compare of GPU tensors, here its CPU run) gives
+    compute_delta's delta entry for entry, values on the CPU, and leaves the snapshot holding the
+    target, whatever the slices (slots of 16 and 40 bytes cut every tensor into many)."""
+    base, target = vs
+    want = compute_delta(base, target, base_version=3, version=4, with_checksums=False)
+    snap, before = clone(base), clone(target)
+    got = rd.compare_and_refresh(snap, target, base_version=3, version=4, slot_bytes=slot_bytes,
+                                 window_elements=window)  # fmt: skip
+    assert same_delta(got, want)
+    assert all(e.values.device.type == "cpu" for e in got.tensors)
+    assert all(same_bits(snap[k], target[k]) and same_bits(before[k], target[k]) for k in target)
+    work = clone(base)
+    apply_delta(work, got, check_base=False, verify=False)
+    assert all(same_bits(work[k], target[k]) for k in target)
+
+
+def test_the_streamed_compare_refuses_bad_input_naming_it(seed):
+    v0, v1, _ = fixture_versions(seed)
+    with pytest.raises(InvalidArgument, match="slot_bytes 2 is smaller than one element"):
+        rd.compare_and_refresh(clone(v0), v1, base_version=0, version=1, slot_bytes=2)
+    with pytest.raises(InvalidArgument, match="window_elements must be at least 1"):
+        rd.compare_and_refresh(clone(v0), v1, base_version=0, version=1, window_elements=0)
+    other = clone(v0)
+    other["a"] = other["a"].float()
+    with pytest.raises(LayoutMismatch, match="'a'"):
+        rd.compare_and_refresh(other, v1, base_version=0, version=1)
+    snap = clone(v0)
+    with pytest.raises(LayoutMismatch, match="'c'"):
+        rd.compare_and_refresh(snap, {k: v for k, v in v1.items() if k != "c"}, base_version=0, version=1,
+                               layout=layout_of(v1))  # fmt: skip
+    assert all(same_bits(snap[k], v0[k]) for k in v0)  # refused before anything was written
+
+
 def fixture_versions(seed: int) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     v0 = {
@@ -321,3 +371,13 @@ def test_cuda_tensors_take_a_cpu_delta(seed):
     work = clone(v0)
     apply_delta(work, native)  # a GPU delta applied to CPU tensors: verified with wordmix-64 on the CPU
     assert all(same_bits(work[k], v1[k]) for k in work)
+    # The publisher's streamed compare against a pinned snapshot, in slots that cut the tensors.
+    snap = {k: v.clone().pin_memory() for k, v in v0.items()}
+    streamed = rd.compare_and_refresh(snap, gpu1, base_version=0, version=1, layout=native.layout, slot_bytes=64)
+    assert same_delta(streamed, compute_delta(v0, v1, base_version=0, version=1, with_checksums=False))
+    assert all(same_bits(snap[k], v1[k]) for k in snap)
+    # many changes: a dense entry, its values taken from the refreshed snapshot
+    gpu2 = {k: (v + 1 if v.is_floating_point() else v) for k, v in gpu1.items()}
+    streamed = rd.compare_and_refresh(snap, gpu2, base_version=1, version=2, layout=native.layout)
+    assert {e.encoding for e in streamed.tensors} == {DENSE}
+    assert all(same_bits(snap[k], gpu2[k].cpu()) for k in snap)

@@ -23,10 +23,11 @@ def _demo(*args: str) -> str:
     address = f"tcp://127.0.0.1:{_free_port()}"
     env = {**os.environ, "TENSORHUB_EMBEDDED_ADDRESS": address}
     env.pop("TENSORHUB_SERVER", None)
+    # the demo's own deadline and this one are a hang's bounds (120 s was hit on a loaded machine)
     cmd = [sys.executable, "-m", "tensorhub", "demo", "--rollouts", "2", "--width", "64", "--layers", "1", "--quiet",
-           "--timeout", "120", *args]  # fmt: skip
+           "--timeout", "240", *args]  # fmt: skip
     try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, check=False)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, check=False)
         servers = len(_servers_bound_to(address))
     finally:
         for pid in _servers_bound_to(address):
@@ -78,12 +79,12 @@ def test_demo_learns_and_keeps_every_rollout_within_the_staleness_bound():
 @pytest.mark.integration
 @pytest.mark.slow
 def test_demo_with_chaos_kills_rollouts_and_still_verifies_the_weights():
-    stdout = _demo("--steps", "40", "--chaos", "--seed", "5")
+    stdout = _demo("--steps", "20", "--chaos", "--seed", "5")  # kills every 1-3 s: several in 20 steps
     kills = [line for line in stdout.splitlines() if "SIGKILLed mid-run" in line]
     assert kills and not kills[0].strip().startswith("chaos: 0 "), stdout
     assert "seeds: model 0, data 1234, chaos 5" in stdout
     rows = _step_rows(stdout, rollouts=2)
-    assert sorted(rows) == list(range(1, 41)), stdout
+    assert sorted(rows) == list(range(1, 21)), stdout
     killed = {m[1] for m in re.finditer(r"(rollout-\d) at \d+\.\d s", kills[0])}
     exempt = "every rollout was SIGKILLed" if len(killed) == 2 else f"{', '.join(sorted(killed))}, SIGKILLed"
     assert killed and f"(not checked: {exempt})" in stdout, stdout

@@ -145,3 +145,37 @@ def test_cuda_buffers_are_refused_with_a_typed_error() -> None:
 
     with pytest.raises(InvalidArgument, match="CPU buffers"):
         LandingHasher(FakeCuda(), [])  # type: ignore[arg-type]
+
+
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=12), st.lists(st.integers(1, 60), min_size=1, max_size=8),
+       st.integers(0, 2**31 - 1))  # fmt: skip
+def test_units_are_placed_in_the_segments_that_hold_them_whole(unit_sizes, seg_sizes, salt):
+    """place_units (the GPU landing's vectorized bookkeeping): a unit lies wholly inside one
+    segment exactly when it is placed, at that segment's addresses plus its offset in it; the
+    segments that placed units do not cover entirely are the ones returned to copy whole."""
+    import numpy as np
+
+    from tensorhub.runtime.checksum import place_units
+
+    rng = random.Random(salt)
+    u_off = np.cumsum([0, *unit_sizes[:-1]]).astype(np.int64)
+    u_len = np.array(unit_sizes, dtype=np.int64)
+    total = int(u_off[-1] + u_len[-1])
+    cuts = sorted({0, *(rng.randrange(total) for _ in seg_sizes)})  # segments tile [0, total)
+    s_off = np.array(cuts, dtype=np.int64)
+    s_len = np.diff([*cuts, total]).astype(np.int64)
+    src = np.array([10**9 + 10**6 * k for k in range(len(cuts))], dtype=np.int64)
+    dst = src + 5 * 10**8
+    units, u_src, u_dst, lengths, rest = place_units(u_off, u_len, s_off, s_len, src, dst)
+    covered = np.zeros(len(cuts), dtype=np.int64)
+    for k in range(len(u_off)):
+        seg = [j for j in range(len(cuts)) if s_off[j] <= u_off[k] and u_off[k] + u_len[k] <= s_off[j] + s_len[j]]
+        if not seg:
+            assert k not in units
+            continue
+        j = seg[0]
+        at = int(np.flatnonzero(units == k)[0])
+        rel = u_off[k] - s_off[j]
+        assert (u_src[at], u_dst[at], lengths[at]) == (src[j] + rel, dst[j] + rel, u_len[k])
+        covered[j] += u_len[k]
+    assert rest.tolist() == [j for j in range(len(cuts)) if covered[j] < s_len[j]]

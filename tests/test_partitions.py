@@ -91,8 +91,10 @@ def test_partition_harness_bounded_run():
     printed on failure). Safety is asserted whatever the schedule; progress is not always made
     in so short a run: a rollout cut one way from the primary for longer than the heartbeat
     timeout is removed (``ReplicaRemoved``) and, until handles re-open as a new incarnation by
-    themselves, stays out; every call failure must then be one of the clean kinds."""
+    themselves, stays out; every call failure must then be one of the clean kinds (an update
+    whose sources were removed or cut off mid-pull ends ``UpdateAborted``: seen on a loaded
+    machine, where heartbeats run late)."""
     rep = run(SEED % 1000, faults=7, call_timeout=15.0, log=lambda s: None)
     assert rep.faults == 7
     assert rep.corruptions == [] and rep.hangs == [] and rep.leaks == [] and rep.split_brain == [], rep.line()
-    assert rep.versions >= 1 or set(rep.errors) <= {"ReplicaRemoved", "ServerUnavailable"}, rep.line()
+    assert rep.versions >= 1 or set(rep.errors) <= {"ReplicaRemoved", "ServerUnavailable", "UpdateAborted"}, rep.line()

@@ -132,8 +132,16 @@ in a second pass over memory: ``read`` then accepts ``landed``, a callable, and 
 ``landed(offset, length)`` in the copying thread right after shard bytes ``[offset, offset +
 length)`` of the read were written into ``into``'s CPU memory, covering every byte of the read
 exactly once (pieces in any order, from any threads). Never report bytes that are not final
-(a later write to the same range would go unhashed); for CUDA destinations the engine passes no
-callback. A callback that raises fails the read.
+(a later write to the same range would go unhashed). A callback that raises fails the read.
+For CUDA destinations under ``wordmix-64`` the engine passes a
+:class:`~tensorhub.runtime.checksum.DeviceLanding` as ``landed`` instead: calling it does
+nothing, but a transport that copies GPU memory to GPU memory itself may hand it the read's
+segments instead of copying them: ``copy([(transfer offset, source bytes, destination bytes),
+...])`` with tensors, or, where ``kernel_runs_on(device)``, ``copy_ranges(offsets, lengths,
+source addresses, destination addresses, device)`` with numpy arrays (``local`` keeps a table of
+the regions' addresses and finds a read's segments without a Python loop). Either copies on the
+current stream with a kernel that hashes each unit from the registers it writes (verification's
+pass over the bytes is gone) and waits for the copy.
 
 **Aborting reads** (optional: ``abort_reads(into)``). When the server revokes a grant (its
 source is going away, or is too slow: a straggler), the engine waits for the grant's reads in

@@ -237,7 +237,9 @@ class FaultyTransport(Transport):
             if at > offset:
                 await self.inner.read(peer, region, version, offset, at - offset, into, generation, **_landing(landed), **kw)
             raise TransportError(f"injected fault {i}: the peer died at shard byte {at} during the read of {where}")
-        if landed is None:
+        if landed is None or into.on_cuda:
+            # GPU destinations: flipped after the read, and the read hashed after it landed (a
+            # copy that hashes what it lands would hash the bytes before the flip)
             gen = await self.inner.read(peer, region, version, offset, length, into, generation, **kw)
             for i in self._firing("corrupt", region, version, offset, length, first=False):
                 _flip(into, self.faults[i]["at"])

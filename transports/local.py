@@ -118,6 +118,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tensorhub.core.errors import InvalidArgument, TransportError
@@ -910,7 +911,7 @@ class LocalTransport(Transport):
             # A GPU copies the whole range faster than a thread can hand over a part: one copy_
             # per region segment on this thread's stream, then one wait for that stream.
             self._check_open(where)
-            _copy_gpu(desc, into, offset, length)
+            _copy_gpu(desc, into, offset, length, landed=landed)
             return
         if self._helpers is None or length <= _PART_BYTES:
             self._copy_part(desc, into, offset, length, where, None, landed)
@@ -1030,28 +1031,39 @@ def _stream_for(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
-def _copy_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int, batched: bool = False) -> None:
+def _copy_gpu(
+    desc: _Described, into: ShardBuffers, offset: int, length: int, batched: bool = False, landed: Any = None
+) -> None:
     """GPU memory to GPU memory: the range's segments copied on a side stream of this thread
     (the engine's own kernels on the default stream neither wait for it nor delay it), waited
-    for before returning, so the bytes are in place when the read reports them landed. One
-    ``copy_`` per segment; ``batched``: one ``torch._foreach_copy_`` for all of them instead
-    (fewer launches, but a slower copy on an H100: 792 against 1,329 GB/s for 8 GiB of 128 MiB
-    tensors, benchmarks/results/GPU.md; kept for the diagnosis of gpu_check.py)."""
-    by_device: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for before returning, so the bytes are in place when the read reports them landed. With a
+    device landing from the engine (``landed.copy``, :class:`tensorhub.runtime.checksum.DeviceLanding`)
+    the landing copies the segments itself, hashing the units on the way (one kernel, no second
+    pass for verification). Else one ``copy_`` per segment; ``batched``: one
+    ``torch._foreach_copy_`` for all of them instead (fewer launches, but a slower copy on an H100:
+    792 against 1,329 GB/s for 8 GiB of 128 MiB tensors, benchmarks/results/GPU.md; kept for the
+    diagnosis of gpu_check.py)."""
+    if not batched and _copy_kernel(desc, into, offset, length, landed):
+        return
+    by_device: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = {}
     for seg in into.segments(offset, length):
         src = desc.regions[seg.index].cuda
         dst = into.gpu_bytes(seg)
         assert src is not None and dst is not None
-        dsts, srcs = by_device.setdefault(dst.device.index, ([], []))
+        dsts, srcs, offsets = by_device.setdefault(dst.device.index, ([], [], []))
         dsts.append(dst)
         srcs.append(src[seg.start : seg.start + seg.length])
+        offsets.append(seg.offset)
+    device_landing = getattr(landed, "copy", None) if len(by_device) == 1 else None
     streams = []
-    for dsts, srcs in by_device.values():
+    for dsts, srcs, offsets in by_device.values():
         device = dsts[0].device
         stream = _stream_for(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # earlier work on the buffers comes first
         with torch.cuda.stream(stream):
-            if batched and _FOREACH_COPY is not None:
+            if device_landing is not None:
+                device_landing(list(zip(offsets, srcs, dsts)))
+            elif batched and _FOREACH_COPY is not None:
                 _FOREACH_COPY(dsts, srcs, non_blocking=True)
             else:
                 for d, s in zip(dsts, srcs):
@@ -1062,6 +1074,68 @@ def _copy_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int, ba
 
 
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
+
+
+@dataclass(frozen=True, slots=True)
+class _GpuTable:
+    """A described holder's regions beside the reader's, as arrays (for one kernel launch per
+    read instead of Python per segment): transfer offsets and ends, source and destination
+    addresses; None where not every region is GPU memory of one device at both ends."""
+
+    desc: _Described
+    offsets: np.ndarray
+    ends: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    device: torch.device
+
+
+def _gpu_table(desc: _Described, into: ShardBuffers) -> _GpuTable | None:
+    cached = into.__dict__.get("_local_gpu_table")
+    if cached is not None and cached[0] is desc:
+        return cached[1]
+    table = None
+    srcs = [r.cuda for r in desc.regions]
+    dsts = into.regions
+    devices = {t.device for t in (*srcs, *dsts) if t is not None}
+    if len(devices) == 1 and all(t is not None for t in (*srcs, *dsts)) and next(iter(devices)).type == "cuda":
+        regions = into.plan.regions
+        offsets = np.array([r.offset for r in regions], dtype=np.int64)
+        table = _GpuTable(
+            desc, offsets, offsets + np.array([r.nbytes for r in regions], dtype=np.int64),
+            np.array([t.data_ptr() for t in srcs if t is not None], dtype=np.int64),
+            np.array([t.data_ptr() for t in dsts if t is not None], dtype=np.int64),
+            next(iter(devices)),
+        )  # fmt: skip
+    into.__dict__["_local_gpu_table"] = (desc, table)
+    return table
+
+
+def _copy_kernel(desc: _Described, into: ShardBuffers, offset: int, length: int, landed: Any) -> bool:
+    """GPU to GPU on one device through the engine's device landing (``landed.copy_ranges``, see
+    transports/base.py "Landing reports"): one kernel launch copies the read's segments, found
+    with numpy from a table of the regions, and hashes its units on the way. On a side stream of
+    this thread, waited for. False (nothing done) without such a landing, or where its kernel
+    cannot run (regions not all GPU memory of one device, no Triton)."""
+    copy_ranges = getattr(landed, "copy_ranges", None)
+    runs_on = getattr(landed, "kernel_runs_on", None)
+    if copy_ranges is None or runs_on is None:
+        return False
+    table = _gpu_table(desc, into)
+    if table is None or not runs_on(table.device):
+        return False
+    end = offset + length
+    k0 = int(np.searchsorted(table.ends, offset, side="right"))
+    k1 = int(np.searchsorted(table.offsets, end, side="left"))
+    starts = np.maximum(table.offsets[k0:k1], offset)
+    lengths = np.minimum(table.ends[k0:k1], end) - starts
+    rel = starts - table.offsets[k0:k1]
+    stream = _stream_for(table.device)
+    stream.wait_stream(torch.cuda.current_stream(table.device))  # earlier work on the buffers comes first
+    with torch.cuda.stream(stream):
+        copy_ranges(starts, lengths, table.src[k0:k1] + rel, table.dst[k0:k1] + rel, table.device)
+    stream.synchronize()
+    return True
 
 
 def _describe_region(buf: ShardBuffers, k: int, share: bool) -> list[Any]:

@@ -11,9 +11,10 @@ background, like the checksums: wait for ``v``'s checksums (the engine's publish
 the registered tensors with a **snapshot** of the version published before, bit for bit, and
 publish the delta as version ``v`` of the delta model, one blob per shard, naming its base. The
 snapshot is a CPU copy of the shard (its cost: one shard of host memory, pinned for GPU
-tensors). CPU tensors are compared in place; GPU tensors on their GPU, the snapshot's slices
-copied over (one host-to-device pass per version) and only the changed values brought back. The
-snapshot is then brought forward by applying the delta to it, touching only what changed. The comparison reads the registered tensors, which the mutability contract keeps
+tensors). CPU tensors are compared in place and the snapshot brought forward by applying the
+delta to it (touching only what changed). GPU tensors are compared on their GPU: the snapshot's
+slices stream in a few slots ahead of the comparison while the target's bytes stream back over
+them (both directions of the bus at once), and only the changed values come back. The comparison reads the registered tensors, which the mutability contract keeps
 unchanged until ``unpublish()``: ``unpublish()`` waits for it (the trainer's only added stall;
 about one pass over the shard at memory speed). Deltas are published on a **ring** of delta
 replicas (``<replica>@d0`` .. ``@d{k-1}``, one session per shard each): each holds one delta, so
@@ -51,7 +52,7 @@ from tensorhub.core.errors import BaseMismatch, BucketError, InBucket, InvalidAr
 from tensorhub.core.naming import delta_model
 from tensorhub.runtime.bucket import BucketReader, BucketWriter
 from tensorhub.runtime.deltafiles import delta_bytes, from_bytes
-from tensorhub.runtime.deltas import Delta, TensorDelta, apply_chain, apply_delta, compute_delta
+from tensorhub.runtime.deltas import Delta, TensorDelta, apply_chain, apply_delta, compare_and_refresh, compute_delta
 from tensorhub.runtime.engine import Holdings, StartPublish, WaitPublished
 
 __all__ = ["DEFAULT_RING", "DeltaPublisher", "DeltaReader", "DeltaStats", "restore_from_bucket", "ring_size"]
@@ -284,8 +285,14 @@ def _compare(
     base_sums: tuple[int, ...] | None, sums: tuple[int, ...],
 ) -> tuple[Delta, dict[str, torch.Tensor]]:  # fmt: skip
     """The delta ``snap -> tensors`` (with its values in CPU memory), and the snapshot brought
-    to ``tensors`` in place. GPU tensors are compared on their GPU against the pinned snapshot
-    (one host-to-device pass); only what changed comes back."""
+    to ``tensors`` in place. GPU tensors are compared on their GPU against the pinned snapshot,
+    streamed there while the target's bytes stream back over it (:func:`compare_and_refresh`);
+    only what changed comes back. CPU tensors are compared in place and the delta applied to the
+    snapshot (it writes only what changed)."""
+    if any(t.device.type == "cuda" for t in tensors.values()):
+        delta = compare_and_refresh(snap, tensors, base_version=base, version=version, layout=layout,
+                                    base_checksums=base_sums, checksums=sums)  # fmt: skip
+        return delta, snap
     delta = compute_delta(snap, tensors, base_version=base, version=version, layout=layout,
                           base_checksums=base_sums, checksums=sums, with_checksums=False)  # fmt: skip
     if any(e.values.device.type != "cpu" for e in delta.tensors):

@@ -25,6 +25,7 @@ a wrong number of expected values too.
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -38,7 +39,10 @@ from tensorhub.transports.buffers import ShardBuffers, memory_of
 
 from . import wordmix
 
-__all__ = ["ALGORITHMS", "LandingHasher", "compute", "digest", "first_mismatch", "lands"]
+__all__ = [
+    "ALGORITHMS", "DeviceLanding", "LandingHasher", "compute", "digest", "first_mismatch", "lands", "lands_on_device",
+    "place_units",
+]
 
 ALGORITHMS = ("xxh3-64", wordmix.NAME)
 _STAGE = 8 << 20  # CUDA units are hashed through pinned staging in pieces of this size
@@ -271,3 +275,133 @@ class LandingHasher:
                 self.digests[u.index] = value
                 self._states[k] = None
                 self._views[k] = None
+
+
+#: Whether the engine hands GPU reads a :class:`DeviceLanding` (``TENSORHUB_FUSED_GPU_COPY=1``).
+#: Off by default. On an H100 the kernel alone copies and hashes 1 GiB in 0.87 ms, against 0.93 ms
+#: for the segments' ``copy_`` and 0.97 more for hashing them after (``benchmarks/gpu_fused.py``),
+#: but a landing's ``copy_ranges`` takes 1.8 ms (Triton's launch and the bookkeeping around it),
+#: and ``local`` pulls through it measured 295 and 405 GB/s for 1 and 8 GiB, against 277 and 763
+#: copying then hashing (benchmarks/results/GPU.md). Until the launch costs less, copy then hash.
+FUSED_GPU_COPY = os.environ.get("TENSORHUB_FUSED_GPU_COPY", "0") == "1"
+
+
+def lands_on_device(buffers: ShardBuffers) -> bool:
+    """Whether reads into ``buffers`` can be hashed by the copy that lands them on the GPU
+    (:class:`DeviceLanding`): GPU memory under ``wordmix-64``."""
+    return buffers.on_cuda and buffers.layout.checksum == wordmix.NAME
+
+
+class DeviceLanding:
+    """The ``wordmix-64`` checksums of one read's units into GPU memory, computed by the copy that
+    lands them (:func:`~tensorhub.runtime.wordmix.copy_sums_at`: one kernel reads each byte once,
+    writes it and hashes it from the same registers), so that verifying the read costs no second
+    pass over the bytes.
+
+    A transport that reports landing and copies GPU memory to GPU memory itself (``local`` over
+    CUDA IPC) calls :meth:`copy` with the read's segments instead of copying them: each unit
+    wholly inside one segment (same device at both ends) is copied by the kernel and gets its
+    digest; every other byte is copied with ``copy_``. Without the kernel on this device (no
+    Triton, or its self-check failed) everything is copied with ``copy_`` and no digest is
+    computed: the engine then hashes the read after it landed, as for any transport.
+
+    Invariants: a unit's digest exists only if the kernel wrote every byte of it from the values
+    it hashed; the engine compares :attr:`digests` with the declared checksums and reads again
+    what does not match. Calling the object as a CPU landing callback (``landed(offset, length)``)
+    does nothing: bytes landed another way are hashed after the read.
+    """
+
+    __slots__ = ("_count", "_ends", "_index", "_lengths", "_offsets", "digests")
+
+    def __init__(self, buffers: ShardBuffers, units: Sequence[Unit]) -> None:
+        if not lands_on_device(buffers):
+            what = "CPU memory" if not buffers.on_cuda else f"{buffers.layout.checksum!r} units"
+            raise InvalidArgument(f"device landing needs GPU buffers under {wordmix.NAME}; {what} are verified after the read")
+        self._count = len({u.index for u in units})
+        self.digests: dict[int, int] = {u.index: wordmix.reference(b"") for u in units if not u.length}
+        real = sorted((u for u in units if u.length), key=lambda u: u.offset)
+        self._offsets = np.array([u.offset for u in real], dtype=np.int64)
+        self._lengths = np.array([u.length for u in real], dtype=np.int64)
+        self._ends = self._offsets + self._lengths
+        self._index = [u.index for u in real]
+
+    @property
+    def complete(self) -> bool:
+        """Every unit of the read has its digest."""
+        return len(self.digests) == self._count
+
+    def __call__(self, offset: int, length: int) -> None:
+        """A CPU landing report: not hashed here (see the class docstring)."""
+
+    def copy(self, segments: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Copy ``(transfer offset, source, destination)`` segments (flat uint8 CUDA tensors of
+        equal lengths) on the current stream and wait for them; hash the units on the way
+        (:meth:`copy_ranges`, where the kernel runs on the destination's device; else ``copy_``).
+
+        Raises:
+            InvalidArgument: a segment whose two ends differ in length or are not CUDA bytes.
+        """
+        devices = set()
+        for offset, src, dst in segments:
+            if src.numel() != dst.numel() or src.device.type != "cuda" or dst.device.type != "cuda":
+                raise InvalidArgument(f"segment at transfer byte {offset}: {src.numel()} bytes on {src.device} "
+                                      f"to {dst.numel()} on {dst.device}")  # fmt: skip
+            devices.add((src.device, dst.device))
+        if len(devices) == 1 and (pair := devices.pop())[0] == pair[1] and self.kernel_runs_on(pair[1]):
+            offs, lens, srcs, dsts = (np.array(col, dtype=np.int64) for col in zip(
+                *((o, s.numel(), s.data_ptr(), d.data_ptr()) for o, s, d in segments)
+            ))  # fmt: skip
+            self.copy_ranges(offs, lens, srcs, dsts, pair[1])
+            return
+        for _, src, dst in segments:
+            dst.copy_(src, non_blocking=True)
+        for _, _, dst in segments:
+            torch.cuda.current_stream(dst.device).synchronize()
+
+    @staticmethod
+    def kernel_runs_on(device: torch.device) -> bool:
+        """Whether :meth:`copy_ranges` can run on ``device`` (the fused kernel passed its
+        self-check there)."""
+        return wordmix.copy_backend(device) == "triton"
+
+    def copy_ranges(self, offsets: np.ndarray, lengths: np.ndarray, src: np.ndarray, dst: np.ndarray, device: torch.device) -> None:
+        """Copy segments given as arrays (transfer offsets, lengths, source and destination
+        addresses, all GPU memory of ``device``) with the fused kernel, one launch for the units
+        wholly inside a segment (their digests recorded) and one for the segments they do not
+        cover; on the current stream, waited for. The caller checked
+        ``wordmix.copy_backend(device) == "triton"`` and keeps the memory alive."""
+        units, u_src, u_dst, u_len, rest = place_units(self._offsets, self._lengths, offsets, lengths, src, dst)
+        if len(rest):  # bytes outside whole units (none where reads are whole units): copied, not hashed
+            wordmix.copy_sums_at(src[rest], dst[rest], lengths[rest], device)
+        if len(units):
+            got = wordmix.copy_sums_at(u_src, u_dst, u_len, device)
+            self.digests.update(zip((self._index[k] for k in units.tolist()), got))
+        torch.cuda.current_stream(device).synchronize()
+
+
+def place_units(
+    unit_offsets: np.ndarray, unit_lengths: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+    src: np.ndarray, dst: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Where each unit lies in a read's segments, without a Python loop over either.
+
+    Args:
+        unit_offsets, unit_lengths: the units (transfer offsets, ascending, not overlapping).
+        offsets, lengths, src, dst: the segments (transfer offsets, ascending, not overlapping;
+            lengths; source and destination addresses of their first bytes).
+
+    Returns:
+        ``(units, src, dst, lengths, rest)``: the positions of the units wholly inside one
+        segment, their source and destination addresses and lengths, and the positions of the
+        segments those units do not cover entirely.
+    """
+    seg = np.searchsorted(offsets, unit_offsets, side="right") - 1
+    inside = seg >= 0
+    safe = np.where(inside, seg, 0)
+    inside &= unit_offsets + unit_lengths <= offsets[safe] + lengths[safe]
+    units = np.flatnonzero(inside)
+    owner = seg[units]
+    rel = unit_offsets[units] - offsets[owner]
+    covered = np.bincount(owner, weights=unit_lengths[units], minlength=len(offsets))
+    rest = np.flatnonzero(covered < lengths)
+    return units, src[owner] + rel, dst[owner] + rel, unit_lengths[units], rest

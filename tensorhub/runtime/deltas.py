@@ -42,6 +42,7 @@ decisions about *when* to use a delta are the core's (:func:`tensorhub.core.delt
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -66,6 +67,7 @@ __all__ = [
     "bits_of",
     "changed_indices",
     "check_specs",
+    "compare_and_refresh",
     "compute_delta",
     "describe",
     "shard_checksums",
@@ -99,6 +101,14 @@ def bits_of(t: torch.Tensor) -> torch.Tensor:
 
 def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bits.reshape(-1).view(dtype)
+
+
+def _bits_from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Flat uint8 ``raw`` as the integer bits of ``dtype`` (a copy when not aligned for them)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if raw.data_ptr() % size:
+        raw = raw.clone()
+    return raw.view(_WORDS[size] if size in _WORDS else torch.int64)
 
 
 def changed_indices(base: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -374,6 +384,179 @@ def compute_delta(
         tuple(base_checksums) if base_checksums is not None else None,
         tuple(checksums) if checksums is not None else None,
     )  # fmt: skip
+
+
+#: bytes of the staging slot of :func:`compare_and_refresh` on the device (one slice of the snapshot)
+STREAM_SLOT_BYTES = 32 << 20
+#: elements whose "changed" flags :func:`compare_and_refresh` collects before one readback
+STREAM_WINDOW_ELEMENTS = 1 << 26
+
+
+def compare_and_refresh(
+    snapshot: Mapping[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
+    *,
+    base_version: int | None,
+    version: int,
+    layout: Layout | None = None,
+    base_checksums: Sequence[int] | None = None,
+    checksums: Sequence[int] | None = None,
+    slot_bytes: int = STREAM_SLOT_BYTES,
+    window_elements: int = STREAM_WINDOW_ELEMENTS,
+) -> Delta:
+    """The delta ``snapshot -> target`` with its values in CPU memory, and ``snapshot`` brought to
+    ``target``'s bytes in place: a publisher's compare against its host snapshot of GPU tensors.
+
+    The snapshot (CPU memory, pinned for GPU targets) is copied to the target's device slice by
+    slice (slices of at most ``slot_bytes``, into one staging slot) and compared there, on a side
+    stream: the caller's stream (a trainer's next step) neither waits for it nor delays it, and
+    the host enqueues slice after slice without waiting for the device. The slices' "changed"
+    flags gather in a window mask read back once per window (one ``nonzero``); then the target's
+    bytes of the window's slices go out over the snapshot on a second stream, while the next
+    window's slices come in (the two directions of the bus at once), so the snapshot holds
+    ``target`` when this returns. Only the changed values and their indices come back, all
+    tensors' at once. For CPU targets the same steps run in order, on the CPU.
+
+    Args:
+        snapshot: the base, CPU tensors (same names, dtypes, shapes as ``target``; contiguous).
+            Overwritten with ``target``'s bytes.
+        target: the version to reach (its tensors are only read; their bytes must be final on
+            the device: the side streams do not wait for work queued on the caller's stream,
+            which a publisher's next step may already fill; its checksums were computed first).
+        base_version, version, layout, base_checksums, checksums: as :func:`compute_delta`
+            (checksums are not computed here).
+        slot_bytes: bytes of the staging slot (the largest slice).
+        window_elements: elements whose flags are collected before one readback of the changed
+            indices (at least one slice's: a mask of this many bytes on the device).
+
+    Returns:
+        The delta, equal entry for entry to :func:`compute_delta`'s, values and indices on the CPU.
+
+    Raises:
+        LayoutMismatch: the two differ in name, dtype or shape (naming the tensor).
+        InvalidArgument: a snapshot tensor not in CPU memory, tensors on several GPUs, or a
+            ``slot_bytes`` smaller than one element.
+    """
+    layout = layout or layout_of(dict(target))
+    ctx: dict[str, Any] = {"version": version}
+    check_specs(target, layout, ctx)
+    check_specs(snapshot, layout, {"version": base_version})
+    devices = {target[t.name].device for t in layout.tensors}
+    if len(devices) > 1:
+        raise InvalidArgument(f"the target's tensors are on {sorted(map(str, devices))}: one device at a time", **ctx)
+    bad = [t.name for t in layout.tensors if snapshot[t.name].device.type != "cpu"]
+    if bad:
+        raise InvalidArgument(f"snapshot tensor {bad[0]!r} is on {snapshot[bad[0]].device}, not in CPU memory", **ctx)
+    widest = max((DTYPE_SIZES[t.dtype] for t in layout.tensors), default=1)
+    if slot_bytes < widest:
+        raise InvalidArgument(f"slot_bytes {slot_bytes} is smaller than one element ({widest} bytes)", **ctx)
+    if window_elements < 1:
+        raise InvalidArgument(f"window_elements must be at least 1, got {window_elements}", **ctx)
+    device = devices.pop() if devices else torch.device("cpu")
+    cuda = device.type == "cuda"
+    jobs: list[tuple[str, int, int]] = []  # (tensor name, first element, end element): at most a slot each
+    for spec in layout.tensors:
+        rows = bits_of(target[spec.name]).shape[0]
+        step = max(1, slot_bytes // DTYPE_SIZES[spec.dtype])
+        jobs.extend((spec.name, s, min(rows, s + step)) for s in range(0, rows, step))
+    # The slot, the comparison and the readbacks run on one side stream (in its order: a slot
+    # is written again only once compared); the refresh on another, so that it moves while the
+    # next slices come in.
+    work = torch.cuda.Stream(device) if cuda else None
+    out = torch.cuda.Stream(device) if cuda else None
+    with torch.cuda.stream(work) if work is not None else contextlib.nullcontext():
+        entries = _compare_slices(snapshot, target, layout, jobs, device, out, window_elements)
+        if work is not None and out is not None:
+            out.synchronize()
+            work.synchronize()
+    return Delta(
+        layout, base_version, version, tuple(entries),
+        tuple(base_checksums) if base_checksums is not None else None,
+        tuple(checksums) if checksums is not None else None,
+    )  # fmt: skip
+
+
+def _compare_slices(
+    snapshot: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], layout: Layout,
+    jobs: list[tuple[str, int, int]], device: torch.device, out: Any, window_elements: int,
+) -> list[TensorDelta]:  # fmt: skip
+    """:func:`compare_and_refresh`'s work, on the current stream (``out``: the refresh's stream,
+    None on the CPU)."""
+    if not jobs:
+        return []
+    width = {spec.name: bits_of(target[spec.name]) for spec in layout.tensors}
+    slot = torch.empty(max((hi - lo) * width[n][lo:hi].element_size() * (width[n].shape[1] if width[n].dim() == 2 else 1)
+                           for n, lo, hi in jobs), dtype=torch.uint8, device=device)  # fmt: skip
+    # Each slice's "changed" flags go into a window mask (nothing read back per slice): one
+    # nonzero() per window, then the indices cut by slice with one small readback of the cuts.
+    window = max(min(window_elements, sum(hi - lo for _, lo, hi in jobs)), *(hi - lo for _, lo, hi in jobs))
+    mask = torch.empty(window, dtype=torch.bool, device=device)
+    found: dict[str, list[torch.Tensor]] = {}
+    placed: list[tuple[str, int, int, int]] = []  # in the window: (tensor, first element, at, count)
+
+    def flush() -> None:
+        at = placed[-1][2] + placed[-1][3]
+        # The window's slices of the snapshot have come in: the target's bytes go over them.
+        if out is not None:
+            came_in = torch.cuda.Event()
+            came_in.record(torch.cuda.current_stream(device))
+            out.wait_event(came_in)
+        with torch.cuda.stream(out) if out is not None else contextlib.nullcontext():
+            for name, lo, _, n in placed:
+                bits_of(snapshot[name])[lo : lo + n].copy_(width[name][lo : lo + n], non_blocking=True)
+        idx = mask[:at].nonzero().reshape(-1)  # waits for its count
+        starts = torch.tensor([p[2] for p in placed] + [at], dtype=torch.int64, device=device)
+        bounds = torch.searchsorted(idx, starts).tolist()
+        for (name, lo, pos, _), b0, b1 in zip(placed, bounds, bounds[1:]):
+            if b1 > b0:
+                found.setdefault(name, []).append(idx[b0:b1] - (pos - lo))
+        placed.clear()
+
+    for name, lo, hi in jobs:
+        at = placed[-1][2] + placed[-1][3] if placed else 0
+        if at + (hi - lo) > window:
+            flush()
+            at = 0
+        old, cur = bits_of(snapshot[name])[lo:hi], width[name][lo:hi]
+        prev = slot[: old.numel() * old.element_size()].view(old.dtype).view(old.shape)
+        prev.copy_(old, non_blocking=True)
+        flags = mask[at : at + (hi - lo)]
+        if cur.dim() == 2:
+            flags.copy_((prev != cur).any(dim=1))
+        else:
+            torch.ne(prev, cur, out=flags)
+        placed.append((name, lo, at, hi - lo))
+    flush()
+    # The changed values of the sparse tensors gathered on the device, read back in one go.
+    entries: list[TensorDelta | None] = []
+    sparse: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (entry, indices, raw bytes of the values)
+    named: list[str] = []
+    for spec in layout.tensors:
+        parts = found.get(spec.name)
+        if not parts:
+            continue
+        named.append(spec.name)
+        k, numel = sum(p.numel() for p in parts), target[spec.name].numel()
+        if encoding_for(k, numel, DTYPE_SIZES[spec.dtype]) == SPARSE:
+            idx = parts[0] if len(parts) == 1 else torch.cat(parts)
+            sparse.append((len(entries), idx.to(torch.int32), width[spec.name].index_select(0, idx).reshape(-1).view(torch.uint8)))
+            entries.append(None)
+        else:  # the refreshed snapshot holds the values
+            if out is not None:
+                out.synchronize()
+            dtype = target[spec.name].dtype
+            entries.append(TensorDelta(spec.name, DENSE, k, _from_bits(bits_of(snapshot[spec.name]).clone(), dtype)))
+    if sparse:
+        all_idx = torch.cat([i for _, i, _ in sparse]).cpu()
+        all_vals = torch.cat([v for _, _, v in sparse]).cpu()
+        i = v = 0
+        for e, idx, vals in sparse:
+            n, nb = idx.numel(), vals.numel()
+            dtype = target[named[e]].dtype
+            entries[e] = TensorDelta(named[e], SPARSE, n, _from_bits(_bits_from_bytes(all_vals[v : v + nb], dtype), dtype),
+                                     all_idx[i : i + n])  # fmt: skip
+            i, v = i + n, v + nb
+    return [e for e in entries if e is not None]
 
 
 # --- apply ------------------------------------------------------------------------------------

@@ -918,11 +918,17 @@ class EngineActor(Actor):
             return
         transport, peer, region = slot.peer
         generation = slot.peer_generation
-        hasher, kw = None, {}
-        if getattr(transport, "reports_landing", False) and checksum.lands(slot.buffers) and a.offset in slot.reads:
+        kw: dict[str, Any] = {}
+        hasher: checksum.LandingHasher | checksum.DeviceLanding | None = None
+        if getattr(transport, "reports_landing", False) and a.offset in slot.reads:
             units = slot.buffers.plan.units
-            hasher = checksum.LandingHasher(slot.buffers, [units[u] for u in slot.reads[a.offset].units])
-            kw["landed"] = hasher.landed
+            mine = [units[u] for u in slot.reads[a.offset].units]
+            if checksum.lands(slot.buffers):
+                hasher = checksum.LandingHasher(slot.buffers, mine)
+                kw["landed"] = hasher.landed
+            elif checksum.FUSED_GPU_COPY and checksum.lands_on_device(slot.buffers):  # the GPU copy hashes what it lands
+                hasher = checksum.DeviceLanding(slot.buffers, mine)
+                kw["landed"] = hasher
         if getattr(transport, "checks_grants", False):
             kw["token"] = slot.token  # a plugin that predates tokens is not given the argument
         try:

@@ -35,12 +35,16 @@ Three implementations compute the same values (the tests pin them to :func:`refe
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["NAME", "PIECE_BYTES", "backend", "reference", "sums", "sums_at", "sums_torch", "sums_triton"]
+__all__ = [
+    "NAME", "PIECE_BYTES", "backend", "copy_backend", "copy_sums_at", "reference", "sums", "sums_at", "sums_torch",
+    "sums_triton",
+]
 
 NAME = "wordmix-64"
 PIECE_BYTES = 256 << 10  #: bytes of a unit one Triton program hashes
@@ -175,6 +179,10 @@ def _build_kernel():  # pragma: no cover - needs CUDA and Triton
         x = x * 0xC4CEB9FE1A85EC53
         return x ^ (x >> 33)
 
+    # Triton's interpreter (TRITON_INTERPRET=1, how the kernels are tested without a GPU) looks a
+    # called jit function up in the module's globals, not in this closure.
+    globals()["fmix"] = fmix
+
     @triton.jit
     def wordmix_pieces(addr_ptr, nbytes_ptr, word0_ptr, out_ptr, SUB: tl.constexpr, NSUB: tl.constexpr):
         pid = tl.program_id(0)
@@ -213,7 +221,51 @@ def _build_kernel():  # pragma: no cover - needs CUDA and Triton
             total = tl.sum(acc, axis=0)
         tl.store(out_ptr + pid, total.to(tl.int64, bitcast=True))
 
-    return wordmix_pieces
+    @triton.jit
+    def wordmix_copy_pieces(src_ptr, dst_ptr, nbytes_ptr, word0_ptr, out_ptr, SUB: tl.constexpr, NSUB: tl.constexpr):
+        # wordmix_pieces of the source piece, which is stored to the destination from the very
+        # registers it was hashed in: one read and one write of the bytes, as a plain copy.
+        pid = tl.program_id(0)
+        src = tl.load(src_ptr + pid)
+        dst = tl.load(dst_ptr + pid)
+        nbytes = tl.load(nbytes_ptr + pid)
+        word0 = tl.load(word0_ptr + pid).to(tl.uint64)
+        nwords = (nbytes + 7) // 8
+        lanes = tl.arange(0, SUB)
+        acc = tl.zeros([SUB], dtype=tl.uint64)
+        s8 = src.to(tl.pointer_type(tl.uint8))
+        d8 = dst.to(tl.pointer_type(tl.uint8))
+        j = tl.arange(0, 8)
+        if (src | dst) % 8 == 0:
+            nfull = nbytes // 8
+            s64 = src.to(tl.pointer_type(tl.uint64))
+            d64 = dst.to(tl.pointer_type(tl.uint64))
+            for s in range(NSUB):
+                offs = s * SUB + lanes
+                inside = offs < nfull
+                w = tl.load(s64 + offs, mask=inside, other=0)
+                tl.store(d64 + offs, w, mask=inside)
+                t = fmix(w ^ ((word0 + offs.to(tl.uint64)) * 0x9E3779B97F4A7C15))
+                acc += tl.where(inside, t, tl.zeros_like(t))
+            rest = nbytes - nfull * 8
+            b = tl.load(s8 + nfull * 8 + j, mask=j < rest, other=0)
+            tl.store(d8 + nfull * 8 + j, b, mask=j < rest)
+            w = tl.sum(b.to(tl.uint64) << (j.to(tl.uint64) * 8), axis=0)
+            t = fmix(w ^ ((word0 + nfull.to(tl.uint64)) * 0x9E3779B97F4A7C15))
+            total = tl.sum(acc, axis=0) + tl.where(rest > 0, t, tl.zeros_like(t))
+        else:
+            for s in range(NSUB):
+                offs = s * SUB + lanes
+                at = offs[:, None].to(tl.int64) * 8 + j[None, :]
+                b = tl.load(s8 + at, mask=at < nbytes, other=0)
+                tl.store(d8 + at, b, mask=at < nbytes)
+                w = tl.sum(b.to(tl.uint64) << (j[None, :].to(tl.uint64) * 8), axis=1)
+                t = fmix(w ^ ((word0 + offs.to(tl.uint64)) * 0x9E3779B97F4A7C15))
+                acc += tl.where(offs < nwords, t, tl.zeros_like(t))
+            total = tl.sum(acc, axis=0)
+        tl.store(out_ptr + pid, total.to(tl.int64, bitcast=True))
+
+    return wordmix_pieces, wordmix_copy_pieces
 
 
 _SUB = 1024
@@ -229,26 +281,47 @@ def sums_triton(ranges: Sequence[torch.Tensor]) -> list[int]:  # pragma: no cove
     return sums_at(addrs, sizes, ranges[0].device)
 
 
-def sums_at(addrs: np.ndarray, sizes: np.ndarray, device: torch.device) -> list[int]:  # pragma: no cover - needs CUDA and Triton
-    """The checksums of the ranges of GPU memory of ``device`` at addresses ``addrs`` of ``sizes``
-    bytes (int64 arrays), with one kernel launch. The caller keeps the memory alive."""
+def _kernels():  # pragma: no cover - needs Triton
     global _kernel
-    if not len(sizes):
-        return []
     if _kernel is None:
         _kernel = _build_kernel()
+    return _kernel
+
+
+def _launch(kernel, addrs: Sequence[np.ndarray], sizes: np.ndarray, device: torch.device) -> list[int]:  # pragma: no cover
+    """Run ``kernel`` over the ranges (each of ``addrs`` an int64 array of one address per range),
+    cut into pieces of :data:`PIECE_BYTES`, on the current stream; the checksums of the ranges."""
     pieces = np.maximum(1, -(-sizes // PIECE_BYTES))
     firsts = np.cumsum(pieces) - pieces
     owner = np.repeat(np.arange(len(sizes)), pieces)
     starts = (np.arange(len(owner)) - firsts[owner]) * PIECE_BYTES  # each piece's start in its range
-    params = np.stack([addrs[owner] + starts, np.minimum(PIECE_BYTES, sizes[owner] - starts), starts // 8])
-    on_device = torch.from_numpy(params).to(device)
+    params = np.stack([*(a[owner] + starts for a in addrs), np.minimum(PIECE_BYTES, sizes[owner] - starts), starts // 8])
+    on_device = torch.from_numpy(params).to(device, non_blocking=False)
     out = torch.empty(len(owner), dtype=torch.int64, device=device)
     with torch.cuda.device(device):
-        _kernel[(len(owner),)](on_device[0], on_device[1], on_device[2], out, SUB=_SUB, NSUB=_NSUB)
-    partial = out.cpu().numpy().view(np.uint64)
+        kernel[(len(owner),)](*on_device, out, SUB=_SUB, NSUB=_NSUB)
+    partial = out.cpu().numpy().view(np.uint64)  # waits for the kernel (on the current stream)
     totals = np.add.reduceat(partial, firsts)  # wraps modulo 2**64
     return [_finish(int(t), int(n)) for t, n in zip(totals, sizes)]
+
+
+def sums_at(addrs: np.ndarray, sizes: np.ndarray, device: torch.device) -> list[int]:  # pragma: no cover - needs CUDA and Triton
+    """The checksums of the ranges of GPU memory of ``device`` at addresses ``addrs`` of ``sizes``
+    bytes (int64 arrays), with one kernel launch. The caller keeps the memory alive."""
+    if not len(sizes):
+        return []
+    return _launch(_kernels()[0], [addrs], sizes, device)
+
+
+def copy_sums_at(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, device: torch.device) -> list[int]:  # pragma: no cover
+    """Copy ranges of GPU memory (``sizes`` bytes from the addresses ``src`` to ``dst``, int64
+    arrays; ranges must not overlap) with one kernel launch on the current stream, and return the
+    checksum of each range as written: the hash costs no pass of its own over the bytes. Waits for
+    the kernel. The caller keeps the memory alive, and uses it only where :func:`copy_backend`
+    says "triton"."""
+    if not len(sizes):
+        return []
+    return _launch(_kernels()[1], [src, dst], sizes, device)
 
 
 def _self_check(device: torch.device) -> str:
@@ -266,18 +339,56 @@ def _self_check(device: torch.device) -> str:
         return "torch"
 
 
+_copy_checked: dict[int, bool] = {}
+
+
+def _copy_self_check(device: torch.device) -> bool:
+    """Whether the fused copy writes exactly the source bytes and their checksums on ``device``."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        gen = torch.Generator().manual_seed(20261128)
+        raw = torch.randint(0, 256, (3 * PIECE_BYTES + 4099,), dtype=torch.uint8, generator=gen).to(device)
+        out = torch.zeros(4 * PIECE_BYTES, dtype=torch.uint8, device=device)
+        p = PIECE_BYTES  # (source offset, destination offset, bytes): aligned, misaligned, both
+        spans = [(0, 0, 0), (1, 1, 7), (3, 13, p + 13), (8, p + 32, 2 * p), (16, 3 * p + 64, 7), (5, 3 * p + 128, 1000)]
+        got = copy_sums_at(np.array([raw.data_ptr() + a for a, _, _ in spans], dtype=np.int64),
+                           np.array([out.data_ptr() + b for _, b, _ in spans], dtype=np.int64),
+                           np.array([n for _, _, n in spans], dtype=np.int64), device)  # fmt: skip
+        want = sums_torch([raw[a : a + n] for a, _, n in spans])
+        same = all(torch.equal(out[b : b + n], raw[a : a + n]) for a, b, n in spans)
+        return same and got == want
+    except Exception:  # noqa: BLE001 - any failure of the kernel means: copy, then hash
+        return False
+
+
+def _once(cache: dict[int, Any], device: torch.device, check: Callable[[torch.device], Any]) -> Any:
+    """``check(device)`` for a CUDA device, computed once per process and device index."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    got = cache.get(index)
+    if got is None:
+        with _check_lock:
+            got = cache.get(index)
+            if got is None:
+                got = cache[index] = check(torch.device("cuda", index))
+    return got
+
+
+def copy_backend(device: torch.device) -> str:
+    """"triton" where :func:`copy_sums_at` may be used on ``device`` (it passed a self-check in
+    this process), else "none": copy and hash apart."""
+    if device.type != "cuda":
+        return "none"
+    return "triton" if _once(_copy_checked, device, _copy_self_check) else "none"
+
+
 def backend(device: torch.device) -> str:
     """Which implementation :func:`sums` uses for memory on ``device``."""
     if device.type != "cuda":
         return "torch"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    got = _checked.get(index)
-    if got is None:
-        with _check_lock:
-            got = _checked.get(index)
-            if got is None:
-                got = _checked[index] = _self_check(torch.device("cuda", index))
-    return got
+    return str(_once(_checked, device, _self_check))
 
 
 def sums(ranges: Sequence[torch.Tensor]) -> list[int]:

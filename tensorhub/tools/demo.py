@@ -29,7 +29,9 @@ The demo checks what the README promises and exits 1 naming each check that fail
 
 With ``--chaos`` a seeded schedule (``--seed``) SIGKILLs a whole rollout replica (all its shard
 processes, once each has opened its handle and registered) every one to three seconds while
-training runs, and restarts it under the same name:
+training runs, but not twice before the trainer has published a new version (on a loaded
+machine kills on the clock alone can leave no window for a step), and restarts it under the
+same name:
 the new incarnation fences the old one on the server, pulls the latest version, and carries on.
 Readers that were pulling from a killed replica are re-granted elsewhere. A killed replica is
 exempt from the last two checks (its restart starts empty, far behind); the others are held to
@@ -606,6 +608,7 @@ def run_demo(args: argparse.Namespace) -> int:
           f"seeds: model {INIT_SEED}, data {DATA_SEED}" + (f", chaos {seed}" if chaos else ""), flush=True)  # fmt: skip
     t_start = time.monotonic()
     next_kill = t_start + rng.uniform(1.0, 3.0) if chaos else float("inf")
+    killed_at_step = -1  # the trainer's version at the last kill: the next waits for a newer one
     for proc in procs:
         proc.start()
     view = _view(p, quiet, chaos)
@@ -613,13 +616,14 @@ def run_demo(args: argparse.Namespace) -> int:
     failure = None
     try:
         while not p.done() and time.monotonic() < deadline:
-            if time.monotonic() >= next_kill and p.latest < a["steps"]:
+            if time.monotonic() >= next_kill and killed_at_step < p.latest < a["steps"]:
                 alive = p.killable()
                 if not alive:  # every replica is still starting (or restarting): a moment later
                     next_kill = time.monotonic() + 0.2
                 else:
                     victim = rng.choice(alive)
                     next_kill = time.monotonic() + rng.uniform(1.0, 3.0)
+                    killed_at_step = p.latest
                     for proc in procs:  # the whole replica dies, and comes back
                         if proc.name.startswith(f"{victim}/"):
                             if proc.is_alive():
