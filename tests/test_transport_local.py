@@ -87,11 +87,34 @@ def test_local_conforms_across_processes(seed: int) -> None:
         ({"piece_bytes": 2.0}, "'piece_bytes' must be an integer"),
         ({"threads": 0}, "'threads' must be an integer >= 1"),
         ({"streams": True}, "'streams' must be an integer"),
+        ({"read_bytes": 0}, "'read_bytes' must be an integer >= 1"),
+        ({"read_bytes": 1.5}, "'read_bytes' must be an integer"),
     ],
 )
 def test_options_are_validated(options: dict, match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):
         LocalTransport(options)
+
+
+def test_a_pull_through_local_is_planned_in_its_read_size_unless_a_chunk_size_was_given() -> None:
+    """Each read costs the engine a round trip through its loop: a pull whose grant goes through
+    ``local`` reads 32 MiB at a time (whole checksum units), unless the engine was given a chunk."""
+    from tensorhub.runtime.engine import EngineActor, _Slot
+
+    buf = new_buffers(100 << 20)
+    t = LocalTransport({"read_bytes": 24 << 20})
+    try:
+        for chunk, want in ((None, 24 << 20), (8 << 20, 8 << 20)):
+            engine = EngineActor({"local": t}, chunk_bytes=chunk)
+            slot = _Slot(1, 1, buf, lambda build, unanswered: None, {})
+            slot.read_hint = t.read_bytes
+            pull = engine._new_pull(slot, VERSION)
+            sizes = [n for _, n in pull.ranges]
+            assert sum(sizes) == buf.total_bytes and max(sizes) == want, (chunk, sizes)
+            slot.read_hint = 0  # a transport that asks for nothing: the engine's 8 MiB
+            assert max(n for _, n in engine._new_pull(slot, VERSION).ranges) == 8 << 20
+    finally:
+        run(t.close())
 
 
 def test_streams_option_sets_the_engines_concurrency() -> None:
@@ -516,12 +539,13 @@ def test_malformed_descriptions_fail_with_transport_errors(reply: dict) -> None:
 
 class HookedLocal(LocalTransport):
     """Runs ``hook`` once, after the first piece of a copy (what the suite's hooked buffers do
-    for transports that copy through ShardBuffers.views)."""
+    for transports that copy through ShardBuffers.views): CPU memory is copied piece by piece
+    with ``_vm_copy``."""
 
     hook: Any = None
 
-    def _copy_piece(self, *args: Any) -> None:
-        super()._copy_piece(*args)
+    def _vm_copy(self, *args: Any) -> None:
+        super()._vm_copy(*args)
         hook, self.hook = self.hook, None
         if hook is not None:
             hook()

@@ -109,7 +109,11 @@ holder runs, never pickled objects.
 ``cuda`` (reads and serves CUDA memory without staging), ``cross_host`` (works between hosts;
 ``local`` does not), ``reports_landing`` (``read`` takes a ``landed`` callback, below),
 ``gathers`` (below), ``checks_grants`` (``read`` takes ``token``; the holder side admits, above). The engine picks a transport per (reader, holder) edge from these and both
-sides' endpoints.
+sides' endpoints. Two optional integer attributes size a pull: ``reads_in_flight`` (else
+``streams``), how many reads of a pull the engine keeps going at once, and ``read_bytes``, the
+size of the reads of a pull whose first grant goes through this transport, when that is more
+than the engine's chunk and no chunk size was configured (``local``: 32 MiB; each read costs a
+round trip through the engine's event loop).
 
 **Gathering** (optional, ``gathers = True``). A transport that reaches a range's memory only
 through :meth:`ShardBuffers.views`, :meth:`~ShardBuffers.spans`, :meth:`~ShardBuffers.copy_in`

@@ -52,10 +52,16 @@ transport's threads (never on the event loop):
    check for a close (of this transport) between pieces; a range larger than 4 MiB is cut into
    4 MiB parts queued on the transport's ``threads`` copy workers, which every read in flight
    shares (so they stay busy while one read's completion travels through the event loop, and
-   never run more copies at once than there are workers). After each piece that landed in CPU
-   memory the caller's ``landed`` callback, if any, hashes it while it is in the copying core's
-   cache. CPU -> CPU is one ``process_vm_readv`` per piece (looping over
-   partial transfers and ``IOV_MAX``); CUDA sources are copied by torch from the opened IPC
+   never run more copies at once than there are workers); the read's thread waits once for
+   all its parts. After each piece that landed in CPU memory the caller's ``landed`` callback,
+   if any, hashes it while it is in the copying core's cache (1 MiB pieces by default: a 4 MiB
+   piece has left a 512 KiB L2 by the time it is hashed). CPU -> CPU works out a part's
+   spans on both sides once, then makes one ``process_vm_readv`` per piece (looping over
+   partial transfers and ``IOV_MAX``; one span each side, the usual piece, goes through one
+   iovec per side made once per thread). The engine plans a pull through this transport in
+   reads of ``read_bytes`` (32 MiB) unless a chunk size was configured: each read costs a round
+   trip through the engine's event loop, which the copy workers, cutting it into parts, do not
+   need. CUDA sources are copied by torch from the opened IPC
    memory; a CPU source into CUDA memory is staged through a CPU buffer and ``copy_in``;
 4. reads the words again (a seqlock): the tag and generation must be unchanged, the version
    still held and ``verified`` still covering the range -> :class:`TransportError` otherwise.
@@ -108,7 +114,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,9 +134,10 @@ _OPTIONS = {
     # name: (default, minimum, integer)
     "wait_timeout": (5.0, 0.0, False),
     "describe_timeout": (5.0, 0.001, False),
-    "piece_bytes": (4 << 20, 1, True),
+    "piece_bytes": (1 << 20, 1, True),
     "threads": (min(4, os.cpu_count() or 1), 1, True),
     "streams": (4, 1, True),
+    "read_bytes": (32 << 20, 1, True),
 }
 _KNOWN = sorted([*_OPTIONS, "host"])
 
@@ -231,6 +238,9 @@ def _vm_read(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int
     ``local`` (spans of this process with the same total, cut independently), looping over
     partial transfers and ``IOV_MAX``. Raises :class:`_VmError`."""
     readv = _lib().process_vm_readv
+    if len(local) == 1 and len(remote) == 1:
+        _vm_read_span(readv, pid, local[0][0], remote[0][0], local[0][1])
+        return
     li = lo = ri = ro = 0  # each side: the span being copied, and the bytes of it already copied
     while li < len(local):
         liov, ln = _iovecs(local, li, lo)
@@ -242,6 +252,47 @@ def _vm_read(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int
             raise _VmError(errno.EFAULT)  # no progress: the remote memory is not there
         li, lo = _advance(local, li, lo, got)
         ri, ro = _advance(remote, ri, ro, got)
+
+
+class _SpanIovecs(threading.local):
+    """One iovec on each side, made once per thread (one span each side is the common read)."""
+
+    def __init__(self) -> None:
+        self.local = _Iovec()
+        self.remote = _Iovec()
+
+
+_span_iovecs = _SpanIovecs()
+
+
+def _vm_read_span(readv: Any, pid: int, local: int, remote: int, n: int) -> None:
+    """:func:`_vm_read` of one span each side, with this thread's iovecs."""
+    iov = _span_iovecs
+    done = 0
+    while done < n:
+        iov.local.iov_base, iov.local.iov_len = local + done, n - done
+        iov.remote.iov_base, iov.remote.iov_len = remote + done, n - done
+        got = readv(pid, ctypes.byref(iov.local), 1, ctypes.byref(iov.remote), 1, 0)
+        if got < 0:
+            raise _VmError(ctypes.get_errno())
+        if got == 0:
+            raise _VmError(errno.EFAULT)
+        done += got
+
+
+def _take(spans: list[tuple[int, int]], k: int, done: int, n: int) -> tuple[list[tuple[int, int]], int, int]:
+    """The next ``n`` bytes of ``spans`` from span ``k`` (its first ``done`` bytes already
+    taken), as spans; and ``(k, done)`` after them."""
+    out = []
+    while n:
+        address, size = spans[k]
+        m = min(n, size - done)
+        out.append((address + done, m))
+        n -= m
+        done += m
+        if done == size:
+            k, done = k + 1, 0
+    return out, k, done
 
 
 def _iovecs(spans: list[tuple[int, int]], k: int, done: int) -> tuple[ctypes.Array, int]:
@@ -332,6 +383,8 @@ class _Described:
     words: int
     regions: tuple[_Region, ...]
     total: int
+    cpu: bool = False  # every region is in CPU memory (the copy needs no CUDA)
+    sizes: tuple[int, ...] = ()  # each region's bytes, in plan order
 
 
 def _checked_description(reply: dict[str, Any], pid: int) -> tuple[int, int, list[list[Any]]]:
@@ -425,9 +478,12 @@ class LocalTransport(Transport):
     Options: ``host`` (the side channel's interface, default "127.0.0.1"), ``wait_timeout``
     (seconds a read waits for a partial holder's progress, default 5), ``describe_timeout``
     (seconds a describe may take, default 5), ``piece_bytes`` (bytes copied between two checks
-    for a close, and hashed at once when the engine verifies on landing, default 4 MiB),
-    ``threads`` (copy workers shared by the reads in flight, default the CPU count up to 4),
-    ``streams`` (reads of one pull the engine runs at once, default 4).
+    for a close, and hashed at once when the engine verifies on landing, default 1 MiB: small
+    enough to be hashed from the copying core's L2 cache), ``threads`` (copy workers shared by
+    the reads in flight, default the CPU count up to 4), ``streams`` (reads of one pull the
+    engine runs at once, default 4), ``read_bytes`` (the size of the reads a pull from a holder
+    through this transport is planned with, default 32 MiB: each read costs the engine a round
+    trip through its event loop, and the copy workers cut it into parts anyway).
 
     Only exposed buffers are described; withdrawing them (or closing) retags their progress
     words, so that readers holding a description fail and describe again.
@@ -444,6 +500,7 @@ class LocalTransport(Transport):
     gathers = True
     checks_grants = True
     streams: int = 4
+    read_bytes: int = 32 << 20
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
@@ -459,6 +516,7 @@ class LocalTransport(Transport):
         self.piece_bytes = int(_option(self.options, "piece_bytes"))
         self.threads = int(_option(self.options, "threads"))
         self.streams = int(_option(self.options, "streams"))
+        self.read_bytes = int(_option(self.options, "read_bytes"))
         self.id = f"local-{os.getpid()}-{next(_IDS)}"
         self._lock = threading.Lock()
         self._exposed: dict[int, ShardBuffers] = {}
@@ -469,6 +527,7 @@ class LocalTransport(Transport):
         self._reads = ThreadPoolExecutor(max_workers=max(8, 2 * self.streams), thread_name_prefix="local-read")
         self._helpers = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="local-copy") if self.threads > 1 else None
         self._tls = threading.local()
+        self._matched: weakref.WeakKeyDictionary[ShardBuffers, _Described] = weakref.WeakKeyDictionary()
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._closed = False
@@ -679,9 +738,7 @@ class LocalTransport(Transport):
             desc = self._description(key, pid, where, token)
             if offset < 0 or length < 0 or offset + length > desc.total:
                 raise TransportError(f"read of {where}: the range is outside the shard's {desc.total} bytes")
-            mine = [r.nbytes for r in into.plan.regions]
-            if mine != [r.nbytes for r in desc.regions]:
-                raise TransportError(f"read of {where}: the peer's regions do not match the destination's layout")
+            self._match(desc, into, where)
             end = offset + length
             gen = self._wait(desc, version, end, generation, where)
             if length:
@@ -772,7 +829,8 @@ class LocalTransport(Transport):
                 regions.append(_Region(address, nbytes, cuda))
         except ValueError as err:
             raise TransportError(f"read of {where}: the peer's description is unusable: {err}") from None
-        return _Described(pid, tag, words, tuple(regions), sum(r.nbytes for r in regions))
+        sizes = tuple(r.nbytes for r in regions)
+        return _Described(pid, tag, words, tuple(regions), sum(sizes), all(r.cuda is None for r in regions), sizes)
 
     def _own_cuda(self, side: str, words: int, k: int) -> torch.Tensor | None:
         """Region ``k`` of the buffers a holder in this very process described (CUDA IPC
@@ -783,6 +841,17 @@ class LocalTransport(Transport):
         with holder._lock:
             found = [b for b in holder._exposed.values() if b.progress.words_address == words]
         return found[0].regions[k].reshape(-1).view(torch.uint8) if found else None
+
+    def _match(self, desc: _Described, into: ShardBuffers, where: str) -> None:
+        """The described region sizes must be ``into``'s plan's (checked once per pair: the
+        reads of a pull share both)."""
+        with self._lock:
+            if self._matched.get(into) is desc:
+                return
+        if desc.sizes != tuple(r.nbytes for r in into.plan.regions):
+            raise TransportError(f"read of {where}: the peer's regions do not match the destination's layout")
+        with self._lock:
+            self._matched[into] = desc
 
     def _words(self, desc: _Described, where: str) -> tuple[int, int | None, int]:
         """``(generation, version, verified)`` from the holder's words, the tag checked."""
@@ -857,19 +926,22 @@ class LocalTransport(Transport):
             stop.set()
             self._check_open(where)
             raise
-        failure: BaseException | None = None
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as err:  # noqa: BLE001 - the first failure is the one to report
-                failure = failure or err
-                stop.set()
+        # One wake-up for the whole read (not one per part), unless a part fails: then the
+        # others stop at their next piece, and the first failure is the one reported.
+        done, rest = wait(futures, return_when=FIRST_EXCEPTION)
+        if rest:
+            stop.set()
+            wait(rest)
+        failure = next((f.exception() for f in futures if f.exception() is not None), None)
         if failure is not None:
             raise failure
 
     def _copy_part(
         self, desc: _Described, into: ShardBuffers, offset: int, length: int, where: str, stop: threading.Event | None, landed: Landed | None
     ) -> None:
+        if desc.cpu and not into.on_cuda:
+            self._copy_cpu(desc, into, offset, length, where, stop, landed)
+            return
         pos, end = offset, offset + length
         while pos < end:
             self._check_open(where)
@@ -878,6 +950,33 @@ class LocalTransport(Transport):
             n = min(self.piece_bytes, end - pos)
             self._copy_piece(desc, into, pos, n, where)
             if landed is not None and not into.on_cuda:
+                landed(pos, n)
+            pos += n
+
+    def _copy_cpu(
+        self, desc: _Described, into: ShardBuffers, offset: int, length: int, where: str, stop: threading.Event | None, landed: Landed | None
+    ) -> None:
+        """CPU memory into CPU memory: the part's spans on both sides worked out once, then one
+        ``process_vm_readv`` per piece, each piece reported landed right after it is copied
+        (``piece_bytes``, 1 MiB by default: the piece is still in this core's L2 cache when the
+        engine hashes it, which a 4 MiB piece is not)."""
+        local: list[tuple[int, int]] = []
+        remote: list[tuple[int, int]] = []
+        for seg in into.segments(offset, length):
+            local += into.spans(seg.offset, seg.length)
+            remote += desc.regions[seg.index].spans(seg.start, seg.length)
+        li = lo = ri = ro = 0
+        pos, end, piece = offset, offset + length, self.piece_bytes
+        while pos < end:
+            if self._closed:
+                self._check_open(where)
+            if stop is not None and stop.is_set():
+                raise TransportError(f"read of {where}: another part of the read failed")
+            n = min(piece, end - pos)
+            mine, li, lo = _take(local, li, lo, n)
+            theirs, ri, ro = _take(remote, ri, ro, n)
+            self._vm_copy(desc, mine, theirs, where)
+            if landed is not None:
                 landed(pos, n)
             pos += n
 

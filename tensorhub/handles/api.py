@@ -415,7 +415,7 @@ class Runtime:
             preference = parse_preference(os.environ.get("TENSORHUB_TRANSPORT_PREFERENCE", ""))
         except InvalidArgument as err:
             raise InvalidArgument(f"$TENSORHUB_TRANSPORT_PREFERENCE: {err}") from None
-        engine = EngineActor(started, chunk_bytes=int(chunk) if chunk else 8 << 20, preference=preference)
+        engine = EngineActor(started, chunk_bytes=int(chunk) if chunk else None, preference=preference)
         await engine.start()
         return engine
 

@@ -175,7 +175,11 @@ class LandingHasher:
     memory by a separate pass. Pieces of one unit may land out of order and from several
     threads (a read split over threads is cut where the transport likes): each unit is hashed
     as a stream, in order, by whichever thread lands the piece that continues it; a piece that
-    lands ahead of its unit's hashed prefix waits in a list until the prefix reaches it.
+    lands ahead of its unit's hashed prefix waits (by its start) until the prefix reaches it.
+
+    Cost: a landing costs one lock round per unit it touches plus the hash; each unit's bytes
+    are viewed once (a unit is one contiguous run of memory: a chunk of one tensor, a tiny
+    tensor, or a piece of a copied pack), so nothing per landing grows with the shard's tensors.
 
     Invariants: a unit's digest exists only once every byte of it was hashed exactly once, in
     order; :attr:`complete` is True only when every unit has one. The hasher never judges the
@@ -184,7 +188,8 @@ class LandingHasher:
     its hasher.
     """
 
-    __slots__ = ("_buffers", "_busy", "_count", "_ends", "_lock", "_next", "_pending", "_states", "_starts", "_units", "digests")
+    __slots__ = ("_buffers", "_busy", "_count", "_ends", "_lock", "_next", "_pending", "_states", "_starts", "_units",
+                 "_views", "digests")  # fmt: skip
 
     def __init__(self, buffers: ShardBuffers, units: Sequence[Unit]) -> None:
         if not lands(buffers):
@@ -203,9 +208,10 @@ class LandingHasher:
         self._starts = [u.offset for u in real]
         self._ends = [u.offset + u.length for u in real]
         self._next = list(self._starts)  # each unit is hashed up to here (transfer offset)
-        self._pending: list[list[tuple[int, int]]] = [[] for _ in real]  # landed, not yet hashed
+        self._pending: list[dict[int, int] | None] = [None] * len(real)  # landed ahead: start -> end
         self._busy = [False] * len(real)  # a thread is hashing this unit now
         self._states: list[xxhash.xxh3_64 | None] = [None] * len(real)
+        self._views: list[memoryview | None] = [None] * len(real)  # each unit's bytes, viewed on first landing
 
     @property
     def complete(self) -> bool:
@@ -217,45 +223,58 @@ class LandingHasher:
         """Bytes ``[offset, offset + length)`` of the transfer space just landed: hash what now
         continues a unit's hashed prefix. Called from transport threads."""
         end = offset + length
-        k = max(0, bisect.bisect_right(self._starts, offset) - 1)
-        mine: list[int] = []
-        with self._lock:
-            while k < len(self._units) and self._starts[k] < end:
-                s, e = max(offset, self._starts[k]), min(end, self._ends[k])
-                if s < e:
-                    self._pending[k].append((s, e))
-                    if not self._busy[k]:
-                        self._busy[k] = True
-                        mine.append(k)
-                k += 1
-        for k in mine:
-            self._drain(k)
+        starts, ends = self._starts, self._ends
+        k = max(0, bisect.bisect_right(starts, offset) - 1)
+        while k < len(starts) and starts[k] < end:
+            s, e = max(offset, starts[k]), min(end, ends[k])
+            if s < e:
+                self._land(k, s, e)
+            k += 1
 
-    def _drain(self, k: int) -> None:
-        u = self._units[k]
+    def _land(self, k: int, s: int, e: int) -> None:
+        with self._lock:
+            if self._busy[k] or self._next[k] != s:
+                pending = self._pending[k]
+                if pending is None:
+                    pending = self._pending[k] = {}
+                pending[s] = e  # its unit's prefix has not reached it, or another thread is on it
+                return
+            self._busy[k] = True
         while True:
-            with self._lock:
-                pending, at = self._pending[k], self._next[k]
-                take = next((r for r in pending if r[0] == at), None)
-                if take is None:
-                    self._busy[k] = False
-                    return
-                pending.remove(take)
-            s, e = take
-            (view,) = self._buffers.views(s, e - s)
-            if s == u.offset and e == self._ends[k]:
-                value: int | None = digest(view)  # the whole unit in one piece: no stream state
-            else:
-                state = self._states[k]
-                if state is None:
-                    state = self._states[k] = xxhash.xxh3_64()
-                state.update(view)
-                value = state.intdigest() if e == self._ends[k] else None
+            self._hash(k, s, e)
             with self._lock:
                 self._next[k] = e
-                if value is not None:
-                    self.digests[u.index] = value
-                    self._states[k] = None
+                pending = self._pending[k]
+                nxt = pending.pop(e, None) if pending else None
+                if nxt is None:
+                    self._busy[k] = False
+                    return
+            s, e = e, nxt
+
+    def _hash(self, k: int, s: int, e: int) -> None:
+        """Hash unit ``k``'s bytes ``[s, e)`` (the next of its stream; only this thread is on it)."""
+        u = self._units[k]
+        view = self._views[k]
+        if view is None:
+            views = self._buffers.views(u.offset, u.length)
+            if len(views) == 1:
+                view = self._views[k] = views[0]
+        lo, hi = s - u.offset, e - u.offset
+        pieces = [view[lo:hi]] if view is not None else self._buffers.views(s, e - s)
+        if lo == 0 and hi == u.length and len(pieces) == 1:  # the whole unit in one piece: no stream state
+            value: int | None = digest(pieces[0])
+        else:
+            state = self._states[k]
+            if state is None:
+                state = self._states[k] = xxhash.xxh3_64()
+            for piece in pieces:
+                state.update(piece)
+            value = state.intdigest() if hi == u.length else None
+        if value is not None:
+            with self._lock:
+                self.digests[u.index] = value
+                self._states[k] = None
+                self._views[k] = None
 
 
 #: Whether the engine hands GPU reads a :class:`DeviceLanding` (``TENSORHUB_FUSED_GPU_COPY=1``).

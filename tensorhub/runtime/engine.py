@@ -143,8 +143,10 @@ class _Slot:
         "offloads",
         "parked",
         "peer",
+        "packed",
         "peer_generation",
         "progress_timer",
+        "read_hint",
         "publishing",
         "reads",
         "region",
@@ -184,6 +186,8 @@ class _Slot:
         self.convert: ConvertSpec | None = None  # a converted model's shard: how it converts
         self.conversion: Conversion | None = None  # its conversion in progress (or the last one)
         self.progress_timer: asyncio.TimerHandle | None = None  # a time-based progress report pending
+        self.packed: bool | None = None  # buffers.packed, fixed at registration (asked after every verified read)
+        self.read_hint = 0  # the read size the transport of the grant being taken asks for (0: none)
 
 
 def _no_pulls(version: int) -> ReplicationSession:
@@ -345,15 +349,20 @@ class _Offloaded:
 class EngineActor(Actor):
     """Args:
     transports: started transports by name (the order breaks ties when no preferred one fits).
-    chunk_bytes: size of one read of a pull.
+    chunk_bytes: size of one read of a pull; None (the default): 8 MiB, or what the transport
+        of a pull's first grant asks for (``Transport.read_bytes``) when that is more.
     preference: edge kind -> transport names (:func:`tensorhub.scheduling.edges.parse_preference`);
         None: the defaults (same host ``local``, same datacenter ``nixl``, else ``tcp``).
     """
 
     def __init__(
-        self, transports: dict[str, Transport], chunk_bytes: int = 8 << 20, preference: dict[str, list[str]] | None = None
+        self, transports: dict[str, Transport], chunk_bytes: int | None = None, preference: dict[str, list[str]] | None = None
     ) -> None:
         super().__init__("engine")
+        #: whether the read size was given (then transports' ``read_bytes`` do not change it)
+        self.chunk_fixed = chunk_bytes is not None
+        if chunk_bytes is None:
+            chunk_bytes = 8 << 20
         if chunk_bytes < 1:
             raise InvalidArgument(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.transports = transports
@@ -518,6 +527,8 @@ class EngineActor(Actor):
             peer, unreachable = self._pick(slot, g.source), None
         except TransportError as err:
             peer, unreachable = None, str(err)[:1000]
+        # A pull this grant starts plans its reads with the size its transport asks for.
+        slot.read_hint = getattr(peer[0], "read_bytes", 0) if peer is not None else 0
         actions = slot.core.on_grant(g, unreachable)
         if peer is not None:
             slot.peer = peer
@@ -543,10 +554,15 @@ class EngineActor(Actor):
 
     def _new_pull(self, slot: _Slot, version: int) -> ReplicationSession:
         b = slot.buffers
-        plan = b.plan.reads(b.read_bytes(self.chunk_bytes))
+        # The reads of a pull: the engine's chunk, or more where the first grant's transport
+        # asks for it (``Transport.read_bytes``: local's reads each cost a round trip through
+        # this loop, which its copy workers do not need).
+        hint = slot.read_hint
+        chunk = max(self.chunk_bytes, hint if type(hint) is int and not self.chunk_fixed else 0)
+        plan = b.plan.reads(b.read_bytes(chunk))
         slot.reads = {r.offset: r for r in plan if r.length}
         return ReplicationSession(
-            version, b.total_bytes, self.chunk_bytes, self._streams(), reads=[(r.offset, r.length) for r in plan], verify=True
+            version, b.total_bytes, chunk, self._streams(), reads=[(r.offset, r.length) for r in plan], verify=True
         )
 
     def _start_pull(self, slot: _Slot, version: int) -> None:
@@ -854,7 +870,10 @@ class EngineActor(Actor):
         slot = self.slots.get(msg.session)
         if slot is None or not slot.core.is_current(msg.pull):
             return
-        if msg.bad_unit is None and slot.buffers.packed:
+        packed = slot.packed
+        if packed is None:
+            packed = slot.packed = slot.buffers.packed
+        if msg.bad_unit is None and packed:
             # Its tiny tensors are final: copy them out now, overlapped with the rest of the pull.
             units = slot.buffers.plan.units
             tiny = [units[u].tensor for u in slot.reads[msg.offset].units if units[u].region >= 0

@@ -1,0 +1,457 @@
+"""Where a same-host replicate's time goes: ``tensorhub[local]`` against the copies under it.
+
+``python benchmarks/bench_local_path.py [--size-mib 1024] [--readers 1,4] [--repeats 3]
+[--workload 64x16MiB] [--profile DIR]``
+
+One reference server, one holder process (``tensorhub.open`` + ``register`` + ``publish``, as a
+trainer) and N reader processes (``replicate`` into their registered tensors, with verification),
+as ``python -m benchmarks`` runs ``tensorhub[local]``; beside it, in the same processes and the
+same run, interleaved round by round, the copies a replicate is made of:
+
+- ``memcpy``: one thread's ``copy_`` of the shard inside one process (one reader only; the
+  limit the suite's goal is a ratio of);
+- ``vm read``: ``process_vm_readv`` of the holder's tensors straight into the reader's, in 4 MiB
+  pieces, on 1 thread and on the local transport's copy threads (the kernel's copy, nothing
+  else: no description, no progress words, no engine);
+- ``vm read + xxh3``: the same, each piece hashed (xxh3-64) right after it landed: the floor of
+  a verified copy.
+
+Each round starts at one instant in every process (the holder publishes then, the readers
+replicate then); a reader's time ends when ``replicate`` returns. Figures per row: the median
+wall time over the timed rounds (the last reader's), GB/s per reader, and CPU seconds per GB
+delivered: user + system time of every process of the row (the readers', and for TensorHub the
+holder's, from the round's start until the last reader returned; the server's is not counted,
+as in the suite) over the bytes delivered to all readers. After each round every reader's bytes
+are checked (xxh3-64 of each tensor against the holder's): one wrong byte fails the run.
+
+``--profile DIR``: one more TensorHub round per reader count after the timed ones, with cProfile
+running in every thread of the holder and the readers (the event loop, the transport's read and
+copy threads, the hashing threads); DIR gets ``<readers>r-<process>.prof`` and a text summary
+of each (the top functions by own time and by cumulative time, all threads merged). Profiled
+rounds are not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import ctypes
+import io
+import os
+import pstats
+import resource
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE.parent) not in sys.path:
+    sys.path.insert(0, str(_HERE.parent))
+if str(_HERE) not in sys.path:
+    sys.path.append(str(_HERE))  # the scripts here import each other by name
+
+from bench_transfer_measure import median  # noqa: E402
+from bench_transfer_shards import allocate, fill_seeded, model_spec, spec_bytes, uniform_spec  # noqa: E402
+from server_process import BenchmarkError, Child, start_server, stop_process  # noqa: E402
+
+PIECE = 4 << 20  # bytes per process_vm_readv in the raw rows (the local transport's piece)
+WORKLOADS = ("64x16MiB", "model-500")
+
+
+# ---- profiling every thread of a process --------------------------------------------------------
+
+
+class _ThreadProfiles:
+    """cProfile in every thread started after :meth:`install` (and in threads that call
+    :meth:`join`): a thread's profiler starts at its first profiled event."""
+
+    def __init__(self) -> None:
+        self.profiles: list[cProfile.Profile] = []
+        self._lock = threading.Lock()
+
+    def _start(self, frame: Any, event: str, arg: Any) -> None:
+        self.join()
+
+    def join(self) -> None:
+        p = cProfile.Profile(time.thread_time)  # CPU time: other processes share these cores
+        with self._lock:
+            self.profiles.append(p)
+        p.enable()
+
+    def install(self) -> None:
+        threading.setprofile(self._start)
+
+    def clear(self) -> None:
+        with self._lock:
+            for p in self.profiles:
+                p.clear()
+
+    def snapshot(self) -> pstats.Stats | None:
+        """All threads' figures so far, merged (the profilers keep running)."""
+        merged: pstats.Stats | None = None
+        with self._lock:
+            profiles = list(self.profiles)
+        for p in profiles:
+            p.snapshot_stats()
+
+            class _Done:  # what pstats.Stats takes: an object with .stats and create_stats()
+                stats = dict(p.stats)  # noqa: B023 - bound at class creation
+
+                def create_stats(self) -> None:
+                    pass
+
+            if not _Done.stats:
+                continue
+            if merged is None:
+                merged = pstats.Stats(_Done())  # type: ignore[arg-type]
+            else:
+                merged.add(_Done())  # type: ignore[arg-type]
+        return merged
+
+
+def _summary(stats: pstats.Stats, title: str) -> str:
+    out = io.StringIO()
+    out.write(f"==== {title}\n")
+    stats.stream = out  # type: ignore[attr-defined]
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+    return out.getvalue()
+
+
+# ---- the processes ----------------------------------------------------------------------------------
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, by kind: the Python thread's name without
+    its number (``local-copy``, ``asyncio``...), else the kernel's name of the thread (ZeroMQ's)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        comm = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        name = names.get(int(tid), comm)
+        kind = name.rstrip("0123456789_").split(" (")[0].rstrip("-_") or name
+        if kind.startswith("Thread-"):
+            kind = "Thread"
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
+
+def _sleep_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _spec(workload: str, size_mib: int, seed: int) -> list:
+    total = size_mib << 20
+    return uniform_spec(total) if workload == "64x16MiB" else model_spec(total, seed)
+
+
+def _spans(tensors: dict) -> list[tuple[int, int]]:
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors.values()]
+
+
+def _pieces(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> list[tuple[list, list]]:
+    """The shard cut into pieces of at most ``PIECE`` bytes: ``(local spans, remote spans)`` each
+    (the layouts are equal, so the tensors pair up one to one)."""
+    out: list[tuple[list, list]] = []
+    cur_l: list = []
+    cur_r: list = []
+    room = PIECE
+    for (la, n), (ra, rn) in zip(local, remote, strict=True):
+        assert n == rn
+        pos = 0
+        while pos < n:
+            k = min(room, n - pos)
+            cur_l.append((la + pos, k))
+            cur_r.append((ra + pos, k))
+            pos += k
+            room -= k
+            if room == 0:
+                out.append((cur_l, cur_r))
+                cur_l, cur_r, room = [], [], PIECE
+    if cur_l:
+        out.append((cur_l, cur_r))
+    return out
+
+
+def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, local: dict) -> None:
+    try:
+        profiles = _ThreadProfiles()
+        if profile:
+            profiles.install()
+        import tensorhub
+        from benchmarks.suite_systems import hashes_of
+
+        tensors = allocate(spec)
+        fill_seeded(tensors, seed)
+        handle = tensorhub.open("bench-local-path", "trainer", server=server, retain=None,
+                                transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
+        handle.register(tensors)
+        conn.send(("ready", os.getpid(), _spans(tensors), hashes_of(tensors)))
+        for _ in range(100_000):
+            msg = conn.recv()
+            if msg[0] == "quit":
+                break
+            if msg[0] == "prepare":
+                if handle.version is not None:
+                    handle.unpublish()
+                if msg[1]:
+                    profiles.clear()
+                conn.send(("prepared",))
+            elif msg[0] == "publish":
+                _, version, start = msg
+                _sleep_until(start)
+                c0, t0 = _cpu(), _thread_cpu()
+                handle.publish(version)
+                conn.send(("published", c0))
+            elif msg[0] == "cpu":
+                conn.send(("cpu", _cpu(), _diff(_thread_cpu(), t0)))
+            elif msg[0] == "profile":
+                stats = profiles.snapshot()
+                text = ""
+                if stats is not None:
+                    stats.dump_stats(msg[1])
+                    text = _summary(stats, "holder")
+                conn.send(("profile", text))
+        handle.close()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", traceback.format_exc()))
+
+
+def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holder: tuple, threads: int,
+                profile: bool, local: dict) -> None:  # fmt: skip
+    try:
+        profiles = _ThreadProfiles()
+        if profile:
+            profiles.install()
+        import tensorhub
+        import torch
+        import xxhash
+
+        from benchmarks.suite_systems import hashes_of
+        from tensorhub.transports.local import _vm_read
+
+        pid, remote, expected = holder
+        tensors = allocate(spec)
+        handle = tensorhub.open("bench-local-path", f"reader-{index}", server=server, retain=None,
+                                transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
+        handle.register(tensors)
+        pieces = _pieces(_spans(tensors), remote)
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raw")
+        source: dict | None = None
+
+        def raw(hash_it: bool, piece: tuple[list, list]) -> int:
+            local, rem = piece
+            _vm_read(pid, local, rem)
+            if not hash_it:
+                return 0
+            h = 0
+            for address, n in local:
+                h ^= xxhash.xxh3_64_intdigest((ctypes.c_char * n).from_address(address))
+            return h
+
+        conn.send(("ready",))
+        for _ in range(100_000):
+            msg = conn.recv()
+            if msg[0] == "quit":
+                break
+            if msg[0] == "prepare":
+                if handle.version is not None:
+                    handle.unpublish()  # before the tensors are zeroed: the mutability contract
+                for t in tensors.values():
+                    t.zero_()
+                if msg[1] == "memcpy" and source is None:
+                    source = allocate(spec)
+                    fill_seeded(source, seed)
+                if msg[2]:
+                    profiles.clear()
+                conn.send(("prepared",))
+            elif msg[0] == "run":
+                _, kind, version, start = msg
+                _sleep_until(start)
+                c0, t0 = _cpu(), _thread_cpu()
+                if kind == "tensorhub":
+                    handle.replicate(version, timeout=300)
+                elif kind == "memcpy":
+                    assert source is not None
+                    torch.set_num_threads(1)
+                    for src, dst in zip(source.values(), tensors.values(), strict=True):
+                        dst.copy_(src)
+                elif kind in ("vm1", "vm1+xxh3"):
+                    for p in pieces:
+                        raw(kind.endswith("xxh3"), p)
+                elif kind in ("vmT", "vmT+xxh3"):
+                    list(pool.map(lambda p, h=kind.endswith("xxh3"): raw(h, p), pieces))
+                else:
+                    raise ValueError(f"unknown kind {kind!r}")
+                end = time.monotonic()
+                c1, t1 = _cpu(), _thread_cpu()
+                ok = hashes_of(tensors) == expected  # untimed
+                stats = handle.last_pull if kind == "tensorhub" else None
+                extra = {}
+                if stats is not None:
+                    extra = {"reads": stats.reads, "verify_s": stats.verify_s, "hashed_on_landing": stats.hashed_on_landing}
+                extra["threads"] = _diff(t1, t0)
+                conn.send(("done", end - start, c1 - c0, ok, extra))
+            elif msg[0] == "profile":
+                stats = profiles.snapshot()
+                text = ""
+                if stats is not None:
+                    stats.dump_stats(msg[1])
+                    text = _summary(stats, f"reader {index}")
+                conn.send(("profile", text))
+        pool.shutdown()
+        handle.close()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", traceback.format_exc()))
+
+
+# ---- the driver -------------------------------------------------------------------------------------
+
+
+def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: list[str]) -> dict[str, list[dict]]:
+    """One holder and ``n`` readers; every kind in ``kinds`` for ``args.repeats`` rounds, the
+    kinds interleaved round by round; then, with ``--profile``, one profiled TensorHub round."""
+    profile = args.profile is not None
+    holder = Child("holder", holder_main, (spec, args.seed, server, profile, args.local_options), args.timeout)
+    readers: list[Child] = []
+    try:
+        _, pid, remote, expected = holder.expect("ready")
+        for i in range(n):
+            readers.append(Child(f"reader{i}", reader_main, (spec, args.seed, server, i, (pid, remote, expected),
+                                                              args.threads, profile, args.local_options), args.timeout))  # fmt: skip
+        for r in readers:
+            r.expect("ready")
+        results: dict[str, list[dict]] = {k: [] for k in kinds}
+        version = 0
+        rounds = [(k, False) for _ in range(args.warmup + args.repeats) for k in kinds]
+        if profile:
+            rounds.append(("tensorhub", True))
+        seen: dict[str, int] = {}
+        for kind, profiled in rounds:
+            version += 1
+            holder.send("prepare", profiled)
+            holder.expect("prepared")
+            for r in readers:
+                r.send("prepare", kind, profiled)
+            for r in readers:
+                r.expect("prepared")
+            start = time.monotonic() + 0.05
+            if kind == "tensorhub":
+                holder.send("publish", version, start)
+            for r in readers:
+                r.send("run", kind, version, start)
+            done = [r.expect("done") for r in readers]
+            hold_cpu = 0.0
+            if kind == "tensorhub":
+                c0 = holder.expect("published")[1]
+                holder.send("cpu")
+                got = holder.expect("cpu")
+                hold_cpu = got[1] - c0
+                if args.threads_cpu:
+                    print(f"  {kind} {n}r holder threads: {got[2]}")
+            if args.threads_cpu:
+                for i, d in enumerate(done):
+                    print(f"  {kind} {n}r reader{i} threads: {d[4].get('threads')}")
+            bad = [i for i, d in enumerate(done) if not d[3]]
+            if bad:
+                raise BenchmarkError(f"{kind}, {n} readers: readers {bad} hold wrong bytes after the round")
+            if profiled:
+                for who, child in [("holder", holder), *[(f"reader{i}", r) for i, r in enumerate(readers)]]:
+                    path = args.profile / f"{n}r-{who}.prof"
+                    child.send("profile", str(path))
+                    text = child.expect("profile")[1]
+                    (args.profile / f"{n}r-{who}.txt").write_text(text)
+                continue
+            seen[kind] = seen.get(kind, 0) + 1
+            if seen[kind] <= args.warmup:
+                continue
+            results[kind].append({
+                "wall_s": max(d[1] for d in done),
+                "reader_cpu_s": sum(d[2] for d in done),
+                "holder_cpu_s": hold_cpu,
+                "extra": [d[4] for d in done],
+            })  # fmt: skip
+        return results
+    finally:
+        for c in [*readers, holder]:
+            c.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--readers", default="1,4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--workload", default="64x16MiB", choices=WORKLOADS)
+    ap.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1),
+                    help="threads of the vmT rows (default: the local transport's copy threads)")  # fmt: skip
+    ap.add_argument("--kinds", default="tensorhub,memcpy,vm1,vmT,vm1+xxh3,vmT+xxh3")
+    ap.add_argument("--profile", type=Path, help="folder for the cProfile output of one extra round")
+    ap.add_argument("--threads-cpu", action="store_true", help="print each round's CPU seconds by thread kind")
+    ap.add_argument("--local-options", type=json.loads, default={},
+                    help='options of the local transport, as JSON (e.g. \'{"piece_bytes": 4194304}\')')  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    args = ap.parse_args(argv)
+    readers = [int(x) for x in args.readers.split(",") if x.strip()]
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    known = ("tensorhub", "memcpy", "vm1", "vmT", "vm1+xxh3", "vmT+xxh3")
+    if any(k not in known for k in kinds) or not kinds:
+        raise SystemExit(f"--kinds: choose from {', '.join(known)}")
+    if not readers or any(not 1 <= n <= 16 for n in readers) or not 1 <= args.size_mib <= 65536:
+        raise SystemExit("--readers: counts in [1, 16]; --size-mib in [1, 65536]")
+    if not 1 <= args.repeats <= 100 or not 0 <= args.warmup <= 10 or not 1 <= args.threads <= 64:
+        raise SystemExit("--repeats in [1, 100], --warmup in [0, 10], --threads in [1, 64]")
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the suite: tensors on huge pages
+    spec = _spec(args.workload, args.size_mib, args.seed)
+    gb = spec_bytes(spec) / 1e9
+    proc, server = start_server(args.timeout, echo_all=False)
+    try:
+        print(f"{args.workload}, {spec_bytes(spec) / 2**20:.0f} MiB, {args.repeats} timed rounds (+{args.warmup}), "
+              f"medians; CPU s/GB: every process of the row but the server, over the bytes delivered")  # fmt: skip
+        print(f"{'row':<22} {'readers':>7} {'wall s':>8} {'GB/s/reader':>12} {'CPU s/GB':>9} {'reader':>7} {'holder':>7}")
+        for n in readers:
+            ks = [k for k in kinds if k != "memcpy" or n == 1]
+            res = run_group(args, spec, server, n, ks)
+            for k in ks:
+                rows = res[k]
+                wall = median([r["wall_s"] for r in rows])
+                rc = median([r["reader_cpu_s"] for r in rows]) / (gb * n)
+                hc = median([r["holder_cpu_s"] for r in rows]) / (gb * n)
+                print(f"{k:<22} {n:>7} {wall:>8.3f} {gb / wall:>12.2f} {rc + hc:>9.3f} {rc:>7.3f} {hc:>7.3f}")
+            sys.stdout.flush()
+    finally:
+        stop_process(proc)
+    if args.profile is not None:
+        print(f"profiles in {args.profile}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
