@@ -82,6 +82,7 @@ __all__ = [
     "TensorHubTrainerWeightTransferEngine",
     "TensorHubUpdateInfo",
     "TensorHubWeightTransferEngine",
+    "LLMClient",
     "checkpoint_tensors",
     "trace_loader",
 ]
@@ -595,6 +596,7 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         self.handle: ShardHandle | None = None
         self.version: int | None = None  #: the version published last
         self.next_version = 1
+        self.published = False
 
     @classmethod
     def trainer_init(  # type: ignore[override]
@@ -618,6 +620,10 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         self = cls(client=client, source=source, is_sender=init_info.is_sender)
         if tensors is None:
             tensors = {n: t.detach().contiguous() for n, t in source}
+        if placements is None and (init_info.num_shards or 1) == 1:
+            # one shard holds every tensor whole: what a converter needs to plan from it
+            placements = {n: TensorPlacement(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), (1,), (REPLICATE,))
+                          for n, t in tensors.items()}  # fmt: skip
         self.handle = tensorhub.open(init_info.model, init_info.replica, num_shards=init_info.num_shards,
                                      shard_idx=init_info.shard_idx, server=init_info.server)  # fmt: skip
         try:
@@ -639,15 +645,24 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         assert self.handle is not None
         return self.handle.tensors
 
+    def unpublish(self) -> None:
+        """Withdraw the published version; returns once no reader reads the tensors, which may
+        then be written (the next version's weights: the optimizer step)."""
+        assert self.handle is not None
+        if self.published:
+            self.handle.unpublish()
+            self.published = False
+
     def publish(self, version: int | None = None) -> int:
-        """Publish the registered tensors as ``version`` (default: the next number), after
-        unpublishing the previous one. Returns at once: a reference, no bytes move."""
+        """Publish the registered tensors as ``version`` (default: the one after the last).
+        Returns at once: a reference, no bytes move; the tensors must not change until
+        :meth:`unpublish` (called here first if the previous version is still published: write
+        new weights only after unpublishing)."""
         assert self.handle is not None
         v = self.next_version if version is None else version
-        if self.version is not None:
-            self.handle.unpublish()
+        self.unpublish()
         self.handle.publish(v)
-        self.version, self.next_version = v, v + 1
+        self.version, self.next_version, self.published = v, v + 1, True
         return v
 
     def send_weights(self, version: int | None = None) -> None:
@@ -663,3 +678,23 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         h, self.handle = self.handle, None
         if h is not None:
             h.close()
+
+
+class LLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` over an offline ``LLM`` (vLLM ships HTTP and Ray ones):
+    what :class:`TensorHubTrainerWeightTransferEngine` drives when the engine is in-process."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
