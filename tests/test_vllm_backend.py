@@ -19,6 +19,7 @@ runs these. One engine per test (start-up is 20-80 s here).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -33,6 +34,8 @@ for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": 
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/dev test-vllm makes an environment with it)")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+safetensors = pytest.importorskip("safetensors", reason="safetensors is not installed")
+import safetensors.torch  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -73,12 +76,16 @@ def moe_config() -> transformers.Qwen3MoeConfig:
 
 
 def save(cls: type, config: object, seed: int, path: str) -> dict[str, torch.Tensor]:
-    """A random-initialized model saved as a bf16 checkpoint; returns its weights as float32
-    (a trainer's master weights holding exactly the checkpoint's values)."""
+    """A random-initialized model saved as a bf16 checkpoint; returns the checkpoint's tensors
+    (Hugging Face's checkpoint names: per-expert ``experts.{e}.gate_proj`` where transformers 5
+    holds the experts stacked in memory) as float32: a trainer's master weights holding exactly
+    the checkpoint's values."""
     torch.manual_seed(seed)
-    m = cls(config).to(torch.bfloat16)
-    m.save_pretrained(path)
-    return {n: p.detach().float().contiguous() for n, p in m.named_parameters()}
+    cls(config).to(torch.bfloat16).save_pretrained(path)
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update({n: t.float().contiguous() for n, t in safetensors.torch.load_file(f).items()})
+    return out
 
 
 def _dim(shape: tuple[int, ...]) -> int | None:

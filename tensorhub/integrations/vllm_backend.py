@@ -634,6 +634,11 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         self.next_version = init_info.first_version
         if init_info.engine is not None and self.is_sender and client is not None:
             engine = {"source_model": init_info.model, **init_info.engine}
+            if "names" not in engine:
+                # the engines trace their loader with the tensors this trainer publishes (global shapes)
+                shapes = {n: _global_shape(t, (placements or {}).get(n)) for n, t in tensors.items()}
+                engine.update(names=list(tensors), dtype_names=[str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+                              shapes=[list(shapes[n]) for n in tensors])  # fmt: skip
             if init_info.server is not None:
                 engine.setdefault("server", init_info.server)
             client.init_weight_transfer_engine(engine)
@@ -678,6 +683,13 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         h, self.handle = self.handle, None
         if h is not None:
             h.close()
+
+
+def _global_shape(t: torch.Tensor, placement: Any) -> tuple[int, ...]:
+    """The whole tensor's shape: its placement's (a TensorPlacement, or a PlacedTensor's), a
+    DTensor's, or the tensor's own."""
+    placement = getattr(placement, "placement", placement)
+    return tuple(getattr(placement, "shape", None) or t.shape)
 
 
 class LLMClient:
