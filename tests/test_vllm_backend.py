@@ -295,7 +295,7 @@ def test_dense_multiprocess(tmp_path, server):
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         proc = subprocess.run([sys.executable, str(script), str(tmp_path / "v0"), server.address, "qwen-mp",
                                str(tmp_path / "v1"), json.dumps(PROMPTS)],
-                              capture_output=True, text=True, timeout=280, env=env, check=False)  # fmt: skip
+                              capture_output=True, text=True, timeout=480, env=env, check=False)  # fmt: skip
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, f"the engine process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
         out = json.loads(lines[-1].removeprefix("RESULT "))
