@@ -9,7 +9,8 @@ vLLM's default compiled mode, from other weights. After each version its greedy 
 those of the same engine loaded directly from that version's safetensors checkpoint by vLLM's
 own loader (``reload_weights``), and differ from the version before; vLLM reports the TensorHub
 version as its weight version. Dense (Qwen3) and mixture-of-experts (Qwen3-MoE: stacked
-``w13``/``w2`` experts) in-process, dense in vLLM's multiprocess mode too; bad init and update
+``w13``/``w2`` experts) in-process, dense in vLLM's multiprocess mode too; a version prefetched
+while the engine keeps generating from the one before; bad init and update
 info are typed errors, and a checkpoint that does not fill a parameter is a ``MappingMismatch``
 naming it, at init, before any byte moves.
 
@@ -123,9 +124,9 @@ class Trainer:
             self.close()
             raise
 
-    def send(self, version: int, weights: dict[str, torch.Tensor], prefetch: bool = False) -> None:
+    def send(self, version: int, weights: dict[str, torch.Tensor], drive: bool = True) -> None:
         """Every rank: unpublish, write its part of ``weights``, publish ``version``; rank 0 then
-        has the engine load it."""
+        has the engine load it (``drive``)."""
         errors: list[BaseException] = []
 
         def rank(r: int) -> None:
@@ -134,14 +135,10 @@ class Trainer:
                 e.unpublish()
                 for n, t in e.tensors.items():
                     t.copy_(_local(weights[n], r)[0])
-                if r == 0 and prefetch:
-                    e.publish(version)
-                    e.client.start_weight_update()
-                    e.client.update_weights({"version": version, "prefetch": True})  # returns at once
-                    e.client.update_weights({"version": version})  # waits for the prefetch, then loads
-                    e.client.finish_weight_update(weight_version=str(version))
-                else:
+                if drive:
                     e.send_weights(version)
+                else:
+                    e.publish(version)
             except BaseException as err:  # noqa: BLE001 - re-raised below
                 errors.append(err)
 
@@ -197,7 +194,13 @@ def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: 
         assert llm.get_weight_version() == "1"
         assert got1 != before
         assert got1 == reference(llm, str(tmp_path / "v1"))
-        trainer.send(2, w2, prefetch=True)
+        # v2 while serving: the pull lands in staging while the engine generates from v1
+        trainer.send(2, w2, drive=False)
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": 2, "prefetch": True}})  # returns at once
+        assert generate(llm) == got1
+        llm.update_weights({"update_info": {"version": 2}})  # waits for the pull, then loads
+        llm.finish_weight_update(weight_version="2")
         llm.reset_prefix_cache()
         got2 = generate(llm)
         assert llm.get_weight_version() == "2"
@@ -289,7 +292,7 @@ def test_dense_multiprocess(tmp_path, server):
     w1 = save(transformers.Qwen3ForCausalLM, dense_config(), 1, str(tmp_path / "v1"))
     trainer = Trainer("qwen-mp", w1, server.address, None, None)
     try:
-        trainer.send(1, w1)  # publish only: no client
+        trainer.send(1, w1, drive=False)
         script = tmp_path / "engine.py"
         script.write_text(ENGINE_SCRIPT)
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}

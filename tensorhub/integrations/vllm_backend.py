@@ -288,19 +288,19 @@ def trace_loader(
         initialize_layerwise_reload(model)
         try:
             # The bake's stamps and restore do not use the engine's state (vLLM 0.32): reused as they are.
-            _Bake._install_recording_stamps(None, model, recorder)  # type: ignore[arg-type]
+            _Bake._install_recording_stamps(None, model, recorder)
             fakes = [(n, FakeRDTTensor(name=n, shape=torch.Size(shape), dtype=_DTYPES[dt] if dt in _DTYPES else torch.float32,
                                        device=device, sink=recorder)) for n, (dt, shape) in tensors.items()]  # fmt: skip
             try:
                 with disable_mtp_completeness_check():
-                    model.load_weights(fakes)
+                    model.load_weights(fakes)  # type: ignore[operator]  # vLLM models have it
             except NotImplementedError as err:
                 raise MappingMismatch(f"vLLM's loader does something other than slicing a checkpoint tensor: {err}") from err
             for mod in model.modules():
                 sizes[mod] = get_layer_size(mod)
                 loadable[mod] = [n for n in get_layer_params_buffers(mod)[0] if n not in SKIP_LOAD_TENSORS]
         finally:
-            _Bake._restore_after_dry_run(None, model)  # type: ignore[arg-type]
+            _Bake._restore_after_dry_run(None, model)
     modules: dict[Any, list[Scatter]] = {}
     problems: list[str] = []
     missing: list[str] = []
@@ -599,7 +599,7 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         self.published = False
 
     @classmethod
-    def trainer_init(  # type: ignore[override]
+    def trainer_init(
         cls,
         init_info: TensorHubTrainerInitInfo,
         *,
