@@ -466,6 +466,14 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         assert h.version is not None
         return h.version
 
+    @property
+    def staged(self) -> int | None:
+        """The version the staging set holds (None: none yet, or a prefetch still running)."""
+        t = self._prefetch
+        if self.handle is None or (t is not None and t.is_alive()):
+            return None
+        return self.handle.version
+
     def _join_prefetch(self) -> None:
         t, self._prefetch = self._prefetch, None
         if t is not None:
