@@ -78,6 +78,7 @@ def main() -> int:
     t0 = time.perf_counter()
     llm = vllm.LLM(model=os.path.join(tmp, "v0"), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
                    gpu_memory_utilization=0.3, distributed_executor_backend="uni", enforce_eager=args.eager,
+                   max_num_seqs=8, max_num_batched_tokens=256,  # a short warm-up on two cores
                    weight_transfer_config={"backend": "tensorhub"})  # fmt: skip
     print(f"engine up in {time.perf_counter() - t0:.1f} s", flush=True)
     params = vllm.SamplingParams(temperature=0, max_tokens=8, detokenize=False, ignore_eos=True)
