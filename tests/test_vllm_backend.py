@@ -340,3 +340,67 @@ def test_dense_multiprocess(tmp_path, server):
         assert out["got"] == out["reference"]
     finally:
         trainer.close()
+
+
+class _Recorder:
+    """A VLLMWeightSyncClient that records the calls (no engine)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.calls.append(("init", init_info))
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start",))
+
+    def update_weights(self, update_info: dict) -> None:
+        self.calls.append(("update", update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish", weight_version))
+
+
+def test_info_and_trainer_bad_input_and_calls(tmp_path, server):
+    """No engine: the info classes, the checkpoint reader, update() and the trainer engine."""
+    from tensorhub.integrations.vllm_backend import TensorHubInitInfo, TensorHubUpdateInfo, latest_version, update
+
+    for bad in ({"version": -1}, {"version": "newest"}, {"version": True}, {"version": 1, "prefetch": "yes"}):
+        with pytest.raises(InvalidArgument, match="version|prefetch"):
+            TensorHubUpdateInfo(**bad)
+    assert TensorHubUpdateInfo(version="7").version == 7
+    with pytest.raises(InvalidArgument, match="replica"):
+        TensorHubInitInfo(source_model="m")
+    with pytest.raises(InvalidArgument, match="one entry per tensor"):
+        TensorHubInitInfo(source_model="m", replica="r", names=["a"], dtype_names=[], shapes=[])
+    with pytest.raises(InvalidArgument, match="unknown dtype_names"):
+        TensorHubInitInfo(source_model="m", replica="r", names=["a"], dtype_names=["float7"], shapes=[[1]])
+    with pytest.raises(InvalidArgument, match="no \\*.safetensors"):
+        checkpoint_tensors(str(tmp_path))
+    (tmp_path / "x.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    with pytest.raises(InvalidArgument, match="cannot read the safetensors header"):
+        checkpoint_tensors(str(tmp_path))
+    with pytest.raises(InvalidArgument, match="source_model"):
+        update(_Recorder(), "latest")
+    with pytest.raises(InvalidArgument, match="model="):
+        TensorHubTrainerWeightTransferEngine.trainer_init(TensorHubTrainerInitInfo(rank=0), tensors={})
+
+    # a one-shard trainer: it sends the engine its tensors' names and shapes, publishes a
+    # reference, and drives start / update / finish with the version as vLLM's weight version
+    client = _Recorder()
+    weights = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b.bias": torch.ones(5)}
+    info = TensorHubTrainerInitInfo(rank=0, model="tiny", num_shards=1, shard_idx=0, server=server.address,
+                                    engine={"replica": "rollout-9"})  # fmt: skip
+    trainer = TensorHubTrainerWeightTransferEngine.trainer_init(info, client=client, tensors=weights)
+    try:
+        ((what, init),) = client.calls
+        assert what == "init" and init["source_model"] == "tiny" and init["replica"] == "rollout-9"
+        assert init["names"] == ["a.weight", "b.bias"] and init["shapes"] == [[3, 4], [5]]
+        assert latest_version("tiny", server.address) is None
+        trainer.send_weights(4)
+        assert client.calls[1:] == [("start",), ("update", {"version": 4}), ("finish", "4")]
+        assert latest_version("tiny", server.address) == 4
+        assert update(client, "latest", source_model="tiny", server=server.address) == 4
+        assert client.calls[-1] == ("finish", "4")
+    finally:
+        trainer.shutdown()
