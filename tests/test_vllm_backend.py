@@ -54,6 +54,8 @@ from .procs import ServerProcess  # noqa: E402
 
 pytestmark = [
     pytest.mark.integration,
+    # engine start-up (compiling) took 60-290 s per test on two cores shared with other work
+    pytest.mark.timeout(900),
     pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning",
                                "ignore::ResourceWarning", "ignore::RuntimeWarning",
                                "ignore::pytest.PytestUnraisableExceptionWarning"),
