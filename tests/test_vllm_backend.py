@@ -9,7 +9,8 @@ vLLM's default compiled mode, from other weights. After each version its greedy 
 those of the same engine loaded directly from that version's safetensors checkpoint by vLLM's
 own loader (``reload_weights``), and differ from the version before; vLLM reports the TensorHub
 version as its weight version. Dense (Qwen3) and mixture-of-experts (Qwen3-MoE: stacked
-``w13``/``w2`` experts) in-process, dense in vLLM's multiprocess mode too; a version prefetched
+``w13``/``w2`` experts) and DeepSeek-V3-shaped (MLA) in-process, dense in vLLM's multiprocess
+mode and in an ``AsyncLLM`` too; a version prefetched
 while the engine keeps generating from the one before; bad init and update
 info are typed errors, and a checkpoint that does not fill a parameter is a ``MappingMismatch``
 naming it, at init, before any byte moves.
@@ -406,3 +407,77 @@ def test_info_and_trainer_bad_input_and_calls(tmp_path, server):
         assert client.calls[-1] == ("finish", "4")
     finally:
         trainer.shutdown()
+
+
+ASYNC_SCRIPT = r"""
+import asyncio, itertools, json, sys
+import vllm
+from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.v1.engine.async_llm import AsyncLLM
+
+async def amain():
+    base, server, model, path = sys.argv[1:5]
+    prompts = json.loads(sys.argv[5])
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=base, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3,
+        weight_transfer_config={"backend": "tensorhub"}))
+    params = vllm.SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
+    ids = itertools.count()
+
+    async def one(p):
+        final = None
+        async for out in engine.generate({"prompt_token_ids": p}, params, request_id=f"r{next(ids)}"):
+            final = out
+        return list(final.outputs[0].token_ids)
+
+    async def gen():
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    try:
+        before = await gen()
+        await engine.init_weight_transfer_engine(WeightTransferInitRequest(
+            init_info={"source_model": model, "replica": "rollout-async", "server": server}))
+        await engine.start_weight_update()
+        await engine.update_weights(WeightTransferUpdateRequest(update_info={"version": 1, "prefetch": True}))
+        during = await gen()  # the engine keeps serving the old weights while v1 is pulled
+        await engine.update_weights(WeightTransferUpdateRequest(update_info={"version": 1}))
+        await engine.finish_weight_update(weight_version="1")
+        await engine.reset_prefix_cache()
+        got = await gen()
+        version = await engine.get_weight_version()
+        await engine.shutdown_weight_transfer_engine()
+        await engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        await engine.reset_prefix_cache()
+        reference = await gen()
+    finally:
+        engine.shutdown()
+    print("RESULT " + json.dumps({"before": before, "during": during, "got": got, "reference": reference,
+                                  "version": version}), flush=True)
+
+if __name__ == "__main__":
+    asyncio.run(amain())
+"""
+
+
+def test_dense_async_llm(tmp_path, server):
+    """AsyncLLM (an asyncio rollout server's engine): v1 prefetched while it keeps generating."""
+    save(transformers.Qwen3ForCausalLM, dense_config(), 0, str(tmp_path / "v0"))
+    w1 = save(transformers.Qwen3ForCausalLM, dense_config(), 1, str(tmp_path / "v1"))
+    trainer = Trainer("qwen-async", w1, server.address, None, None)
+    try:
+        trainer.send(1, w1, drive=False)
+        script = tmp_path / "engine.py"
+        script.write_text(ASYNC_SCRIPT)
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "v0"), server.address, "qwen-async",
+                               str(tmp_path / "v1"), json.dumps(PROMPTS)],
+                              capture_output=True, text=True, timeout=480, check=False)  # fmt: skip
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, f"the engine process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        out = json.loads(lines[-1].removeprefix("RESULT "))
+        assert out["version"] == "1"
+        assert out["during"] == out["before"]
+        assert out["got"] != out["before"]
+        assert out["got"] == out["reference"]
+    finally:
+        trainer.close()
