@@ -43,6 +43,21 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::F
 PROMPTS = [[1, 2, 3, 4], [100, 7, 300, 9, 11], [42]]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_vllm_process_state():
+    """vLLM keeps its distributed state (process groups, the expert-parallel group or its absence)
+    per process: an in-process engine after another one inherits it (a MoE engine after a dense
+    one fails on "expert parallel group is not initialized"). Clean it after each test, as
+    vLLM's own tests do."""
+    yield
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
 def _config() -> transformers.Qwen2Config:
     return transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

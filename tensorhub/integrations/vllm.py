@@ -1,5 +1,11 @@
 """TensorHub in vLLM: a worker extension that lands new weights in the engine's own parameters.
 
+For vLLM 0.32 and later, prefer the weight-transfer backend
+(:mod:`tensorhub.integrations.vllm_backend`, ``weight_transfer_config={"backend": "tensorhub"}``):
+any architecture, vLLM's compiled mode, its own API and HTTP routes. This extension is the route
+for engines without that API; on vLLM's CPU build it needs ``enforce_eager=True`` (it refuses a
+compiled engine, see ``tensorhub_open``).
+
 ::
 
     from vllm import LLM
@@ -86,6 +92,18 @@ def _take_over_cpu_linears(net: torch.nn.Module, placements: dict[str, Any] | No
     return taken
 
 
+def _compiled(worker: Any) -> bool:
+    """Whether the worker's model runs through torch.compile (vLLM's default; not enforce_eager)."""
+    config = getattr(worker, "vllm_config", None)
+    mode = getattr(getattr(config, "compilation_config", None), "mode", 0)
+    return bool(mode) and not getattr(getattr(config, "model_config", None), "enforce_eager", False)
+
+
+def _cpu_linears(net: torch.nn.Module) -> bool:
+    """Whether any layer computes through vLLM's CPU linear dispatch (``cpu_linear``)."""
+    return any(hasattr(mod, "cpu_linear") for mod in net.modules())
+
+
 class WorkerExtension:
     """Mixed into each vLLM worker (``worker_extension_cls``). Methods run in every worker
     through ``collective_rpc``; each returns this worker's answer."""
@@ -144,6 +162,14 @@ class WorkerExtension:
             if family is None:
                 raise InvalidArgument("convert_from= needs family= (the mapping preset and the placements)")
             mapping = preset(family, fp8=fp8)
+        if _compiled(self) and _cpu_linears(net):
+            raise UsageError(
+                "tensorhub_open: this engine runs vLLM's compiled mode, and its CPU linear layers read repacked "
+                "weights through the compiled graph: replacing them (what the worker extension does to land weights "
+                "in place) breaks the next generate() ('builtin_function_or_method' object has no attribute "
+                "'__closure__'). Start the engine with enforce_eager=True, or use the weight-transfer backend, "
+                'which works compiled: LLM(..., weight_transfer_config={"backend": "tensorhub"}) (README "vLLM")'
+            )
         taken = _take_over_cpu_linears(net, placements, rank)
         params = dict(net.named_parameters())
         h = tensorhub.open(model, replica, num_shards=tp, shard_idx=rank, server=server, transports=transports,
@@ -172,7 +198,9 @@ class WorkerExtension:
         return self._th_handle().update(version, timeout)
 
     def tensorhub_prefetch(self, version: int | str = "latest") -> int | None:
-        """Start pulling ``version`` into the shadow set (``prefetch``)."""
+        """Start pulling ``version`` into the shadow set (``prefetch``). Returns the version it
+        pulls, or None: nothing to do, or (a converted model, whose ``"latest"`` the server
+        resolves when the pull starts) not known yet; poll ``tensorhub_prefetched`` for it."""
         return self._th_handle().prefetch(version)
 
     def tensorhub_prefetched(self) -> int | None:

@@ -1,0 +1,766 @@
+"""TensorHub as a vLLM weight-transfer backend: ``weight_transfer_config={"backend": "tensorhub"}``.
+
+vLLM (0.32) selects a weight-transfer engine by name (``WeightTransferConfig(backend=...)``) from
+``vllm.distributed.weight_transfer.factory``; this package registers ``"tensorhub"`` there through
+vLLM's plugin entry point (``vllm.general_plugins`` in setup.cfg, :func:`register`), so every vLLM
+process (``LLM``, ``AsyncLLM``, ``vllm serve``, each worker) finds it without user code
+(:func:`tensorhub.integrations.vllm_plugin.register`)::
+
+    llm = LLM(model=DIR, weight_transfer_config={"backend": "tensorhub"})
+    llm.init_weight_transfer_engine({"init_info": {"source_model": "actor", "replica": "rollout-0"}})
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": 3}})
+    llm.finish_weight_update(weight_version="3")
+
+Data flow
+---------
+::
+
+    trainer ranks --publish(v): a reference, no bytes--> reference server
+    vLLM worker r --update_weights({"version": v})-->
+        PULL    v's bytes from whoever holds them into this worker's STAGING tensors
+                (checkpoint names and shapes, the engine's dtype): the first engine of a
+                layout converts them from the trainer's shards (reshard + cast), every
+                other engine of that layout pulls the converted bytes from a peer
+        REPLAY  the loader trace from staging into the model's parameters, under vLLM's
+                layerwise reload: materialize, scatter, process_weights_after_loading
+                (CPU repacking, quantization), copy into the kernel tensors
+
+Lifetimes
+---------
+- **TRACE, once, at** ``init_transfer_engine``: drive the model's own ``load_weights`` with
+  vLLM's placeholder tensors (``FakeRDTTensor``, the ``sharded_rdt`` backend's bake) over the
+  checkpoint's names and shapes, and record, per leaf module, which slice of which checkpoint
+  tensor lands where (fused ``qkv_proj``/``gate_up_proj``, tensor-parallel slices, stacked
+  experts ``w13``/``w2``, MLA's ``fused_qkv_a_proj``: whatever that architecture's loader does).
+  A parameter the trace does not fill completely is a
+  :class:`~tensorhub.errors.MappingMismatch` naming it, before any byte moves. Then open the
+  handle (a converted model of ``source_model``: the same names, cast to the engine's dtypes)
+  and register the staging set.
+- **PULL, every update** (``update_weights``): ``replicate``/``update`` into staging. With
+  ``{"prefetch": true}`` it runs in the background and ``update_weights`` returns at once: the
+  engine keeps serving from its parameters, which the pull never touches.
+- **REPLAY, every update**: staging -> parameters. The kernel tensors keep their storage (vLLM's
+  ``_copy_and_restore_kernel_tensors``), so compiled graphs and CUDA graphs stay valid. The
+  pause of an update with a finished prefetch is this step alone.
+- The staging set stays registered and published: this engine serves the version to its peers.
+
+The weight version vLLM reports (``/weight_info``, each output's ``weight_versions``) is set by
+the frontend, not the workers: :class:`TensorHubTrainerWeightTransferEngine` and
+:func:`update` pass the TensorHub version as ``finish_weight_update(weight_version=...)``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct as _struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+import tensorhub
+from tensorhub.core.errors import InvalidArgument, MappingMismatch, UsageError
+from tensorhub.core.placement import REPLICATE, TensorPlacement
+from tensorhub.integrations.vllm_plugin import BACKEND
+from tensorhub.scheduling.mapping import Cast, Mapping
+
+if TYPE_CHECKING:
+    from tensorhub.handles.api import ShardHandle
+
+__all__ = [
+    "BACKEND",
+    "LoaderTrace",
+    "TensorHubInitInfo",
+    "TensorHubTrainerInitInfo",
+    "TensorHubTrainerWeightTransferEngine",
+    "TensorHubUpdateInfo",
+    "TensorHubWeightTransferEngine",
+    "LLMClient",
+    "checkpoint_tensors",
+    "latest_version",
+    "trace_loader",
+    "update",
+]
+
+from vllm.distributed.weight_transfer.base import (  # noqa: E402 - vLLM is this module's premise
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                                      torch.float8_e4m3fn, torch.int8, torch.uint8, torch.int32, torch.int64)}  # fmt: skip
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
+                       "I8": "int8", "U8": "uint8", "I32": "int32", "I64": "int64"}  # fmt: skip
+
+
+# --- init and update info ----------------------------------------------------------------------
+
+
+def _version(value: Any, what: str) -> int | str:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidArgument(f"{what}: a version is an integer >= 0 or 'latest', got {value!r}")
+    if isinstance(value, int) and value < 0:
+        raise InvalidArgument(f"{what}: a version is an integer >= 0 or 'latest', got {value!r}")
+    if isinstance(value, str) and value != "latest" and not value.startswith("latest-"):
+        if not value.isdigit():
+            raise InvalidArgument(f"{what}: a version is an integer >= 0 or 'latest', got {value!r}")
+        return int(value)
+    return value
+
+
+@dataclass
+class TensorHubInitInfo(WeightTransferInitInfo):
+    """``init_weight_transfer_engine``'s ``init_info`` for the ``tensorhub`` backend.
+
+    Attributes:
+        source_model: the TensorHub model the trainer publishes (Hugging Face checkpoint names).
+        replica: this engine's replica name (all its workers share it; ``-dp<i>`` is appended
+            per data-parallel rank when there are several).
+        model: the converted model this engine holds (default ``<source_model>:vllm-<dtype>-w<n>``:
+            one name per layout, so engines of one layout serve each other).
+        server: the reference server's address (None: ``$TENSORHUB_SERVER`` or the embedded default).
+        retain: as :func:`tensorhub.open`.
+        timeout: seconds an update may wait for its version and pull it (None: no bound).
+        names, dtype_names, shapes: the checkpoint's tensors the trainer publishes (full shapes),
+            as vLLM's ``sharded_rdt`` backend takes them; empty: read from the safetensors
+            files of the model's directory.
+        ignore: name patterns of published tensors this engine does not take
+            (:class:`~tensorhub.scheduling.mapping.Mapping` ``ignore``).
+        transports: as :func:`tensorhub.open`.
+    """
+
+    source_model: str = ""
+    replica: str = ""
+    model: str = ""
+    server: str | None = None
+    retain: str | None = "latest"
+    timeout: float | None = 600.0
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    ignore: list[str] = field(default_factory=list)
+    transports: dict[str, dict] | None = None
+
+    def __post_init__(self) -> None:
+        for what in ("source_model", "replica"):
+            if not isinstance(getattr(self, what), str) or not getattr(self, what):
+                raise InvalidArgument(f"tensorhub init_info needs {what}= (a name), got {getattr(self, what)!r}")
+        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
+            raise InvalidArgument(f"tensorhub init_info: names ({len(self.names)}), dtype_names ({len(self.dtype_names)}) "
+                                  f"and shapes ({len(self.shapes)}) must have one entry per tensor")  # fmt: skip
+        bad = [d for d in self.dtype_names if d not in _DTYPES]
+        if bad:
+            raise InvalidArgument(f"tensorhub init_info: unknown dtype_names {sorted(set(bad))}; known: {sorted(_DTYPES)}")
+        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise InvalidArgument(f"tensorhub init_info: timeout must be > 0 seconds or None, got {self.timeout!r}")
+
+
+@dataclass
+class TensorHubUpdateInfo(WeightTransferUpdateInfo):
+    """``update_weights``'s ``update_info`` for the ``tensorhub`` backend.
+
+    Attributes:
+        version: the TensorHub version to load (an integer, or ``"latest"``).
+        prefetch: only start pulling it into staging, in the background, and return at once
+            (the engine keeps serving); a later ``update_weights`` of the same version loads it.
+    """
+
+    version: int | str = "latest"
+    prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        self.version = _version(self.version, "tensorhub update_info")
+        if not isinstance(self.prefetch, bool):
+            raise InvalidArgument(f"tensorhub update_info: prefetch must be true or false, got {self.prefetch!r}")
+
+
+# --- the checkpoint's tensors -------------------------------------------------------------------
+
+
+def checkpoint_tensors(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{name: (dtype, shape)}`` of the safetensors files in the directory ``path`` (headers
+    only: no tensor is read).
+
+    Raises:
+        InvalidArgument: no safetensors file there, or a header that does not parse.
+    """
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
+    if not files:
+        raise InvalidArgument(
+            f"no *.safetensors in {path!r} to read the checkpoint's tensor names from: pass names=, "
+            "dtype_names= and shapes= in the tensorhub init_info"
+        )
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                (n,) = _struct.unpack("<Q", fh.read(8))
+                if n > 100 << 20:
+                    raise ValueError(f"header of {n} bytes")
+                header = json.loads(fh.read(n))
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                out[name] = (_SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"]), tuple(int(x) for x in meta["shape"]))
+        except (OSError, ValueError, KeyError, TypeError, _struct.error) as err:
+            raise InvalidArgument(f"cannot read the safetensors header of {f!r}: {err}") from err
+    return out
+
+
+# --- the trace ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """One recorded copy: the slice ``chain`` of checkpoint tensor ``source`` lands in the
+    region (``shape``, ``stride``, ``offset``) of parameter ``param`` of ``module``."""
+
+    source: str
+    chain: tuple
+    module: Any
+    param: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype  # the destination parameter's dtype (what staging holds)
+
+
+@dataclass
+class LoaderTrace:
+    """What :func:`trace_loader` found.
+
+    Attributes:
+        modules: per leaf module the loader fills, its scatters, in load order.
+        staged: per checkpoint tensor that lands somewhere, its (dtype, shape) in staging:
+            the dtype of the parameters it lands in, the checkpoint's shape.
+        skipped: checkpoint tensors the loader read but put nowhere (e.g. ``rotary_emb.inv_freq``).
+        seconds: how long the trace took.
+    """
+
+    modules: dict[Any, list[Scatter]]
+    staged: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    skipped: list[str]
+    seconds: float
+
+
+def _module_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(m): n for n, m in model.named_modules()}
+
+
+def trace_loader(
+    model: torch.nn.Module, device: torch.device, tensors: dict[str, tuple[str, tuple[int, ...]]]
+) -> LoaderTrace:
+    """Drive ``model.load_weights`` with placeholders of ``tensors`` and record where each slice
+    lands (the ``sharded_rdt`` backend's bake, with its placeholder tensors and loader stamps).
+    The model is left as it was.
+
+    Raises:
+        MappingMismatch: a loader did something with a placeholder that is not a slice (naming
+            the tensor), or a parameter the loader did not fill completely, or at all (naming it).
+    """
+    from vllm.distributed.weight_transfer.sharded_rdt_engine import ShardedRDTWeightTransferEngine as _Bake
+    from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink, FakeRDTTensor
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_size
+
+    t0 = time.perf_counter()
+    names = _module_names(model)
+    # Parameters several modules share (tied embeddings): one of them loads it.
+    owners: dict[int, list[Any]] = {}
+    for mod in model.modules():
+        for p in get_layer_params_buffers(mod)[0].values():
+            owners.setdefault(id(p), []).append(mod)
+    kernel_params = {mod: {n: id(p) for n, p in get_layer_params_buffers(mod)[0].items()} for mod in model.modules()}
+    recorder = BakeSink()
+    sizes: dict[Any, int] = {}
+    loadable: dict[Any, list[str]] = {}
+    with torch.device(device):
+        initialize_layerwise_reload(model)
+        try:
+            # The bake's stamps and restore do not use the engine's state (vLLM 0.32): reused as they are.
+            _Bake._install_recording_stamps(None, model, recorder)
+            fakes = [(n, FakeRDTTensor(name=n, shape=torch.Size(shape), dtype=_DTYPES[dt] if dt in _DTYPES else torch.float32,
+                                       device=device, sink=recorder)) for n, (dt, shape) in tensors.items()]  # fmt: skip
+            try:
+                with disable_mtp_completeness_check():
+                    model.load_weights(fakes)  # type: ignore[operator]  # vLLM models have it
+            except NotImplementedError as err:
+                raise MappingMismatch(f"vLLM's loader does something other than slicing a checkpoint tensor: {err}") from err
+            for mod in model.modules():
+                sizes[mod] = get_layer_size(mod)
+                loadable[mod] = [n for n in get_layer_params_buffers(mod)[0] if n not in SKIP_LOAD_TENSORS]
+        finally:
+            _Bake._restore_after_dry_run(None, model)
+    modules: dict[Any, list[Scatter]] = {}
+    problems: list[str] = []
+    missing: list[str] = []
+    for mod, recorded in recorder.copies_by_layer.items():
+        where = names.get(id(mod), type(mod).__name__)
+        if any(c is None for c in recorded):
+            problems.append(f"{where}: a copy the trace could not attribute to a parameter")
+            continue
+        copied = sum(int(torch.Size(c.shape).numel()) for c in recorded)
+        if copied < sizes.get(mod, 0):
+            problems.append(f"{where}: the loader fills {copied} of its {sizes[mod]} elements")
+            missing += [f"{where}.{n}" for n in loadable.get(mod, ())]
+            continue
+        modules[mod] = [
+            Scatter(c.src[0], tuple(c.src[1]), mod, c.param_name, tuple(c.shape), tuple(c.stride), int(c.offset),
+                    getattr(mod, c.param_name).dtype)  # fmt: skip
+            for c in recorded
+        ]
+    filled = {id(m) for m in modules}
+    for mod in model.modules():
+        if mod in modules or not loadable.get(mod):
+            continue
+        # a parameter another, filled, module owns too (tied embeddings) is loaded through it
+        unfilled = [n for n in loadable[mod] if not any(id(o) in filled for o in owners.get(kernel_params[mod].get(n, -1), ()))]
+        if unfilled:
+            where = names.get(id(mod), type(mod).__name__)
+            missing += [f"{where}.{n}" for n in unfilled]
+            problems.append(f"{where}: no checkpoint tensor lands in {unfilled}")
+    if problems:
+        shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
+        raise MappingMismatch(
+            "vLLM's loader, driven with the checkpoint's tensors, does not fill every parameter of the engine "
+            "(is init_info's source model this engine's architecture?):\n  " + "\n  ".join(shown),
+            tensors=tuple(missing[:64]),
+        )
+    staged: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for scatters in modules.values():
+        for s in scatters:
+            staged.setdefault(s.source, (s.dtype, tuple(tensors[s.source][1])))
+    skipped = [n for n in tensors if n not in staged]
+    return LoaderTrace(modules, staged, skipped, time.perf_counter() - t0)
+
+
+def _replay(t: torch.Tensor, chain: Sequence[tuple]) -> torch.Tensor:
+    """Apply a recorded op chain (views and slices from vLLM's allowlist) to a staged tensor."""
+    from vllm.distributed.weight_transfer.sharded_rdt_common import ALLOWED_OPS
+
+    for op, args, kwargs in chain:
+        if op not in ALLOWED_OPS:
+            raise MappingMismatch(f"a recorded op {op!r} is not one of vLLM's slicing ops {sorted(ALLOWED_OPS)}")
+        t = getattr(t, op)(*args, **dict(kwargs))
+    return t
+
+
+def _casts(staged: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[Cast, ...]:
+    """Cast rules giving each staged tensor its dtype: the common dtype for every name, the
+    others by exact name first (few rules, so resolving stays linear)."""
+    dtypes = {n: str(d).removeprefix("torch.") for n, (d, _) in staged.items()}
+    if not dtypes:
+        return ()
+    common = Counter(dtypes.values()).most_common(1)[0][0]
+    return (*(Cast(n, d) for n, d in dtypes.items() if d != common), Cast("{name:path}", common))
+
+
+# --- the worker-side engine ---------------------------------------------------------------------
+
+
+class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInfo]):
+    """The worker side: one TensorHub handle per vLLM worker (its rank in the engine is the
+    shard), a staging set in checkpoint names, and the loader trace replayed into the model."""
+
+    init_info_cls = TensorHubInitInfo
+    update_info_cls = TensorHubUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.handle: ShardHandle | None = None
+        self.trace: LoaderTrace | None = None
+        self.staging: dict[str, torch.Tensor] = {}
+        self.loaded: int | None = None  #: the version the model's parameters hold
+        self.last: dict[str, float] = {}  #: seconds of the last update's pull and replay
+        self._timeout: float | None = None
+        self._lock = threading.Lock()  # one pull or replay at a time (the handle takes one call)
+        self._prefetch: threading.Thread | None = None
+        self._prefetch_error: BaseException | None = None
+
+    # rank and shard count of this worker in its engine (tensor x pipeline parallel)
+    def _shard(self) -> tuple[int, int]:
+        from vllm.distributed import parallel_state as ps
+
+        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        pp, pp_rank = ps.get_pp_group().world_size, ps.get_pp_group().rank_in_group
+        return tp * pp, pp_rank * tp + tp_rank
+
+    def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
+        """Trace the loader, allocate the staging set and open and register the handle.
+
+        Raises:
+            UsageError: called twice.
+            InvalidArgument: no checkpoint tensors to trace with.
+            MappingMismatch: a parameter the trace cannot place (naming it).
+        """
+        if self.handle is not None:
+            raise UsageError("the tensorhub weight-transfer engine is already initialized: shut it down first")
+        info = init_info
+        if info.names:
+            tensors = {n: (d, tuple(s)) for n, d, s in zip(info.names, info.dtype_names, info.shapes)}
+        else:
+            tensors = checkpoint_tensors(str(self.model_config.model))
+        trace = trace_loader(self.model, self.device, tensors)
+        num_shards, shard = self._shard()
+        dp = self.parallel_config.data_parallel_size
+        replica = info.replica if dp <= 1 else f"{info.replica}-dp{self.parallel_config.data_parallel_rank}"
+        dtype = str(self.model_config.dtype).removeprefix("torch.")
+        model = info.model or f"{info.source_model}:vllm-{dtype}-w{num_shards}"
+        staging = {n: torch.empty(shape, dtype=d, device=self.device) for n, (d, shape) in trace.staged.items()}
+        placements = {n: TensorPlacement(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), (num_shards,), (REPLICATE,))
+                      for n, t in staging.items()}  # fmt: skip
+        mapping = Mapping(casts=_casts(trace.staged), ignore=(*(n for n in trace.skipped), *info.ignore))
+        h = tensorhub.open(model, replica, num_shards=num_shards, shard_idx=shard, server=info.server, retain=info.retain,
+                           transports=info.transports, convert_from=info.source_model, mapping=mapping)  # fmt: skip
+        try:
+            h.register(staging, placements=placements)
+        except BaseException:
+            h.close()
+            raise
+        self.handle, self.trace, self.staging, self._timeout = h, trace, staging, info.timeout
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: the parameters are only touched by ``update_weights``' replay."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> TensorHubUpdateInfo:
+        try:
+            return TensorHubUpdateInfo(**update_dict)
+        except TypeError as err:
+            raise InvalidArgument(f"tensorhub update_info: {err} (it takes version= and prefetch=)") from err
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> TensorHubInitInfo:
+        try:
+            return TensorHubInitInfo(**init_dict)
+        except TypeError as err:
+            raise InvalidArgument(f"tensorhub init_info: {err}") from err
+
+    def _need_handle(self) -> ShardHandle:
+        if self.handle is None:
+            raise UsageError("the tensorhub weight-transfer engine is not initialized: call init_weight_transfer_engine first")
+        return self.handle
+
+    def _pull(self, version: int | str) -> int:
+        """Bring staging to ``version`` (waiting for it). Returns the version staged."""
+        h = self._need_handle()
+        if h.version is not None and h.version == version:
+            return h.version
+        if h.version is None:
+            return h.replicate(version, self._timeout)
+        h.update(version, self._timeout)
+        if isinstance(version, int) and h.version != version:
+            h.replicate(version, self._timeout)
+        assert h.version is not None
+        return h.version
+
+    @property
+    def staged(self) -> int | None:
+        """The version the staging set holds (None: none yet, or a prefetch still running)."""
+        t = self._prefetch
+        if self.handle is None or (t is not None and t.is_alive()):
+            return None
+        return self.handle.version
+
+    def _join_prefetch(self) -> None:
+        t, self._prefetch = self._prefetch, None
+        if t is not None:
+            t.join()
+        err, self._prefetch_error = self._prefetch_error, None
+        if err is not None:
+            raise err
+
+    def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
+        """Pull ``update_info.version`` into staging (or start to, with ``prefetch``), then
+        replay it into the model's parameters."""
+        self._need_handle()
+        self._join_prefetch()
+        if update_info.prefetch:
+
+            def run() -> None:
+                try:
+                    with self._lock:
+                        self._pull(update_info.version)
+                except BaseException as err:  # noqa: BLE001 - raised by the next update_weights
+                    self._prefetch_error = err
+
+            self._prefetch = threading.Thread(target=run, name="tensorhub-prefetch", daemon=True)
+            self._prefetch.start()
+            return
+        with self._lock:
+            t0 = time.perf_counter()
+            version = self._pull(update_info.version)
+            t1 = time.perf_counter()
+            self._replay_all()
+            self.loaded = version
+            self.last = {"pull_s": t1 - t0, "replay_s": time.perf_counter() - t1}
+
+    @torch.no_grad()
+    def _replay_all(self) -> None:
+        """Staging -> parameters, as vLLM's layerwise reload processes a checkpoint load."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _copy_and_restore_kernel_tensors
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+        assert self.trace is not None
+        model = self.model
+        with torch.device(self.device):
+            initialize_layerwise_reload(model)
+            try:
+                for mod, scatters in self.trace.modules.items():
+                    info = LAYERWISE_INFO.get(mod)
+                    if info is None or not info.can_load():
+                        raise UsageError(f"vLLM's layerwise reload did not set up {type(mod).__name__} for loading")
+                    materialize_layer(mod, info)
+                    for s in scatters:
+                        dst = getattr(mod, s.param).data.as_strided(s.shape, s.stride, s.offset)
+                        dst.copy_(_replay(self.staging[s.source], s.chain))
+                    if hasattr(mod, "_already_called_process_weights_after_loading"):
+                        delattr(mod, "_already_called_process_weights_after_loading")
+                    quant = getattr(mod, "quant_method", None)
+                    if isinstance(quant, QuantizeMethodBase):
+                        quant.process_weights_after_loading(mod)
+                        if hasattr(mod, "update_param_tp_status"):
+                            mod.update_param_tp_status()
+                    if info.kernel_tensors is not None:
+                        _copy_and_restore_kernel_tensors(mod, info)
+                    info.reset()
+            finally:
+                # the modules not replayed (no checkpoint tensor, attention) get their kernel tensors back
+                finalize_layerwise_reload(model, self.model_config)
+
+    def finish_weight_update(self) -> None:
+        """Nothing left: ``update_weights`` replayed the whole model. (The version vLLM reports
+        is the frontend's: ``finish_weight_update(weight_version=...)``.)"""
+
+    def shutdown(self) -> None:
+        """Close the handle (the parameters keep what they hold)."""
+        try:
+            self._join_prefetch()
+        except BaseException:  # noqa: BLE001 - shutting down: the error was the prefetch's
+            pass
+        h, self.handle = self.handle, None
+        if h is not None:
+            h.close()
+
+
+# --- the trainer-side engine --------------------------------------------------------------------
+
+
+@dataclass
+class TensorHubTrainerInitInfo(TrainerInitInfo):
+    """The trainer side's init info (``WeightTransferTrainerFactory.trainer_init``).
+
+    Attributes:
+        model: the TensorHub model this trainer publishes (Hugging Face names).
+        replica: the trainer's replica name.
+        num_shards, shard_idx: this rank's shard of the replica (None: torchrun's world and rank).
+        server: the reference server.
+        engine: the ``init_info`` to send the inference engines (``source_model`` defaults to
+            ``model``); None: do not initialize them (they were).
+        first_version: the version the first ``send_weights`` publishes.
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    model: str = ""
+    replica: str = "trainer"
+    num_shards: int | None = None
+    shard_idx: int | None = None
+    server: str | None = None
+    engine: dict[str, Any] | None = None
+    first_version: int = 1
+
+
+class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHubTrainerInitInfo]):
+    """The trainer side: registers this rank's tensors once and publishes a reference per
+    version (no bytes move at publish); the sender then drives the engines' update through
+    vLLM's client (``start_weight_update``, ``update_weights({"version": v})``,
+    ``finish_weight_update(weight_version=str(v))``), where the engines pull the version.
+
+    ``source``: a :class:`~vllm.distributed.weight_transfer.base.WeightSource` (its tensors are
+    materialized once and registered: the buffers are reused in place, so the caller copies
+    new weights into :attr:`tensors`), or pass ``tensors=`` and ``placements=`` (a rank's local
+    shards, as :meth:`tensorhub.ShardHandle.register`) to :meth:`trainer_init`.
+    """
+
+    init_info_cls = TensorHubTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.handle: ShardHandle | None = None
+        self.version: int | None = None  #: the version published last
+        self.next_version = 1
+        self.published = False
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: TensorHubTrainerInitInfo,
+        *,
+        client: Any = None,
+        source: Any = None,
+        tensors: dict[str, torch.Tensor] | None = None,
+        placements: dict[str, Any] | None = None,
+    ) -> TensorHubTrainerWeightTransferEngine:
+        """Open this rank's handle, register its tensors and (sender) initialize the engines.
+
+        Raises:
+            InvalidArgument: neither ``source`` nor ``tensors``, or both; no model name.
+        """
+        if not init_info.model:
+            raise InvalidArgument("TensorHubTrainerInitInfo needs model= (the TensorHub model to publish)")
+        if (source is None) == (tensors is None):
+            raise InvalidArgument("trainer_init takes the weights as source= (a WeightSource) or tensors=, exactly one")
+        self = cls(client=client, source=source, is_sender=init_info.is_sender)
+        if tensors is None:
+            tensors = {n: t.detach().contiguous() for n, t in source}
+        if placements is None and (init_info.num_shards or 1) == 1:
+            # one shard holds every tensor whole: what a converter needs to plan from it
+            placements = {n: TensorPlacement(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), (1,), (REPLICATE,))
+                          for n, t in tensors.items()}  # fmt: skip
+        self.handle = tensorhub.open(init_info.model, init_info.replica, num_shards=init_info.num_shards,
+                                     shard_idx=init_info.shard_idx, server=init_info.server)  # fmt: skip
+        try:
+            self.handle.register(tensors, placements=placements)
+        except BaseException:
+            self.handle.close()
+            raise
+        self.next_version = init_info.first_version
+        if init_info.engine is not None and self.is_sender and client is not None:
+            engine = {"source_model": init_info.model, **init_info.engine}
+            if "names" not in engine:
+                # the engines trace their loader with the tensors this trainer publishes (global shapes)
+                shapes = {n: _global_shape(t, (placements or {}).get(n)) for n, t in tensors.items()}
+                engine.update(names=list(tensors), dtype_names=[str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+                              shapes=[list(shapes[n]) for n in tensors])  # fmt: skip
+            if init_info.server is not None:
+                engine.setdefault("server", init_info.server)
+            client.init_weight_transfer_engine(engine)
+        return self
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The registered tensors (write the next version's weights into them, then publish)."""
+        assert self.handle is not None
+        return self.handle.tensors
+
+    def unpublish(self) -> None:
+        """Withdraw the published version; returns once no reader reads the tensors, which may
+        then be written (the next version's weights: the optimizer step)."""
+        assert self.handle is not None
+        if self.published:
+            self.handle.unpublish()
+            self.published = False
+
+    def publish(self, version: int | None = None) -> int:
+        """Publish the registered tensors as ``version`` (default: the one after the last).
+        Returns at once: a reference, no bytes move; the tensors must not change until
+        :meth:`unpublish` (called here first if the previous version is still published: write
+        new weights only after unpublishing)."""
+        assert self.handle is not None
+        v = self.next_version if version is None else version
+        self.unpublish()
+        self.handle.publish(v)
+        self.version, self.next_version, self.published = v, v + 1, True
+        return v
+
+    def send_weights(self, version: int | None = None) -> None:
+        """Publish, then (sender, with a client) have the engines load that version and
+        report it as their weight version. Call on every trainer rank."""
+        v = self.publish(version)
+        if self.is_sender and self.client is not None:
+            self.client.start_weight_update()
+            self.client.update_weights({"version": v})
+            self.client.finish_weight_update(weight_version=str(v))
+
+    def shutdown(self) -> None:
+        h, self.handle = self.handle, None
+        if h is not None:
+            h.close()
+
+
+def _global_shape(t: torch.Tensor, placement: Any) -> tuple[int, ...]:
+    """The whole tensor's shape: its placement's (a TensorPlacement, or a PlacedTensor's), a
+    DTensor's, or the tensor's own."""
+    placement = getattr(placement, "placement", placement)
+    return tuple(getattr(placement, "shape", None) or t.shape)
+
+
+class LLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` over an offline ``LLM`` (vLLM ships HTTP and Ray ones):
+    what :class:`TensorHubTrainerWeightTransferEngine` drives when the engine is in-process."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+
+def latest_version(source_model: str, server: str | None = None, timeout: float = 5.0) -> int | None:
+    """The highest available version of ``source_model`` on the server (None: none), asked
+    without opening a shard: what ``"latest"`` would resolve to now.
+
+    ``server``: an address (None: ``$TENSORHUB_SERVER``, else the embedded default's).
+
+    Raises:
+        ServerUnavailable: no answer within ``timeout`` seconds.
+    """
+    from tensorhub.runtime.embedded import embedded_address, parse_servers
+    from tensorhub.tools.admin import cluster_state
+
+    address = parse_servers(server)[0] if server else (os.environ.get("TENSORHUB_SERVER") or embedded_address()).split(",")[0]
+    for model in cluster_state(address, timeout).models:
+        if model.model == source_model:
+            versions = [v.version for v in model.versions if v.available]
+            return max(versions) if versions else None
+    return None
+
+
+def update(client: Any, version: int | str = "latest", *, source_model: str = "", server: str | None = None) -> int:
+    """Bring the engines behind ``client`` (a ``VLLMWeightSyncClient``: :class:`LLMClient`,
+    vLLM's HTTP or Ray client) to ``version`` and make it vLLM's weight version: ``"latest"`` is
+    resolved here first (:func:`latest_version` of ``source_model``), so every worker loads the
+    same number and ``/weight_info`` names it. Returns the version.
+
+    Raises:
+        InvalidArgument: ``"latest"`` without ``source_model``, or nothing published yet.
+    """
+    v = _version(version, "update")
+    if not isinstance(v, int):
+        if not source_model:
+            raise InvalidArgument('update(version="latest") needs source_model= (the model whose latest version to load)')
+        latest = latest_version(source_model, server)
+        k = int(v.partition("-")[2] or 0)
+        if latest is None or latest - k < 0:
+            raise InvalidArgument(f"update: {source_model!r} has no available version to resolve {v!r} against")
+        v = latest - k
+    client.start_weight_update()
+    client.update_weights({"version": v})
+    client.finish_weight_update(weight_version=str(v))
+    return v

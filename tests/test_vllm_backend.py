@@ -1,0 +1,498 @@
+"""The ``tensorhub`` weight-transfer backend in a real vLLM (its CPU build, ``vllm-cpu`` 0.32).
+
+A trainer of 3 shards (Hugging Face names, FSDP-like ``Shard`` placements, float32 master weights)
+publishes versions through :class:`TensorHubTrainerWeightTransferEngine`, which drives the engine
+through vLLM's own weight-transfer API (``init_weight_transfer_engine``, ``start_weight_update``,
+``update_weights``, ``finish_weight_update``); the engine was started with
+``weight_transfer_config={"backend": "tensorhub"}`` (found through vLLM's plugin entry point) in
+vLLM's default compiled mode, from other weights. After each version its greedy tokens equal
+those of the same engine loaded directly from that version's safetensors checkpoint by vLLM's
+own loader (``reload_weights``), and differ from the version before; vLLM reports the TensorHub
+version as its weight version. Dense (Qwen3) and mixture-of-experts (Qwen3-MoE: stacked
+``w13``/``w2`` experts) and DeepSeek-V3-shaped (MLA) in-process, dense in vLLM's multiprocess
+mode and in an ``AsyncLLM`` too; a version prefetched
+while the engine keeps generating from the one before; bad init and update
+info are typed errors, and a checkpoint that does not fill a parameter is a ``MappingMismatch``
+naming it, at init, before any byte moves.
+
+Skipped where vLLM is not installed: ``bash scripts/dev test-vllm`` makes its environment and
+runs these. One engine per test (start-up is 20-80 s here).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind"}.items():  # fmt: skip
+    os.environ.setdefault(_k, _v)
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/dev test-vllm makes an environment with it)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+safetensors = pytest.importorskip("safetensors", reason="safetensors is not installed")
+import safetensors.torch  # noqa: E402
+
+import torch  # noqa: E402
+
+from tensorhub.core.errors import InvalidArgument, MappingMismatch, UsageError  # noqa: E402
+from tensorhub.core.placement import REPLICATE, TensorPlacement, chunk_range  # noqa: E402
+from tensorhub.integrations.vllm import EXTENSION  # noqa: E402
+from tensorhub.integrations.vllm_backend import (  # noqa: E402
+    LLMClient,
+    TensorHubTrainerInitInfo,
+    TensorHubTrainerWeightTransferEngine,
+    checkpoint_tensors,
+)
+
+from .procs import ServerProcess  # noqa: E402
+
+pytestmark = [
+    pytest.mark.integration,
+    # engine start-up (compiling) took 60-290 s per test on two cores shared with other work
+    pytest.mark.timeout(900),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning",
+                               "ignore::ResourceWarning", "ignore::RuntimeWarning",
+                               "ignore::pytest.PytestUnraisableExceptionWarning"),
+]  # fmt: skip
+
+PROMPTS = [[1, 2, 3, 4], [100, 7, 300, 9, 11], [42]]
+SHARDS = 3
+
+
+def dense_config() -> transformers.Qwen3Config:
+    return transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                    max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+
+
+def moe_config() -> transformers.Qwen3MoeConfig:
+    return transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                                       max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+
+
+def save(cls: type, config: object, seed: int, path: str) -> dict[str, torch.Tensor]:
+    """A random-initialized model saved as a bf16 checkpoint; returns the checkpoint's tensors
+    (Hugging Face's checkpoint names: per-expert ``experts.{e}.gate_proj`` where transformers 5
+    holds the experts stacked in memory) as float32: a trainer's master weights holding exactly
+    the checkpoint's values."""
+    torch.manual_seed(seed)
+    cls(config).to(torch.bfloat16).save_pretrained(path)
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update({n: t.float().contiguous() for n, t in safetensors.torch.load_file(f).items()})
+    return out
+
+
+def _dim(shape: tuple[int, ...]) -> int | None:
+    """The first dimension split into SHARDS non-empty chunks (FSDP shards dim 0 where it can)."""
+    return next((d for d, n in enumerate(shape) if chunk_range(n, SHARDS, SHARDS - 1)[1] > chunk_range(n, SHARDS, SHARDS - 1)[0]), None)
+
+
+def _local(t: torch.Tensor, r: int) -> tuple[torch.Tensor, TensorPlacement]:
+    d = _dim(tuple(t.shape))
+    name_less = TensorPlacement("x", "float32", tuple(t.shape), (SHARDS,), (REPLICATE if d is None else d,))
+    if d is None:
+        return t.clone(), name_less
+    a, b = chunk_range(t.shape[d], SHARDS, r)
+    return t.narrow(d, a, b - a).clone().contiguous(), name_less
+
+
+class Trainer:
+    """SHARDS trainer ranks in threads, each a TensorHubTrainerWeightTransferEngine; rank 0 drives
+    the engine through ``client``."""
+
+    def __init__(self, model: str, weights: dict[str, torch.Tensor], server: str, client: object, engine: dict | None) -> None:
+        self.engines: list[TensorHubTrainerWeightTransferEngine] = []
+        try:
+            for r in range(SHARDS):
+                tensors, placements = {}, {}
+                for n, t in weights.items():
+                    local, p = _local(t, r)
+                    tensors[n] = local
+                    placements[n] = TensorPlacement(n, p.dtype, p.shape, p.mesh, p.dims)
+                info = TensorHubTrainerInitInfo(rank=r, model=model, replica="trainer", num_shards=SHARDS, shard_idx=r,
+                                                server=server, engine=engine)  # fmt: skip
+                self.engines.append(TensorHubTrainerWeightTransferEngine.trainer_init(
+                    info, client=client, tensors=tensors, placements=placements))  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, version: int, weights: dict[str, torch.Tensor], drive: bool = True) -> None:
+        """Every rank: unpublish, write its part of ``weights``, publish ``version``; rank 0 then
+        has the engine load it (``drive``)."""
+        errors: list[BaseException] = []
+
+        def rank(r: int) -> None:
+            try:
+                e = self.engines[r]
+                e.unpublish()
+                for n, t in e.tensors.items():
+                    t.copy_(_local(weights[n], r)[0])
+                if drive:
+                    e.send_weights(version)
+                else:
+                    e.publish(version)
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                errors.append(err)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(SHARDS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not any(t.is_alive() for t in threads), "a trainer rank did not finish in 300 s"
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.shutdown()
+
+
+def generate(llm: vllm.LLM) -> list[list[int]]:
+    params = vllm.SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def reference(llm: vllm.LLM, path: str) -> list[list[int]]:
+    """The engine's tokens with ``path``'s checkpoint loaded by vLLM's own loader."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    llm.reset_prefix_cache()
+    return generate(llm)
+
+
+def engine(path: str, **kw: object) -> vllm.LLM:
+    """vLLM's default compiled mode (no enforce_eager), in this process."""
+    return vllm.LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3,
+                    distributed_executor_backend="uni", weight_transfer_config={"backend": "tensorhub"}, **kw)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _fresh_vllm_process_state():
+    """vLLM keeps its distributed state (process groups, the expert-parallel group or its absence)
+    per process: an in-process engine after another one inherits it (a MoE engine after a dense
+    one fails on "expert parallel group is not initialized"). Clean it after each test, as
+    vLLM's own tests do."""
+    yield
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess()
+    yield s
+    s.stop()
+
+
+def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: object, after_init=lambda: None) -> None:
+    """v1 and v2 from a trainer of SHARDS shards; each equals the engine loaded from its checkpoint."""
+    w1, w2 = save(cls, config, 1, str(tmp_path / "v1")), save(cls, config, 2, str(tmp_path / "v2"))
+    before = generate(llm)
+    trainer = Trainer(model, w1, server.address, LLMClient(llm), {"replica": f"rollout-{model}", "timeout": 120})
+    try:
+        trainer.send(1, w1)
+        after_init()
+        llm.reset_prefix_cache()
+        got1 = generate(llm)
+        assert llm.get_weight_version() == "1"
+        assert got1 != before
+        assert got1 == reference(llm, str(tmp_path / "v1"))
+        # v2 while serving: the pull lands in staging while the engine generates from v1
+        trainer.send(2, w2, drive=False)
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": 2, "prefetch": True}})  # returns at once
+        assert generate(llm) == got1
+        llm.update_weights({"update_info": {"version": 2}})  # waits for the pull, then loads
+        llm.finish_weight_update(weight_version="2")
+        llm.reset_prefix_cache()
+        got2 = generate(llm)
+        assert llm.get_weight_version() == "2"
+        assert got2 != got1
+        assert got2 == reference(llm, str(tmp_path / "v2"))
+    finally:
+        llm.shutdown_weight_transfer_engine()
+        trainer.close()
+
+
+def test_dense_compiled_in_process(tmp_path, server):
+    base = save(transformers.Qwen3ForCausalLM, dense_config(), 0, str(tmp_path / "v0"))
+    llm = engine(str(tmp_path / "v0"), worker_extension_cls=EXTENSION)
+    try:
+        # bad info is a typed error naming what was wrong
+        with pytest.raises(InvalidArgument, match="source_model"):
+            llm.init_weight_transfer_engine({"init_info": {"replica": "r"}})
+        with pytest.raises(InvalidArgument, match="unexpected keyword"):
+            llm.init_weight_transfer_engine({"init_info": {"source_model": "qwen", "replica": "r", "sever": "x"}})
+        # a checkpoint without one of the engine's tensors: refused at init, naming the parameter
+        tensors = checkpoint_tensors(str(tmp_path / "v0"))
+        del tensors["model.layers.1.mlp.down_proj.weight"]
+        short = {"source_model": "qwen", "replica": "r", "server": server.address, "names": list(tensors),
+                 "dtype_names": [d for d, _ in tensors.values()], "shapes": [list(s) for _, s in tensors.values()]}  # fmt: skip
+        with pytest.raises(MappingMismatch, match=r"model\.layers\.1\.mlp\.down_proj") as err:
+            llm.init_weight_transfer_engine({"init_info": short})
+        assert "model.layers.1.mlp.down_proj.weight" in err.value.tensors
+        with pytest.raises(UsageError, match="init_weight_transfer_engine first"):
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": 1}})
+        # the worker extension refuses compiled mode clearly (it would break the next generate())
+        with pytest.raises(UsageError, match="enforce_eager"):
+            llm.collective_rpc("tensorhub_open", kwargs={"model": "qwen-x", "replica": "x", "family": "qwen3",
+                                                          "convert_from": "qwen", "server": server.address})  # fmt: skip
+        assert generate(llm)  # still serving
+        del base
+        _round_trip(llm, tmp_path, server, "qwen", transformers.Qwen3ForCausalLM, dense_config())
+        with pytest.raises(InvalidArgument, match="version"):
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": -1}})
+    finally:
+        llm.shutdown_weight_transfer_engine()
+        del llm
+
+
+def traced(llm: vllm.LLM) -> set[str]:
+    """The parameters the in-process worker's loader trace fills (``module.param``)."""
+    backend = llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine
+    names = {id(m): n for n, m in backend.model.named_modules()}
+    return {f"{names[id(mod)]}.{s.param}" for mod, scatters in backend.trace.modules.items() for s in scatters}
+
+
+def test_moe_compiled_in_process(tmp_path, server):
+    save(transformers.Qwen3MoeForCausalLM, moe_config(), 0, str(tmp_path / "v0"))
+    llm = engine(str(tmp_path / "v0"))
+    try:
+        seen: set[str] = set()
+        _round_trip(llm, tmp_path, server, "qwen-moe", transformers.Qwen3MoeForCausalLM, moe_config(),
+                    lambda: seen.update(traced(llm)))  # fmt: skip
+        # the experts, stacked: gate and up of every expert in w13, down in w2
+        assert {p for p in seen if p.endswith(("w13_weight", "w2_weight"))} >= {
+            f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in range(2) for w in ("w13_weight", "w2_weight")}
+    finally:
+        del llm
+
+
+def deepseek_config() -> transformers.DeepseekV3Config:
+    """MLA attention + routed experts + a shared expert (the sizes vllm-cpu's MLA kernel takes)."""
+    return transformers.DeepseekV3Config(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                         q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
+                                         v_head_dim=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                         first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
+                                         max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+
+
+def test_deepseek_v3_shaped_compiled_in_process(tmp_path, server):
+    save(transformers.DeepseekV3ForCausalLM, deepseek_config(), 0, str(tmp_path / "v0"))
+    llm = engine(str(tmp_path / "v0"))
+    try:
+        seen: set[str] = set()
+        _round_trip(llm, tmp_path, server, "deepseek", transformers.DeepseekV3ForCausalLM, deepseek_config(),
+                    lambda: seen.update(traced(llm)))  # fmt: skip
+        assert "model.layers.1.self_attn.fused_qkv_a_proj.weight" in seen  # MLA's fused q_a + kv_a
+    finally:
+        del llm
+
+
+ENGINE_SCRIPT = r"""
+import json, os, sys
+import vllm
+from tensorhub.integrations.vllm_backend import LLMClient, update
+
+def main():
+    base, server, model, path = sys.argv[1:5]
+    llm = vllm.LLM(model=base, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3,
+                   weight_transfer_config={"backend": "tensorhub"})
+    params = vllm.SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[5])]
+    gen = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    before = gen()
+    llm.init_weight_transfer_engine({"init_info": {"source_model": model, "replica": "rollout-mp", "server": server}})
+    # "latest", resolved before the workers load it, so that vLLM's weight version names it
+    assert update(LLMClient(llm), "latest", source_model=model, server=server) == 1
+    llm.reset_prefix_cache()
+    got = gen()
+    version = llm.get_weight_version()
+    llm.shutdown_weight_transfer_engine()
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    llm.reset_prefix_cache()
+    print("RESULT " + json.dumps({"before": before, "got": got, "reference": gen(), "version": version}), flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_dense_multiprocess(tmp_path, server):
+    """vLLM's default multiprocess mode: the engine core and its worker in another process."""
+    save(transformers.Qwen3ForCausalLM, dense_config(), 0, str(tmp_path / "v0"))
+    w1 = save(transformers.Qwen3ForCausalLM, dense_config(), 1, str(tmp_path / "v1"))
+    trainer = Trainer("qwen-mp", w1, server.address, None, None)
+    try:
+        trainer.send(1, w1, drive=False)
+        script = tmp_path / "engine.py"
+        script.write_text(ENGINE_SCRIPT)
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "v0"), server.address, "qwen-mp",
+                               str(tmp_path / "v1"), json.dumps(PROMPTS)],
+                              capture_output=True, text=True, timeout=480, env=env, check=False)  # fmt: skip
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, f"the engine process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        out = json.loads(lines[-1].removeprefix("RESULT "))
+        assert out["version"] == "1"
+        assert out["got"] != out["before"]
+        assert out["got"] == out["reference"]
+    finally:
+        trainer.close()
+
+
+class _Recorder:
+    """A VLLMWeightSyncClient that records the calls (no engine)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.calls.append(("init", init_info))
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start",))
+
+    def update_weights(self, update_info: dict) -> None:
+        self.calls.append(("update", update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish", weight_version))
+
+
+def test_info_and_trainer_bad_input_and_calls(tmp_path, server):
+    """No engine: the info classes, the checkpoint reader, update() and the trainer engine."""
+    from tensorhub.integrations.vllm_backend import TensorHubInitInfo, TensorHubUpdateInfo, latest_version, update
+
+    for bad in ({"version": -1}, {"version": "newest"}, {"version": True}, {"version": 1, "prefetch": "yes"}):
+        with pytest.raises(InvalidArgument, match="version|prefetch"):
+            TensorHubUpdateInfo(**bad)
+    assert TensorHubUpdateInfo(version="7").version == 7
+    with pytest.raises(InvalidArgument, match="replica"):
+        TensorHubInitInfo(source_model="m")
+    with pytest.raises(InvalidArgument, match="one entry per tensor"):
+        TensorHubInitInfo(source_model="m", replica="r", names=["a"], dtype_names=[], shapes=[])
+    with pytest.raises(InvalidArgument, match="unknown dtype_names"):
+        TensorHubInitInfo(source_model="m", replica="r", names=["a"], dtype_names=["float7"], shapes=[[1]])
+    with pytest.raises(InvalidArgument, match="no \\*.safetensors"):
+        checkpoint_tensors(str(tmp_path))
+    (tmp_path / "x.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    with pytest.raises(InvalidArgument, match="cannot read the safetensors header"):
+        checkpoint_tensors(str(tmp_path))
+    with pytest.raises(InvalidArgument, match="source_model"):
+        update(_Recorder(), "latest")
+    with pytest.raises(InvalidArgument, match="model="):
+        TensorHubTrainerWeightTransferEngine.trainer_init(TensorHubTrainerInitInfo(rank=0), tensors={})
+
+    # a one-shard trainer: it sends the engine its tensors' names and shapes, publishes a
+    # reference, and drives start / update / finish with the version as vLLM's weight version
+    client = _Recorder()
+    weights = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b.bias": torch.ones(5)}
+    info = TensorHubTrainerInitInfo(rank=0, model="tiny", num_shards=1, shard_idx=0, server=server.address,
+                                    engine={"replica": "rollout-9"})  # fmt: skip
+    trainer = TensorHubTrainerWeightTransferEngine.trainer_init(info, client=client, tensors=weights)
+    try:
+        ((what, init),) = client.calls
+        assert what == "init" and init["source_model"] == "tiny" and init["replica"] == "rollout-9"
+        assert init["names"] == ["a.weight", "b.bias"] and init["shapes"] == [[3, 4], [5]]
+        assert latest_version("tiny", server.address) is None
+        trainer.send_weights(4)
+        assert client.calls[1:] == [("start",), ("update", {"version": 4}), ("finish", "4")]
+        assert latest_version("tiny", server.address) == 4
+        assert update(client, "latest", source_model="tiny", server=server.address) == 4
+        assert client.calls[-1] == ("finish", "4")
+    finally:
+        trainer.shutdown()
+
+
+ASYNC_SCRIPT = r"""
+import asyncio, itertools, json, sys
+import vllm
+from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.v1.engine.async_llm import AsyncLLM
+
+async def amain():
+    base, server, model, path = sys.argv[1:5]
+    prompts = json.loads(sys.argv[5])
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=base, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3,
+        weight_transfer_config={"backend": "tensorhub"}))
+    params = vllm.SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
+    ids = itertools.count()
+
+    async def one(p):
+        final = None
+        async for out in engine.generate({"prompt_token_ids": p}, params, request_id=f"r{next(ids)}"):
+            final = out
+        return list(final.outputs[0].token_ids)
+
+    async def gen():
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    try:
+        before = await gen()
+        await engine.init_weight_transfer_engine(WeightTransferInitRequest(
+            init_info={"source_model": model, "replica": "rollout-async", "server": server}))
+        await engine.start_weight_update()
+        await engine.update_weights(WeightTransferUpdateRequest(update_info={"version": 1, "prefetch": True}))
+        during = await gen()  # the engine keeps serving the old weights while v1 is pulled
+        await engine.update_weights(WeightTransferUpdateRequest(update_info={"version": 1}))
+        await engine.finish_weight_update(weight_version="1")
+        await engine.reset_prefix_cache()
+        got = await gen()
+        version = await engine.get_weight_version()
+        await engine.shutdown_weight_transfer_engine()
+        await engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        await engine.reset_prefix_cache()
+        reference = await gen()
+    finally:
+        engine.shutdown()
+    print("RESULT " + json.dumps({"before": before, "during": during, "got": got, "reference": reference,
+                                  "version": version}), flush=True)
+
+if __name__ == "__main__":
+    asyncio.run(amain())
+"""
+
+
+def test_dense_async_llm(tmp_path, server):
+    """AsyncLLM (an asyncio rollout server's engine): v1 prefetched while it keeps generating."""
+    save(transformers.Qwen3ForCausalLM, dense_config(), 0, str(tmp_path / "v0"))
+    w1 = save(transformers.Qwen3ForCausalLM, dense_config(), 1, str(tmp_path / "v1"))
+    trainer = Trainer("qwen-async", w1, server.address, None, None)
+    try:
+        trainer.send(1, w1, drive=False)
+        script = tmp_path / "engine.py"
+        script.write_text(ASYNC_SCRIPT)
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "v0"), server.address, "qwen-async",
+                               str(tmp_path / "v1"), json.dumps(PROMPTS)],
+                              capture_output=True, text=True, timeout=480, check=False)  # fmt: skip
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, f"the engine process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        out = json.loads(lines[-1].removeprefix("RESULT "))
+        assert out["version"] == "1"
+        assert out["during"] == out["before"]
+        assert out["got"] != out["before"]
+        assert out["got"] == out["reference"]
+    finally:
+        trainer.close()
