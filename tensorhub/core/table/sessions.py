@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..layout import Layout
 from ..lifecycle import Event
-from .records import _FENCED_MEMORY, _Declaration, _Model, _Replica, _Session
+from .records import _FENCED_MEMORY, _Declaration, _Model, _Replica, _Session, _Txn
 
 
 class SessionMixin:
@@ -235,16 +235,21 @@ class SessionMixin:
         ctx = {"model": replica.model.name, "replica": replica.name}
         err = error(f"replica removed: {reason}", **ctx)
         for txn in list(replica.txns.values()):
-            txn.error = txn.error or err
-            for call in txn.shards.values():
-                if not call.done and call.session.id in self.sessions:
-                    self._reply_error(call, err)
-                    call.done = True
-            self._drop_txn(txn)
+            self._drop_removed(txn, err)
         replica.model.waits = [w for w in replica.model.waits if w[0].replica is not replica]
         for s in list(replica.shards.values()):
             self._send(s, m.Removed(s.id, error.code, err.message))
             self._end_session(s, fenced_code=error.code)
+
+    def _drop_removed(self, txn: _Txn, err: TensorHubError) -> None:
+        """Drop ``txn`` of a replica being removed: every live shard's call not yet answered gets
+        ``err`` at once (no unpublishing: the shards are going)."""
+        txn.error = txn.error or err
+        for call in txn.shards.values():
+            if not call.done and call.session.id in self.sessions:
+                self._reply_error(call, err)
+                call.done = True
+        self._drop_txn(txn)
 
     def _fence(self, old: _Session, reason: str) -> None:
         """A new incarnation of ``old``'s shard opened: remove the old incarnation of the replica.
@@ -267,12 +272,7 @@ class SessionMixin:
             if not mine:
                 continue
             if len(mine) == len(txn.shards) or txn.decided:  # the old incarnation's call (or one it decided)
-                txn.error = txn.error or err
-                for call in txn.shards.values():
-                    if not call.done and call.session.id in self.sessions:
-                        self._reply_error(call, err)
-                        call.done = True
-                self._drop_txn(txn)
+                self._drop_removed(txn, err)
             else:  # undecided, joined by the new incarnation: it goes on without the old shards
                 for idx, call in mine.items():
                     del txn.shards[idx]
