@@ -472,6 +472,40 @@ def test_rdma_copy_registers_only_its_staging_and_bounds_it():
     run(main())
 
 
+def test_rdma_copy_fails_a_read_that_outlived_its_holder_slot_lease():
+    """A read slower than the holder's slot lease (lease_s) fails: the holder may have staged
+    another piece into the slot meanwhile (seen as wrong bytes on a loaded machine). Nothing
+    lands in the destination; the next read, in time, is exact."""
+
+    async def main():
+        async with Pair(RdmaCopyTransport, staging_bytes=2 << 20, slot_bytes=1 << 20, lease_s=0.05) as p:
+            src = _shard()
+            p.holdings[(REGION, VERSION)] = src
+            src.progress.reset(VERSION, src.total_bytes)
+            into = _shard(fill=0)
+            io = p.reader.io
+            real = io.read
+
+            def slow(*args, **kw):
+                time.sleep(0.3)  # past the 50 ms lease: the holder stages other pieces into every slot
+                pool = p.holder.pool
+                taken = [pool.take(1.0, 10.0, lambda: False) for _ in range(pool.count)]
+                for slot, token in taken:  # type: ignore[misc]
+                    pool.view(slot, pool.slot_bytes)[:] = b"\xee" * pool.slot_bytes
+                    pool.give(slot, token)
+                return real(*args, **kw)
+
+            io.read = slow
+            with pytest.raises(TransportError, match="lease of the staging slot .* expired"):
+                await p.read(into, 0, 1 << 20)
+            assert _bytes(into) == bytes(into.total_bytes)  # nothing landed
+            io.read = real
+            await p.read(into, 0, into.total_bytes)
+            assert _bytes(into) == _bytes(src)
+
+    run(main())
+
+
 def test_rdma_copy_options_are_checked():
     with pytest.raises(InvalidArgument, match="slot_bytes"):
         RdmaCopyTransport({"staging_bytes": 1 << 20, "slot_bytes": 2 << 20})

@@ -399,6 +399,7 @@ class RdmaCopyTransport(Transport):
             slot, token, address, gen = (reply.get(k) for k in ("slot", "token", "address", "generation"))
             if not all(type(v) is int for v in (slot, token, address, gen)):
                 raise TransportError(f"read of {where}: the holder's stage reply is malformed")
+            read = False
             try:
                 if "md" in reply:
                     md = reply["md"]
@@ -407,6 +408,7 @@ class RdmaCopyTransport(Transport):
                 if n:
                     io.read(agent, [(pool.address(local[0]), address, n, 0)], ("DRAM", 0), ("DRAM", 0),
                             time.monotonic() + self.o["xfer_timeout"], self._is_closed)  # fmt: skip
+                read = True
             except TransportError as err:
                 raise TransportError(f"read of {where}: {err}") from err
             except Exception as err:
@@ -414,8 +416,22 @@ class RdmaCopyTransport(Transport):
                 io.drop_peer(agent)
                 raise TransportError(f"read of {where}: NIXL raised {type(err).__name__}: {err}") from err
             finally:
-                with contextlib.suppress(Exception):
-                    client.notify(side, "release", {"slot": slot, "token": token})
+                if not read:
+                    with contextlib.suppress(Exception):
+                        client.notify(side, "release", {"slot": slot, "token": token})
+            # The lease must still have been ours when the read ended: one that expired (a read
+            # slower than lease_s, as on a loaded machine) let the holder stage another piece
+            # into the slot while we read it, and these bytes cannot be trusted.
+            try:
+                freed = client.call(side, "release", {"slot": slot, "token": token}, self.o["xfer_timeout"],
+                                    self._is_closed).get("freed")  # fmt: skip
+            except SideError as err:
+                raise TransportError(f"read of {where}: releasing the holder's staging slot failed ({err.code}: {err})") from err
+            except TransportError as err:
+                raise type(err)(f"read of {where}: releasing the holder's staging slot: {err}") from err
+            if freed is not True:
+                raise TransportError(f"read of {where}: the holder's lease of the staging slot for bytes [{offset}, "
+                                     f"{offset + n}) expired before the read ended; its bytes may have been reused")  # fmt: skip
             if n:
                 into.copy_in(offset, pool.view(local[0], n))
             return gen
