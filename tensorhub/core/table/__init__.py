@@ -206,6 +206,7 @@ class ReferenceTable(
             "grants": 0, "grants_ended": 0, "revoked": 0, "expired": 0, "quarantined": 0, "offloads": 0,
             "updates_skipped": 0, "offload_seeds": 0, "pins": 0, "pins_expired": 0, "redecided": 0,
             "conversions": 0, "stragglers": 0, "delta_plans": 0, "deltas_landed": 0, "deltas_refused": 0,
+            "stalls_credited": 0,
         }  # fmt: skip
         self.pace: dict[int, Any] = {}  # grant id -> its recent progress (see :mod:`.stragglers`)
         self.pace_recent: dict[tuple[str, str], Any] = {}  # (model, link class) -> completed grants' rates
@@ -298,6 +299,18 @@ class ReferenceTable(
         out = self._flush()
         self._count_grants(out, now)
         return out
+
+    def credit_stall(self, seconds: float) -> None:
+        """The server stood still for ``seconds`` (its process was not scheduled, or its loop was
+        busy): the heartbeats it could not read meanwhile are not held against the sessions. Each
+        session's silence is shortened by that much, never past now, which keeps their order in
+        :attr:`expiry`. A session that really went silent is removed that much later."""
+        if seconds <= 0:
+            return
+        now = self.clock()
+        for s in self.expiry.values():
+            s.last_seen = min(s.last_seen + seconds, now)
+        self.stats["stalls_credited"] += 1
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (None: only on new messages)."""
