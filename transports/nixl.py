@@ -634,7 +634,7 @@ class NixlTransport(Transport):
         self._scratch_dlists, _ = self.io.register([self._scratch])
         self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="nixl-read")
         self._client = SideClient(f"nixl reader {self.agent_name}")
-        where = choose_address(self.host or None, self.advertise or None)
+        where = choose_address(self.host or None, self.advertise or None, self.servers)
         self._side = SideServer(f"nixl-{os.getpid()}", {"describe": (self._describe, True)}, where.bind, advertise=where.advertise)
         self.log.info("nixl side channel listening", address=self._side.address, bind=where.bind, rule=where.rule)
 
