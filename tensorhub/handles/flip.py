@@ -36,6 +36,7 @@ import torch
 from tensorhub.core import messages as m
 from tensorhub.core.errors import AlreadyRegistered, InvalidArgument, TensorHubError, VersionUnavailable
 from tensorhub.core.naming import parse_version_spec, validate_replica
+from tensorhub.core.placement import PlacedTensor, TensorPlacement
 from tensorhub.handles.session import ShardSession, Sibling
 
 __all__ = ["KEPT_ACROSS_FLIP", "SHADOW_SUFFIX", "ShadowBanks", "shadow_replica", "swap_sessions"]
@@ -125,7 +126,9 @@ class ShadowBanks(Generic[B]):
         shadow = make_bank(names[1] if owner.replica == names[0] else names[0])
         await shadow._open()
         try:
-            placements = None if owner.placements is None else {p.name: p for p in owner.placements}
+            placements: dict[str, TensorPlacement | PlacedTensor] | None = (
+                None if owner.placements is None else {p.name: p for p in owner.placements}
+            )
             await shadow.register({k: tensors[k] for k in active}, placements, checksum=buffers.layout.checksum)
         except BaseException:
             await shadow.close()
@@ -263,7 +266,7 @@ def _sharing_storage(tensors: dict[str, torch.Tensor], others: dict[str, torch.T
             st = t.untyped_storage()
             if st.nbytes():
                 spans.append((t.device, st.data_ptr(), st.data_ptr() + st.nbytes(), name))
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             continue
