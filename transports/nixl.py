@@ -48,6 +48,9 @@ the GPU of option ``cuda_device`` or the current CUDA device, from sysfs; see
 
 What it must never do: unpickle NIXL descriptors from a peer (``deserialize_descs``), register
 memory per read, leave a transfer handle unreleased, or wait without a bound.
+
+Size: one plugin with its NIXL plumbing (probe, agent, transfer driver, registrations) that
+``rdma_copy`` reuses; the plumbing above :class:`NixlTransport` would split off first.
 """
 
 from __future__ import annotations
