@@ -77,6 +77,12 @@ def test_no_server_known_is_loopback_and_a_transport_uses_the_servers_it_is_give
     assert "no server known" in run(main(None))  # nothing process-wide: a transport not told knows none
     assert "routes to the server trainer-0" in run(main(["tcp://trainer-0:5557"])) and asked == ["trainer-0"]
     assert "no server known" in run(main(None))  # what another transport was given does not leak
+    from tensorhub.transports.faults import wrap
+
+    inner = TcpTransport({})
+    wrapped = wrap(inner, [])
+    wrapped.set_servers(("tcp://trainer-0:5557",))
+    assert inner.servers == wrapped.servers == ("tcp://trainer-0:5557",)  # the inner one starts and advertises
 
 
 def test_the_runtime_gives_its_transports_the_handles_server_list():
