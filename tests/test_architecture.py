@@ -248,12 +248,19 @@ def size_reason(path: Path) -> str:
     return next((ln.strip()[len(SIZE_MARK) :].strip() for ln in doc.splitlines() if ln.strip().startswith(SIZE_MARK)), "")
 
 
-def test_no_module_is_over_the_size_limit_without_a_reason():
+def oversized(names: list[str]) -> list[str]:
+    """Each of the modules ``names`` that is over ``MAX_LINES`` lines with no reason given."""
     wrong = []
-    for name, path in sorted(MODULES.items()):
+    for name in names:
+        path = MODULES[name]
         lines = len(path.read_text().splitlines())
         if lines > MAX_LINES and len(size_reason(path)) < 20:  # a reason is a sentence, not a word
             wrong.append(f"{where(name, 1)}: {name} has {lines} lines (over {MAX_LINES}) and no '{SIZE_MARK}' line in its docstring saying why")
+    return wrong
+
+
+def test_no_module_is_over_the_size_limit_without_a_reason():
+    wrong = oversized(sorted(MODULES))
     assert wrong == [], "modules over the size limit:\n" + "\n".join(wrong)
 
 
@@ -266,12 +273,13 @@ def test_the_size_check_sees_a_long_module_without_a_reason(tmp_path):
         with pytest.raises(AssertionError, match=r"tensorhub.core._planted has 801 lines"):
             test_no_module_is_over_the_size_limit_without_a_reason()
         planted.write_text('"""A planted module.\n\nSize: ok.\n"""\n' + body)  # too short to be a reason
-        with pytest.raises(AssertionError, match=r"_planted has 804 lines"):
-            test_no_module_is_over_the_size_limit_without_a_reason()
+        assert [w.split(": ", 1)[1] for w in oversized(["tensorhub.core._planted"])] == [
+            f"tensorhub.core._planted has 804 lines (over {MAX_LINES}) and no 'Size:' line in its docstring saying why"
+        ]
         planted.write_text('"""A planted module.\n\nSize: one table of constants, read top to bottom.\n"""\n' + body)
-        test_no_module_is_over_the_size_limit_without_a_reason()
+        assert oversized(["tensorhub.core._planted"]) == []
         planted.write_text('"""A planted module."""\n' + "x = 1\n" * (MAX_LINES - 1))  # at the limit: no reason needed
-        test_no_module_is_over_the_size_limit_without_a_reason()
+        assert oversized(["tensorhub.core._planted"]) == []
     finally:
         del MODULES["tensorhub.core._planted"]
 
