@@ -85,6 +85,7 @@ def test_no_server_known_is_loopback_and_a_transport_uses_the_servers_it_is_give
     assert inner.servers == wrapped.servers == ("tcp://trainer-0:5557",)  # the inner one starts and advertises
 
 
+@pytest.mark.integration  # a server process (about 2 s to start)
 def test_the_runtime_gives_its_transports_the_handles_server_list():
     from tensorhub.handles.api import open_async
 
