@@ -39,6 +39,9 @@ state, :mod:`tensorhub.tools.status`) and ``GetTrace`` (a version's transfer spa
 :mod:`tensorhub.tools.trace`), and keeps the ``TransferSpan`` reports of readers (bounded: the latest
 ``HISTORY_VERSIONS`` versions, ``SPANS_PER_VERSION`` each). With ``metrics_port`` it serves
 Prometheus metrics (:mod:`tensorhub.runtime.metrics`).
+
+Size: the server actor is the table's IO shell: its socket loop, lease and failover, and the
+operations requests share the actor's state; the operations answers would split off first.
 """
 
 from __future__ import annotations
