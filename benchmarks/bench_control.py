@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server_process import BenchmarkError, Child, start_server, stop_process
+from benchmarks.harness import BenchmarkError, Child, start_server, stop_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 import xxhash
-from bench_transfer_baselines import baseline_pull, baseline_serve
-from server_process import BenchmarkError, free_port
+from benchmarks.bench_transfer_baselines import baseline_pull, baseline_serve
+from benchmarks.harness import BenchmarkError, free_port
 
 MODEL = "first-try"
 

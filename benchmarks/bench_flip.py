@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import tensorhub  # noqa: E402
-from benchmarks.server_process import BenchmarkError, Child, start_server, stop_process  # noqa: E402
+from benchmarks.harness import BenchmarkError, Child, start_server, stop_process  # noqa: E402
 
 MODEL = "bench-flip"
 

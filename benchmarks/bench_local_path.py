@@ -52,15 +52,11 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path:
     sys.path.insert(0, str(_HERE.parent))
-if str(_HERE) not in sys.path:
-    sys.path.append(str(_HERE))  # the scripts here import each other by name
 
-from bench_transfer_measure import median  # noqa: E402
-from bench_transfer_shards import allocate, fill_seeded, model_spec, spec_bytes, uniform_spec  # noqa: E402
-from server_process import BenchmarkError, Child, start_server, stop_process  # noqa: E402
+from benchmarks.harness import BenchmarkError, Child, median, start_server, stop_process  # noqa: E402
+from benchmarks.harness.shards import WORKLOADS, allocate, fill_seeded, hashes_of, spec_bytes, workload_spec  # noqa: E402
 
 PIECE = 4 << 20  # bytes per process_vm_readv in the raw rows (the local transport's piece)
-WORKLOADS = ("64x16MiB", "model-500")
 
 
 # ---- profiling every thread of a process --------------------------------------------------------
@@ -163,11 +159,6 @@ def _sleep_until(t: float) -> None:
         time.sleep(delay)
 
 
-def _spec(workload: str, size_mib: int, seed: int) -> list:
-    total = size_mib << 20
-    return uniform_spec(total) if workload == "64x16MiB" else model_spec(total, seed)
-
-
 def _spans(tensors: dict) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors.values()]
 
@@ -202,7 +193,6 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
         if profile:
             profiles.install()
         import tensorhub
-        from benchmarks.suite_systems import hashes_of
 
         tensors = allocate(spec)
         fill_seeded(tensors, seed)
@@ -250,7 +240,6 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
         import torch
         import xxhash
 
-        from benchmarks.suite_systems import hashes_of
         from tensorhub.transports.local import _vm_read
 
         pid, remote, expected = holder
@@ -429,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the suite: tensors on huge pages
-    spec = _spec(args.workload, args.size_mib, args.seed)
+    spec = workload_spec(args.workload, args.size_mib << 20, args.seed)
     gb = spec_bytes(spec) / 1e9
     proc, server = start_server(args.timeout, echo_all=False)
     try:

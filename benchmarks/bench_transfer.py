@@ -154,11 +154,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_transfer_baselines import baseline_pull, raw_nixl_agent, raw_nixl_pull, raw_register
-from bench_transfer_measure import PeakRss, median, process_cpu, status_bytes
-from bench_transfer_paths import close_transport, start_transport, transport_pull
-from bench_transfer_rdma import bench_rdma, rdma_available
-from bench_transfer_report import (
+from benchmarks.bench_transfer_baselines import baseline_pull, raw_nixl_agent, raw_nixl_pull, raw_register
+from benchmarks.bench_transfer_paths import close_transport, start_transport, transport_pull
+from benchmarks.bench_transfer_rdma import bench_rdma, rdma_available
+from benchmarks.bench_transfer_report import (
     GOAL_HASH,
     GOAL_LOCAL,
     GOAL_NIXL,
@@ -174,8 +173,8 @@ from bench_transfer_report import (
     report_transfer,
     report_verify,
 )
-from bench_transfer_sections import bench_publish, bench_shard
-from bench_transfer_shards import (
+from benchmarks.bench_transfer_sections import bench_publish, bench_shard
+from benchmarks.harness.shards import (
     DTYPES,
     ENGINE_CHUNK,
     VERSION,
@@ -187,36 +186,10 @@ from bench_transfer_shards import (
     spec_bytes,
     uniform_spec,
 )
-from server_process import BenchmarkError, start_server, stop_process
-
+from benchmarks.harness import BenchmarkError, PeakRss, median, process_cpu, start_server, status_bytes, stop_process
 from tensorhub.runtime.actor import new_event_loop
 from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD
 
-# What the neighbours (suite.py, suite_systems.py, gpu_check.py) import from here by name.
-__all__ = [
-    "DEFAULT_PACK_THRESHOLD",
-    "DTYPES",
-    "VERSION",
-    "PeakRss",
-    "Spec",
-    "allocate",
-    "baseline_pull",
-    "close_transport",
-    "fill_seeded",
-    "main",
-    "median",
-    "model_spec",
-    "process_cpu",
-    "raw_nixl_agent",
-    "raw_nixl_pull",
-    "raw_register",
-    "read_bytes_of",
-    "spec_bytes",
-    "start_transport",
-    "status_bytes",
-    "transport_pull",
-    "uniform_spec",
-]
 
 SECTIONS = ("plan", "transfer", "verify", "publish", "memory", "rdma")
 

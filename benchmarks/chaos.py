@@ -365,7 +365,7 @@ class Chaos:
             if self.opt.kill_server:
                 self.s.notes.append("--kill-server needs server processes: no server kills with --inproc-server")
             return
-        from benchmarks.server_process import start_server
+        from benchmarks.harness import start_server
 
         proc, addr = start_server(30, *flags, "--seed", str(self.opt.seed), echo_all=False)
         self.servers.append(proc)
@@ -650,7 +650,7 @@ class Chaos:
         self.s.notes.append("server process mode: only holders are visible; --inproc-server checks sessions, grants and transactions too")
 
     def close(self) -> None:
-        from benchmarks.server_process import stop_process
+        from benchmarks.harness import stop_process
 
         for w in [self.trainer, *self.rollouts.values()]:
             if w is not None:

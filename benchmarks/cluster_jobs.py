@@ -88,7 +88,6 @@ import os
 import queue
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,6 +104,8 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import BenchmarkError, median  # noqa: E402
 
 __all__ = [
     "MIB",
@@ -127,7 +128,7 @@ MIB = 1 << 20
 _LISTENING = re.compile(r"listening on (tcp://\S+)")
 
 
-class JobError(RuntimeError):
+class JobError(BenchmarkError):
     """A job could not measure honestly: a process died or printed an error, an event did not
     come in time, bytes differ from the trainer's."""
 
@@ -845,11 +846,6 @@ def chain_depth(pulled: Iterable[Mapping[str, Any]]) -> int:
         return k
 
     return max((d(r, frozenset()) for r in first), default=0)
-
-
-def median(xs: Iterable[float]) -> float:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else math.nan
 
 
 def rate_bytes(rate: str) -> float:

@@ -54,26 +54,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from bench_transfer import (
-    DTYPES,
-    VERSION,
-    Spec,
-    allocate,
-    close_transport,
-    fill_seeded,
-    median,
-    model_spec,
-    spec_bytes,
-    start_transport,
-    transport_pull,
-    uniform_spec,
-)
-from bench_transfer_shards import ENGINE_CHUNK
-from server_process import BenchmarkError, Child
 
+from benchmarks.bench_transfer_paths import close_transport, start_transport, transport_pull
+from benchmarks.harness import BenchmarkError, Child, median
+from benchmarks.harness.shards import DTYPES, ENGINE_CHUNK, VERSION, Spec, allocate, fill_seeded, model_spec, spec_bytes, uniform_spec
 from tensorhub.runtime import checksum
 from tensorhub.runtime.actor import new_event_loop
 from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD, ShardBuffers, layout_of

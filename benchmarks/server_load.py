@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq  # noqa: E402
 
-from benchmarks.server_process import BenchmarkError, Child, start_server, stop_process  # noqa: E402
+from benchmarks.harness import BenchmarkError, Child, start_server, stop_process  # noqa: E402
 from tensorhub.core import messages as m  # noqa: E402
 from tensorhub.core.layout import Layout, TensorSpec  # noqa: E402
 from tensorhub.core.topology import Location  # noqa: E402

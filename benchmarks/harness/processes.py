@@ -1,5 +1,6 @@
-"""The reference server as a benchmark runs it: ``python -m tensorhub server`` on a free
-loopback port, started and stopped by the benchmark scripts in this folder."""
+"""Processes a benchmark runs: the reference server (``python -m tensorhub server`` on a free
+loopback port, started and stopped), helper processes spoken to over a pipe (:class:`Child`), and
+the error every benchmark raises when it cannot measure honestly."""
 
 from __future__ import annotations
 
