@@ -2,6 +2,12 @@
 against the same pulls without, in one run; and, for comparison, what encrypting the stream
 would cost.
 
+Workload: one holder process serving a ``--size-mib`` shard of 16 MiB tensors over ``tcp``; this
+process pulls it whole, ``--rounds`` pairs of pulls; one loopback stream of ``--tls-mib`` MiB.
+Baseline: the same pulls with no token check (``open``), paired and alternating in the same run;
+for encryption, the same stream in plain TCP.
+Goal: open time / tokens time >= 0.97 (median over the pairs).
+
 One holder process (``spawn``) serves one shard (``--size-mib``, default 512, of 16 MiB
 tensors) from two ``TcpTransport`` listeners over the same buffers:
 

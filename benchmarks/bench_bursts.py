@@ -1,6 +1,11 @@
 """Bursts on the emulated cluster: one trainer host and N rollout hosts pull one version at once,
 with pipeline replication on and off.
 
+Workload: one version of ``--size-mib`` pulled at once by N = 1, 2, 4, 6 rollout hosts of the
+emulated cluster, over ``tcp`` at ``--host-rate``, pipelining on and off, ``--repeat`` rounds.
+Baseline: N = 1 of the same mode in the same run.
+Goal: with pipelining, N = 6 within 1.3x N = 1; without, about Nx (0.75 N .. 1.25 N).
+
 Every host is a network namespace of one datacenter with its egress shaped to ``--host-rate``
 (``benchmarks/cluster.py``); the real server runs on a host of its own (``ctl``), the trainer on
 ``t1``, one rollout replica per host on ``r1`` .. ``rN``; every byte moves over ``tcp`` across

@@ -1,5 +1,10 @@
 """Failure masking on the emulated cluster (the paper's Fig. 7c): a relay SIGKILLed mid-transfer.
 
+Workload: a ``--size-mib`` version on the emulated cluster, pulled along the chain trainer ->
+relay -> d1 .. dK over ``tcp``, the relay SIGKILLed at ``--points`` % of d1's pull.
+Baseline: each downstream's latency in fault-free runs (relay kept) of the same invocation.
+Goal: extra delay <= heartbeat timeout + d1's remaining bytes at the host rate.
+
 The hosts of one datacenter, each a network namespace with its egress shaped to ``--host-rate``
 (``benchmarks/cluster.py``): the real server on ``ctl`` (short heartbeats), the trainer on
 ``t1``, a relay rollout on ``relay`` and ``--downstreams`` rollouts on ``d1`` .. ``dK``; every

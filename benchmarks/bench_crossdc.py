@@ -1,6 +1,12 @@
 """Cross-datacenter replication on the emulated cluster (the paper's Fig. 12): trainers in dc-a,
 rollouts in dc-b, every byte over ``tcp`` across the emulated links.
 
+Workload: ``--versions`` versions from trainers in dc-a to the rollouts of dc-b of the emulated
+cluster, over ``tcp``, by four modes (``p2p``, ``seeding``, ``offload``, ``deltas``).
+Baseline: ``p2p`` (every rollout pulls across), and a probe's intra-dc-b pull, in the same run.
+Goal: seeding moves <= 1.2 shard copies across per version; other rollouts stall <= 1.5x the
+intra-datacenter pull; deltas move <= 1/20 of a full copy across (see "Goals" below).
+
 Four ways to get each new version to the rollouts of dc-b, each with its own server and
 processes on the same cluster:
 

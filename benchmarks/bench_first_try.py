@@ -1,5 +1,10 @@
 """A new user's first same-host replicate, as they would try it: no configuration at all.
 
+Workload: a ``--size-mib`` shard of ``--tensors`` tensors replicated between two processes of
+one host with no configuration at all, ``--rounds`` rounds.
+Baseline: one thread's memcpy and one raw TCP loopback socket of the same bytes, same run.
+Goal: none asserted; the ratios to the raw socket and to memcpy are the figures.
+
 Two processes on one host, ``tensorhub.open(...)`` with no ``server=`` (the embedded default
 server starts on first use) and no ``transports=`` (``$TENSORHUB_TRANSPORTS`` unset): a holder
 registers and publishes a shard, a reader replicates it into preallocated tensors. The replicate

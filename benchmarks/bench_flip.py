@@ -1,5 +1,10 @@
 """Replicate-then-flip against update-in-place, in one run: the pause an engine sees per version.
 
+Workload: ``--versions`` versions of ``--layers`` float32 matrices of ``--hidden``² published by
+a trainer process, taken by two rollout engines generating in this process.
+Baseline: ``update("latest")`` at a request boundary (update in place), in the same run.
+Goal: the flip's switch pause <= 1/10 of the update's (medians).
+
 A trainer process publishes versions of a model (``--layers`` float32 matrices of
 ``--hidden``², 256 MiB by default). Two rollout "engines" in this process generate without end
 (each request: a few steps of ``x @ W`` through every layer, with ``nn.Parameter`` weights), and

@@ -1,5 +1,10 @@
 """Where a same-host replicate's time goes: ``tensorhub[local]`` against the copies under it.
 
+Workload: a ``--size-mib`` shard (``--workload``) from one holder process to 1 and 4 reader
+processes (``--readers``) by ``tensorhub[local]``, ``--repeats`` timed rounds.
+Baseline: in the same processes and run, memcpy and ``process_vm_readv`` (with and without xxh3).
+Goal: none of its own: it says where the suite's ``vs_memcpy`` goal (>= 0.7x) is lost.
+
 ``python benchmarks/bench_local_path.py [--size-mib 1024] [--readers 1,4] [--repeats 3]
 [--workload 64x16MiB] [--profile DIR]``
 

@@ -1,5 +1,10 @@
 """Failure masking, measured: a chain trainer -> A -> B where A dies during B's pull.
 
+Workload: a ``--size-mib`` shard pulled along trainer -> A -> B, reads paced at ``--rate-mbs``,
+A SIGKILLed at ``--points`` % of B's pull (server actor in process, short heartbeats).
+Baseline: B's replicate time in fault-free runs of the same invocation (median).
+Goal: extra delay <= heartbeat timeout + the remaining transfer time at the paced rate.
+
 Every run: a server actor with short heartbeats, a trainer that publishes a fresh version, a
 relay A that replicates it (its reads paced at ``--rate-mbs``), and a reader B that replicates it
 while A is still partial, so that the server grants A to B (pipeline replication) and B's reads

@@ -1,5 +1,10 @@
 """Resharding against a same-layout replicate of the same bytes, in one run.
 
+Workload: a Qwen3-shaped decoder (``--layers``, ``--hidden``) in 4 trainer shards converted into
+2 vLLM-layout FP8 shards, per version, ``--rounds`` versions.
+Baseline: a same-layout replicate of the same bytes on the same server, in the same run.
+Goal: conversion <= 1.5x the baseline; one conversion per layout and version; memory <= budget.
+
 A Qwen3-shaped decoder (Hugging Face names and Qwen3's shape ratios, scaled to this machine)
 lives in a trainer replica of 4 shards (bf16, FSDP ``Shard(0)``). Two inference replicas of 2
 shards each (vLLM names, fused ``qkv_proj``/``gate_up_proj``, FP8 e4m3 block weights, tensor

@@ -1,6 +1,11 @@
 """The simulator's own figures: wall time of the 1,024-GPU standalone scenario (1T model), and a
 churn soak over many seeds with the table's invariants checked after every event.
 
+Workload: the simulator's 1,024-GPU standalone scenario (1T model), then a churn soak over
+``--seeds`` seeds of ``--steps`` versions each.
+Baseline: none (a wall-time bound and a correctness soak, no ratio).
+Goal: the scenario under 30 s of wall time; no invariant violation in the soak.
+
     python benchmarks/bench_sim.py [--seeds 50] [--steps 20] [--seed 0]
 
 Prints the wall time against the 30 s goal, and per churn seed its crashes, updates and

@@ -1,5 +1,10 @@
 """Stragglers on the emulated cluster (issue 23): a relay slowed to 5 % of its link mid-pull.
 
+Workload: a ``--size-mib`` version on the emulated cluster pulled along trainer -> relay ->
+d1 .. dK over ``tcp``, the relay's link slowed to ``--slow-fraction`` mid-pull.
+Baseline: fault-free runs of the same layout, alternating with the slow ones in the same run.
+Goal: each reader's latency with the slow relay <= 1.5x without (issue 23).
+
 The hosts of one datacenter, each a network namespace with its link shaped to ``--host-rate``
 (``benchmarks/cluster.py``; the server's port in a control-plane class of its own): the real
 server on ``ctl`` (straggler detection on, ``--straggler-window``), the trainer on ``t1``, a

@@ -1,5 +1,10 @@
 """Operations per second of the reference table alone (no IO), with many clients open.
 
+Workload: the reference table alone (no IO) with ``--clients`` sessions open: heartbeats,
+listings, no-op updates, a burst of grants and completes, unpublishes, ``--rounds`` rounds.
+Baseline: decoding the same number of frames (``wire decode``), in the same run.
+Goal: >= 50,000 simple operations per second (heartbeat, list, grant + complete).
+
 The table is the server's logic; this measures whether it could ever be the server's
 bottleneck. With ``--clients`` sessions open (default 1,024: one 2-shard trainer replica and
 511 2-shard rollout replicas), it times, on one core:
@@ -13,7 +18,6 @@ bottleneck. With ``--clients`` sessions open (default 1,024: one 2-shard trainer
 - unpublish: every rollout unpublishes (drain bookkeeping, retention checks).
 
 Usage: python benchmarks/bench_table.py [--clients N] [--rounds R] [--json FILE]
-Goal: >= 50,000 simple operations per second (heartbeat, list, grant + complete).
 """
 
 from __future__ import annotations

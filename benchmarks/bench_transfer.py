@@ -2,6 +2,11 @@
 packing saves in registrations and transfer operations, what verification costs, what
 ``publish`` costs the trainer, and how much memory a pull takes on either side.
 
+Workload: two shards of about ``--size-mib`` (``64x16MiB``, ``model-500``) pulled from one holder
+process by this one, ``--repeats`` times per path, in the sections below.
+Baseline: raw sockets (and raw NIXL, memcpy, one-thread hashing) on the same bytes, same run.
+Goal: per section (``bench_transfer_report.py``), e.g. tcp >= 0.9x the raw socket.
+
 Two shards, each about ``--size-mib`` MiB (default 1,024), with seeded content:
 
 - ``64x16MiB``: 64 tensors of equal size (16 MiB at full size), uint8 and bfloat16 alternating;

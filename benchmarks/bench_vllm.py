@@ -1,5 +1,10 @@
 """The serving pause per weight update of a vLLM engine: TensorHub's backend against vLLM's own route.
 
+Workload: one vLLM engine (CPU build) serving a random-initialized Qwen3 decoder of a few hundred
+MB; a trainer in this process publishes a new version per round.
+Baseline: vLLM's own ``reload_weights`` from a safetensors checkpoint, in the same run.
+Goal: none asserted; the pauses' ratios to the baseline are the figures.
+
 One vLLM engine (the CPU build, in this process, vLLM's default compiled mode) serves a
 random-initialized Qwen3 decoder of a few hundred MB. A trainer (one shard, in this process,
 bf16) publishes a new version per round. Three ways to bring the engine to it, each timed as the

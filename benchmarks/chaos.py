@@ -1,6 +1,11 @@
 """Chaos harness: a trainer and N rollouts in real processes, real TCP pulls, a seeded schedule
 of SIGKILLs, and byte-exact checks of every replica (DESIGN §5).
 
+Workload: a trainer and ``--rollouts`` rollouts in real processes, ``--steps`` versions over
+real TCP pulls, under a schedule of SIGKILLs drawn from ``--seed``.
+Baseline: none (a correctness harness: no speed figure).
+Goal: no corrupted replica, hang, empty handle, leak or availability violation.
+
 Each step the trainer unpublishes version v-1, fills and publishes version v; every rollout calls
 ``update("latest")`` at once (they pull from the trainer and from each other: pipelined
 replication, some rollouts are relays) and then checks that its tensors hold exactly the content

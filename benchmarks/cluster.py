@@ -1,6 +1,11 @@
 """The emulated cluster (DESIGN §8): hosts as network namespaces, datacenters as bridges, links
 shaped by ``tc``, real processes inside; it tears itself down completely.
 
+Workload: ``--check``: a 2-datacenter emulated cluster built, ``--mbytes`` MB sent across each
+kind of link, torn down.
+Baseline: the intra-datacenter rate (a1 -> a2), measured in the same run.
+Goal: both inter-datacenter rates < 0.6x the intra one (the shaping shows); nothing left behind.
+
 Theory of operation
 -------------------
 A :class:`Cluster` owns, for one run, everything whose name carries its random ``prefix``

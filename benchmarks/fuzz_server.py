@@ -1,6 +1,11 @@
 """Hostile input against a real server: at least 100,000 random and mutated frames while honest
 clients keep publishing and replicating (see :mod:`tensorhub.testing.fuzzing`).
 
+Workload: ``--frames`` (>= 100,000) random and mutated frames sent to a real server while honest
+clients keep publishing and replicating.
+Baseline: none (a robustness harness: no speed figure).
+Goal: 0 internal errors, 0 honest-client errors, the server alive and answering.
+
     python benchmarks/fuzz_server.py                     # 100,000 frames, CURVE on, seed 20261121
     python benchmarks/fuzz_server.py --frames 200000 --seed 7 --json out.json
 

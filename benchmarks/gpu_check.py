@@ -1,6 +1,11 @@
 """GPU check: ``nixl``, ``rdma_copy``, ``local`` and ``tcp`` (for reference) moving a shard from
 one process's GPU memory into another's, byte-exact, against a device-to-device copy.
 
+Workload: shards of about ``--size-mib`` (``64x16MiB``, ``model-500``) pulled from one
+process's GPU memory into another's by each transport, ``--repeats`` timed pulls.
+Baseline: a device-to-device ``copy_`` of the same bytes in the reader process, same run.
+Goal: every pull byte-exact; the transports' GB/s as ratios to the copy (no threshold here).
+
 For each shard (``--shards``: ``64x16MiB`` and ``model-500``, the shards of
 ``bench_transfer.py``, about ``--size-mib`` MiB each), two processes (multiprocessing
 ``spawn``):

@@ -1,12 +1,14 @@
 """Where the fused copy-and-hash kernel's time goes (issue 32): one process, one GPU.
 
 Workload: a 1 GiB buffer cut as the local transport's 1 GiB read of ``gpu_check``'s uniform
-shard is (64 segments of 16 MiB, 256 checksum units of 4 MiB). Baselines, same run: the segments'
-``copy_`` (what ``local`` does without a landing), the hashing kernel alone (``sums_at``, what
-verification does after). Measured: ``copy_sums_at`` as shipped, the same kernel launched with
-other warps and sub-block sizes, and ``DeviceLanding.copy`` (the Python around it). Goal: the
-fused kernel no slower than ``copy_`` + hashing, ideally near ``copy_`` alone. Prints a table
-and, with ``--json``, writes the figures. Needs CUDA and Triton.
+shard (64 segments of 16 MiB, 256 checksum units of 4 MiB), on one GPU.
+Baseline: the segments' ``copy_`` and the hashing kernel alone (``sums_at``), same run.
+Goal: the fused kernel no slower than ``copy_`` + hashing, ideally near ``copy_`` alone.
+
+The baselines are what ``local`` does without a landing (``copy_``) and what verification does
+after it (``sums_at``). Measured: ``copy_sums_at`` as shipped, the same kernel launched with
+other warps and sub-block sizes, and ``DeviceLanding.copy`` (the Python around it). Prints a
+table and, with ``--json``, writes the figures. Needs CUDA and Triton.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """The GPU report: every GPU check of TensorHub in one run, written to ``GPU.json`` and ``GPU.md``.
 
+Workload: every GPU check in one run: transfers of 1 and 8 GiB shards, tcp's bound,
+checksums, an FP8 conversion and deltas (sections below).
+Baseline: per section, a device-to-device copy, a socket, or a training step, same run and device.
+Goal: ``local`` >= 0.8x the copy; ``tcp`` >= 0.8x its bound; conversion <= 1.5x (see "Goals").
+
 Run it on any CUDA host (``bash scripts/gpu_run.sh`` installs what a bare GPU machine lacks and
 runs it, with the CUDA tests, in one go; README "GPU"). Each section is measured against a
 baseline taken in the same run on the same device, and checks its bytes, not only its time:

@@ -1,6 +1,11 @@
 """GPU workloads: the FP8 conversion of a Qwen3-shaped shard and the deltas of a small model, run on
 a device, each against its baseline measured in the same run, and checked byte for byte.
 
+Workload: the FP8 conversion of a Qwen3-shaped shard, and the deltas of a small model's
+training steps, on a device.
+Baseline: a same-layout replicate (device copy) of the same bytes; a training step; same run.
+Goal: conversion <= 1.5x the replicate; the delta compare <= 5 % of a step.
+
 :func:`conversion` (issue 32, "conversion on the device"): a Qwen3-shaped model (Hugging Face
 names, bf16; ``full``: 3 layers of Qwen3-8B's sizes, hidden 4096, intermediate 12288, 32 heads, 8
 KV heads of 128, vocabulary 16384: about 1.4 GB) held by a trainer replica of 4 shards (FSDP's

@@ -1,5 +1,10 @@
 """Partitions, not only crashes: a Jepsen-style run on the emulated cluster (issue 23).
 
+Workload: a trainer, relays and rollouts with a primary and a backup server on the emulated
+cluster, version after version, under a seeded schedule of cuts, slow links and flaps.
+Baseline: none (a correctness harness: no speed figure).
+Goal: no corruption, hang, leak or split-brain moment.
+
 Theory of operation
 -------------------
 One run builds a cluster (:class:`~benchmarks.cluster.Cluster`) of two datacenters: a primary

@@ -1,5 +1,10 @@
 """TensorHub side by side with the alternatives: one suite, one machine, same data, same run.
 
+Workload: a shard (``64x16MiB``, ``model-500``, about ``--size-mib``) from one holder process to
+1, 2 and 4 reader processes, by TensorHub and each alternative system.
+Baseline: memcpy, a raw socket, gloo, Ray, raw NIXL, Mooncake on the same bytes, same run.
+Goal: <= 0.5x gloo and <= 0.7x Ray at 4 readers; >= 0.7x memcpy at 1; holder RSS <= 64 MiB.
+
 ``python -m benchmarks [PART ...] [options]`` (PART: ``all``, the default, or any of
 ``tensorhub``, ``memcpy``, ``socket``, ``gloo``, ``ray``, ``nixl``, ``mooncake``) measures
 each system moving a shard from one holder process to 1, 2 and 4 reader processes and writes
