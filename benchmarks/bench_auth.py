@@ -42,11 +42,9 @@ import os
 import shutil
 import socket
 import ssl
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +52,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import median  # noqa: E402
 
 REGION, VERSION = 1, 7
 CHUNK = 8 << 20
@@ -164,14 +164,14 @@ def bulk(size: int, rounds: int) -> dict[str, Any]:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    rate = {mode: total / statistics.median(ts) / 1e9 for mode, ts in times.items()}
+    rate = {mode: total / median(ts) / 1e9 for mode, ts in times.items()}
     pairs = [o / t for o, t in zip(times["open"], times["tokens"])]
     return {
         "bytes": total,
         "rounds": rounds,
         "open_gbps": rate["open"],
         "tokens_gbps": rate["tokens"],
-        "ratio": statistics.median(pairs),  # paired rounds, alternating: drift cancels
+        "ratio": median(pairs),  # paired rounds, alternating: drift cancels
         "ratio_of_medians": rate["tokens"] / rate["open"],
         "pair_ratios": pairs,
         "refused": refused,

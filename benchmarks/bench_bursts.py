@@ -47,7 +47,6 @@ Usage: python benchmarks/bench_bursts.py [--size-mib 128] [--ns 1,2,4,6] [--repe
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -76,6 +75,7 @@ from benchmarks.cluster_jobs import (
     median,
     rate_bytes,
 )
+from benchmarks.harness import write_json  # noqa: E402
 
 MODES = {"pipeline": (), "no-pipeline": ("--no-pipeline",)}
 PIPELINE_GOAL = 1.3  # N = max within this many times N = 1, with pipelining
@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "chunk_bytes": chunk, "streams": a.streams, "prefix": prefix}  # fmt: skip
         result = {"config": config, "raw_tcp_bytes_per_s": raw, "bursts": records, "summary": rows,
                   "verdicts": checks, "leftovers": left}  # fmt: skip
-        Path(a.json).write_text(json.dumps(result, indent=2))
+        write_json(a.json, result)
     return 0 if ok else 1
 
 

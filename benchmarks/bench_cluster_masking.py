@@ -33,7 +33,6 @@ Usage: python benchmarks/bench_cluster_masking.py [--size-mib 128] [--host-rate 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +53,7 @@ from benchmarks.cluster_jobs import (
     publish,
     rate_bytes,
 )
+from benchmarks.harness import write_json  # noqa: E402
 
 
 def spec(downstreams: int) -> dict[str, list[str]]:
@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "downstreams": a.downstreams, "heartbeat_timeout": a.heartbeat_timeout,
                               "chunk_bytes": int(a.chunk_mib * MIB), "streams": a.streams, "prefix": prefix},
                       leftovers=left)  # fmt: skip
-        Path(a.json).write_text(json.dumps(result, indent=2))
+        write_json(a.json, result)
     return 0 if ok and not bad_bytes and tcp and not unchained and not listed and not left else 1
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import sys
@@ -42,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import BenchmarkError, Child, start_server, stop_process
+from benchmarks.harness import BenchmarkError, Child, start_server, stop_process, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -424,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "clients_open": opened, "goal_p99_ms": GOAL_P99_MS, "goal_met": met, "stats": stats,
                "samples_ms": {op: [x * 1e3 for x in xs] for op, xs in samples.items()}}  # fmt: skip
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return 0
 
 

@@ -96,7 +96,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.cluster import Cluster, available, leftovers, netem_available
-from benchmarks.cluster_jobs import MIB, SERVER_PORT, Job, JobError, median, publish
+from benchmarks.cluster_jobs import MIB, SERVER_PORT, Job, JobError, publish
+from benchmarks.harness import median, write_json
 
 MODES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "p2p": (("--no-pipeline",), {}),
@@ -433,8 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"FAIL: the cluster left {left}")
         ok = False
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "records": records, "verdicts": verdicts, "ok": ok}, f, indent=1)
+        write_json(a.json, {"args": vars(a), "records": records, "verdicts": verdicts, "ok": ok}, indent=1)
     return 0 if ok else 1
 
 

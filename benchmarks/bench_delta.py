@@ -31,7 +31,6 @@ Needs ``pip install -e '.[bench]'`` (transformers, safetensors).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import write_json  # noqa: E402
 from tensorhub.runtime.deltafiles import write_anchor, write_delta  # noqa: E402
 from tensorhub.runtime.deltas import apply_delta, bits_of, compute_delta, describe  # noqa: E402
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         for lr in args.lr:
             rows += run(args, lr, Path(tmp))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        write_json(args.json, rows)
     return 0
 
 

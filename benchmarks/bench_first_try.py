@@ -33,16 +33,21 @@ import json
 import multiprocessing
 import os
 import socket
-import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-import torch
-import xxhash
-from benchmarks.bench_transfer_baselines import baseline_pull, baseline_serve
-from benchmarks.harness import BenchmarkError, free_port
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script: the harness is imported as benchmarks.harness
+
+import torch  # noqa: E402
+import xxhash  # noqa: E402
+
+from benchmarks.bench_transfer_baselines import baseline_pull, baseline_serve  # noqa: E402
+from benchmarks.harness import BenchmarkError, free_port, median  # noqa: E402
 
 MODEL = "first-try"
 
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     size = (args.size_mib << 20) / 1e9
 
     def gbps(xs: list[float]) -> float:
-        return size / statistics.median(xs)
+        return size / median(xs)
 
     memcpy, raw = gbps(first["memcpy"]), gbps(first["raw"])
     rows = {

@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import ctypes
 import io
+import json
 import os
 import pstats
 import resource
@@ -241,10 +241,10 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
         profiles = _ThreadProfiles()
         if profile:
             profiles.install()
-        import tensorhub
         import torch
         import xxhash
 
+        import tensorhub
         from tensorhub.transports.local import _vm_read
 
         pid, remote, expected = holder

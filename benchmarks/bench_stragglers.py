@@ -54,7 +54,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.bench_cluster_masking import _granted, _last_progress
 from benchmarks.cluster import Cluster, _rate_bits, available, leftovers
-from benchmarks.cluster_jobs import MIB, SERVER_PORT, Job, JobError, Proc, median, publish, rate_bytes
+from benchmarks.cluster_jobs import MIB, SERVER_PORT, Job, JobError, Proc, publish, rate_bytes
+from benchmarks.harness import median, write_json  # noqa: E402
 
 GOAL = 1.5  # issue 23: the slow relay's readers finish within 1.5x of a fault-free run
 
@@ -282,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result.update(config={"size_bytes": size, "host_rate": a.host_rate, "readers": a.readers, "rounds": a.rounds,
                               "slow_fraction": a.slow_fraction, "slow_at": [lo, hi], "window": a.straggler_window,
                               "ratio": a.straggler_ratio, "seed": a.seed, "prefix": prefix}, leftovers=left)  # fmt: skip
-        Path(a.json).write_text(json.dumps(result, indent=2))
+        write_json(a.json, result)
     return 0 if ok and moved and not bad_bytes and tcp and not unchained and not left else 1
 
 

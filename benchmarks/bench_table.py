@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import random
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import write_json  # noqa: E402
 from tensorhub.core import messages as m  # noqa: E402
 from tensorhub.core import wire  # noqa: E402
 from tensorhub.core.invariants import check_invariants  # noqa: E402
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     base = sorted(results["wire decode"])[len(results["wire decode"]) // 2]
     print(f"against decoding the frames alone in the same run ({base:,.0f} frames/s): {slowest} runs at {floor / base:.2f}x")
     if args.json:
-        args.json.write_text(json.dumps({k: sorted(v) for k, v in results.items()}, indent=2))
+        write_json(args.json, {k: sorted(v) for k, v in results.items()})
     return 0
 
 

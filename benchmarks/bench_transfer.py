@@ -150,7 +150,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -159,8 +158,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_transfer_baselines import baseline_pull, raw_nixl_agent, raw_nixl_pull, raw_register
-from benchmarks.bench_transfer_paths import close_transport, start_transport, transport_pull
 from benchmarks.bench_transfer_rdma import bench_rdma, rdma_available
 from benchmarks.bench_transfer_report import (
     GOAL_HASH,
@@ -179,22 +176,13 @@ from benchmarks.bench_transfer_report import (
     report_verify,
 )
 from benchmarks.bench_transfer_sections import bench_publish, bench_shard
+from benchmarks.harness import BenchmarkError, start_server, stop_process, write_json
 from benchmarks.harness.shards import (
-    DTYPES,
     ENGINE_CHUNK,
-    VERSION,
-    Spec,
-    allocate,
-    fill_seeded,
     model_spec,
-    read_bytes_of,
-    spec_bytes,
     uniform_spec,
 )
-from benchmarks.harness import BenchmarkError, PeakRss, median, process_cpu, start_server, status_bytes, stop_process
 from tensorhub.runtime.actor import new_event_loop
-from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD
-
 
 SECTIONS = ("plan", "transfer", "verify", "publish", "memory", "rdma")
 
@@ -287,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "local_vs_memcpy_min": GOAL_LOCAL},
                "verdicts": [{"goal": what, "met": ok} for what, ok in rep.verdicts],
                "shards": results, "publish": pub, "rdma": rdma or None}  # fmt: skip
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return 0
 
 

@@ -8,10 +8,9 @@ import argparse
 from typing import Any
 
 from benchmarks.bench_transfer_baselines import RAW_INFLIGHT
-from benchmarks.harness import median, verdict
 from benchmarks.bench_transfer_rdma import RDMA_READERS
+from benchmarks.harness import median, verdict
 from benchmarks.harness.shards import ENGINE_CHUNK, MEMORY_SHARD
-
 from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD
 
 GOAL_TCP = 0.9  # tcp / baseline, GB/s

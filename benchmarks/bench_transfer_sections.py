@@ -17,8 +17,8 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks.bench_transfer_baselines import baseline_pull, baseline_serve, single_thread_seconds
-from benchmarks.harness import PeakRss, median, process_cpu, status_bytes
 from benchmarks.bench_transfer_paths import TcpPull, plan_counts, product_pull, pull_stats_dict, tcp_pull
+from benchmarks.harness import BenchmarkError, Child, PeakRss, median, process_cpu, status_bytes
 from benchmarks.harness.shards import (
     DTYPES,
     MEMORY_SHARD,
@@ -35,8 +35,6 @@ from benchmarks.harness.shards import (
     spec_bytes,
     zero,
 )
-from benchmarks.harness import BenchmarkError, Child
-
 from tensorhub.runtime import checksum
 from tensorhub.runtime.engine import WaitPublished
 from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD, ShardBuffers, layout_of, memory_of

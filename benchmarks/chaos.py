@@ -43,7 +43,6 @@ unexpected death of a process. ``--json PATH`` writes the summary.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import random
@@ -58,6 +57,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import write_json  # noqa: E402
 
 MODEL = "actor"
 HEARTBEAT_INTERVAL = 0.1
@@ -719,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(len(s.empty_handles) for s in summaries)} empty handles, "
               f"{sum(bool(s.leaks) for s in summaries)} runs with leaks")  # fmt: skip
     if a.json:
-        Path(a.json).write_text(json.dumps([s.as_json() for s in summaries], indent=2, default=str))
+        write_json(a.json, [s.as_json() for s in summaries], default=str)
     return 1 if any(s.failed() for s in summaries) else 0
 
 

@@ -19,13 +19,13 @@ whether the server is alive and answering) and PASS or FAIL; exits 1 on FAIL.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tensorhub.testing.fuzzing import run_fuzz
+from benchmarks.harness import write_json  # noqa: E402
+from tensorhub.testing.fuzzing import run_fuzz  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     print("\n".join(report.lines()))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report.as_dict(), f, indent=2)
+        write_json(args.json, report.as_dict())
     return 0 if report.ok() else 1
 
 

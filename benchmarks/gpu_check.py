@@ -64,8 +64,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from benchmarks.bench_transfer_paths import close_transport, start_transport, transport_pull
-from benchmarks.harness import BenchmarkError, Child, median
-from benchmarks.harness.shards import DTYPES, ENGINE_CHUNK, VERSION, Spec, allocate, fill_seeded, model_spec, spec_bytes, uniform_spec
+from benchmarks.harness import BenchmarkError, Child, median, write_json
+from benchmarks.harness.shards import (
+    DTYPES,
+    ENGINE_CHUNK,
+    VERSION,
+    Spec,
+    allocate,
+    fill_seeded,
+    model_spec,
+    spec_bytes,
+    uniform_spec,
+)
 from tensorhub.runtime import checksum
 from tensorhub.runtime.actor import new_event_loop
 from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD, ShardBuffers, layout_of
@@ -391,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print("skipped: no CUDA device")
         if args.json:
-            args.json.write_text(json.dumps({"skipped": "no CUDA device"}, indent=2))
+            write_json(args.json, {"skipped": "no CUDA device"})
         return 0
     else:
         count, holder_device = torch.cuda.device_count(), "cuda:0"
@@ -413,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
           f"FAILED: {'; '.join(failures)} (errors above; --json has the tracebacks)")  # fmt: skip
     if args.json:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"config": config, "shards": results, "failures": failures}, indent=2))
+        write_json(args.json, {"config": config, "shards": results, "failures": failures})
     return 1 if failures else 0
 
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import random
 import sys
@@ -64,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq  # noqa: E402
 
-from benchmarks.harness import BenchmarkError, Child, start_server, stop_process  # noqa: E402
+from benchmarks.harness import BenchmarkError, Child, start_server, stop_process, write_json  # noqa: E402
 from tensorhub.core import messages as m  # noqa: E402
 from tensorhub.core.layout import Layout, TensorSpec  # noqa: E402
 from tensorhub.core.topology import Location  # noqa: E402
@@ -782,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
             report(r)
             results.append(r)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2, default=str))
+        write_json(args.json, results, default=str)
     return 0
 
 

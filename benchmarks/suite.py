@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -76,7 +75,17 @@ _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path:
     sys.path.insert(0, str(_HERE.parent))
 
-from benchmarks.harness import BenchmarkError, Child, free_port, git_head, median, process_cpu, start_server, stop_process
+from benchmarks.harness import (
+    BenchmarkError,
+    Child,
+    free_port,
+    git_head,
+    median,
+    process_cpu,
+    start_server,
+    stop_process,
+    write_json,
+)
 from benchmarks.harness.shards import WORKLOADS, allocate, fill_seeded, spec_bytes, workload_spec
 from benchmarks.suite_report import goals, packed_bytes, write_report
 from benchmarks.suite_report import main as report_main
@@ -629,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         "groups": groups, "summary": rows, "goals": goals(rows, tensorhub, {w: packed_bytes(specs[w]) for w in specs}), "tensorhub_row": tensorhub,
     }  # fmt: skip
     json_path = args.out / f"{stamp}.json"
-    json_path.write_text(json.dumps(results, indent=1))
+    write_json(json_path, results, indent=1)
     md_path = write_report(
         results, args.out, stamp, plots=not args.no_plots, notes=args.notes
     )

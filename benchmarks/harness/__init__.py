@@ -27,8 +27,8 @@ classes that do not catch each other).
 from benchmarks.harness.measure import (
     PeakRss,
     cuda_sync,
-    meets,
     median,
+    meets,
     process_cpu,
     ratio,
     status_bytes,
