@@ -138,8 +138,9 @@ Goals: packing keeps regions/reads/segments near the large tensors; tcp >= 0.9 x
 tcp+verify <= 1.10 x tcp; hash >= memcpy; publish independent of size; <= 64 MiB RSS per side;
 nixl >= 0.9 x raw NIXL READ; local >= 0.7 x memcpy (one reader).
 
-The code, beside this entry point (``main``): ``bench_transfer_shards.py`` (the shards, their
-seeded content, the byte checks), ``bench_transfer_measure.py`` (RSS, CPU time, medians),
+The code, beside this entry point (``main``): the harness (``benchmarks/harness``: the shards,
+their seeded content and byte checks in ``shards.py``; RSS, CPU time and medians in
+``measure.py``; the server and helper processes in ``processes.py``),
 ``bench_transfer_baselines.py`` (raw socket, one thread's hash and memcpy, raw NIXL READ),
 ``bench_transfer_paths.py`` (the TensorHub pulls, the read plan's counts),
 ``bench_transfer_sections.py`` (sections 1 to 5: the holder process and the drivers),

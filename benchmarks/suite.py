@@ -262,19 +262,9 @@ def _context() -> Any:
     return _CTX
 
 
-class Proc(Child):
-    """A helper process as :class:`server_process.Child`, started from the fork server."""
-
-    def __init__(self, name: str, target: Any, args: tuple, timeout: float) -> None:
-        ctx = _context()
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=target, args=(child, *args), name=name, daemon=True
-        )
-        self.timeout = timeout
-        self.proc.start()
-        child.close()
+def fork_child(name: str, target: Any, args: tuple, timeout: float) -> Child:
+    """A helper process (:class:`benchmarks.harness.Child`) started from the fork server."""
+    return Child(name, target, args, timeout, context=_context())
 
 
 class Group:
@@ -289,7 +279,7 @@ class Group:
         self.procs: list[Child] = []
         try:
             if system.holder is not None:
-                self.holder = Proc(
+                self.holder = fork_child(
                     "holder",
                     side_main,
                     ("holder", *common, 0, n, expected, options, name, args.timeout),
@@ -299,7 +289,7 @@ class Group:
             self.readers = []
             for i in range(n):
                 self.readers.append(
-                    Proc(
+                    fork_child(
                         f"reader{i}",
                         side_main,
                         (
@@ -564,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if any(s.part == "ray" for s in chosen):
             store = max(2 << 30, int(2.5 * max(nbytes.values())))
-            ray_head = Proc("ray-head", ray_head_main, (store,), args.timeout)
+            ray_head = fork_child("ray-head", ray_head_main, (store,), args.timeout)
             _, options["ray_address"] = ray_head.expect("ready")
         plan = [
             (s, w, n)

@@ -76,11 +76,12 @@ def stop_process(proc: subprocess.Popen) -> None:
 
 
 class Child:
-    """The parent's end of a helper process (``spawn``), talking over a pipe: ``target(conn,
-    *args)`` in the child. A child that fails answers ``("error", text)``."""
+    """The parent's end of a helper process, talking over a pipe: ``target(conn, *args)`` in the
+    child. A child that fails answers ``("error", text)``. ``context``: the multiprocessing
+    context that starts it (default ``spawn``; the suite passes its fork server)."""
 
-    def __init__(self, name: str, target: Any, args: tuple, timeout: float) -> None:
-        ctx = mp.get_context("spawn")
+    def __init__(self, name: str, target: Any, args: tuple, timeout: float, context: Any = None) -> None:
+        ctx: Any = mp.get_context("spawn") if context is None else context
         self.name = name
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
