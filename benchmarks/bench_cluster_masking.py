@@ -60,17 +60,6 @@ def spec(downstreams: int) -> dict[str, list[str]]:
     return {"dc-a": ["ctl", "t1", "relay", *[f"d{i}" for i in range(1, downstreams + 1)]]}
 
 
-def _granted(p: Proc, version: int, since: int, timeout: float, what: str, min_verified: int = 0) -> dict[str, Any]:
-    """The first ``progress`` event of ``p`` showing ``version`` with at least ``min_verified``."""
-    return p.wait_event(lambda ev: ev.get("event") == "progress" and ev.get("version") == version
-                        and ev.get("verified", 0) >= min_verified, timeout, what, since)  # fmt: skip
-
-
-def _last_progress(p: Proc, version: int) -> int:
-    seen = [ev["verified"] for ev in list(p.events) if ev.get("event") == "progress" and ev.get("version") == version]
-    return max(seen, default=0)
-
-
 def one_run(job: Job, server: str, trainer: Proc, downs: Sequence[Proc], version: int, size: int,
             kill_at: float | None, worker_kw: dict[str, Any], timeout: float) -> dict[str, Any]:  # fmt: skip
     """One chain run (a fresh relay); ``kill_at``: fraction of d1's pull at which the relay dies."""
@@ -78,20 +67,20 @@ def one_run(job: Job, server: str, trainer: Proc, downs: Sequence[Proc], version
     trainer_hash = publish([trainer], version)[0]["hash"]
     m = relay.mark()
     relay.send(f"replicate {version}")
-    _granted(relay, version, m, timeout, "the relay's first verified read", min_verified=1)
+    relay.granted(version, m, timeout, "the relay's first verified read", min_verified=1)
     marks = {}
     for d in downs:
         marks[d.name] = d.mark()
         d.send(f"replicate {version}")
-        _granted(d, version, marks[d.name], timeout, f"{d.name}'s grant")
+        d.granted(version, marks[d.name], timeout, f"{d.name}'s grant")
     killed = None
     if kill_at is not None:
-        _granted(downs[0], version, marks[downs[0].name], timeout, f"{downs[0].name} at {kill_at:.0%}",
+        downs[0].granted(version, marks[downs[0].name], timeout, f"{downs[0].name} at {kill_at:.0%}",
                  min_verified=int(kill_at * size))  # fmt: skip
         t_kill = time.monotonic()
-        relay_at = _last_progress(relay, version)
+        relay_at = relay.verified(version)
         relay.kill()
-        killed = {"t": t_kill, "d1_verified": _last_progress(downs[0], version), "relay_verified": relay_at}
+        killed = {"t": t_kill, "d1_verified": downs[0].verified(version), "relay_verified": relay_at}
     pulled = [d.expect("pulled", timeout, since=marks[d.name], version=version) for d in downs]
     if kill_at is None:
         relay.expect("pulled", timeout, since=m, version=version)

@@ -52,7 +52,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_cluster_masking import _granted, _last_progress
 from benchmarks.cluster import Cluster, _rate_bits, available, leftovers
 from benchmarks.cluster_jobs import MIB, SERVER_PORT, Job, JobError, Proc, publish, rate_bytes
 from benchmarks.harness import median, write_json  # noqa: E402
@@ -95,21 +94,21 @@ def one_run(cluster: Cluster, trainer: Proc, relay: Proc, readers: Sequence[Proc
     m = relay.mark()
     t_go = time.monotonic()
     relay.send(f"replicate {version}")
-    _granted(relay, version, m, timeout, "the relay's first verified read", min_verified=1)
+    relay.granted(version, m, timeout, "the relay's first verified read", min_verified=1)
     marks = {}
     for d in readers:
         marks[d.name] = d.mark()
         d.send(f"replicate {version}")
-        _granted(d, version, marks[d.name], timeout, f"{d.name}'s grant")
+        d.granted(version, marks[d.name], timeout, f"{d.name}'s grant")
     slowed = None
     fault = None
     try:
         if slow_at is not None:
-            _granted(readers[0], version, marks[readers[0].name], timeout, f"{readers[0].name} at {slow_at:.0%}",
+            readers[0].granted(version, marks[readers[0].name], timeout, f"{readers[0].name} at {slow_at:.0%}",
                      min_verified=int(slow_at * size))  # fmt: skip
-            relay_at = _last_progress(relay, version)
+            relay_at = relay.verified(version)
             fault = cluster.slow("relay", slow_rate)
-            slowed = {"t": time.monotonic(), "d1_verified": _last_progress(readers[0], version), "relay_verified": relay_at}
+            slowed = {"t": time.monotonic(), "d1_verified": readers[0].verified(version), "relay_verified": relay_at}
         pulled = [d.expect("pulled", timeout, since=marks[d.name], version=version) for d in readers]
     finally:
         if fault is not None:

@@ -584,6 +584,17 @@ class Proc:
         return self.wait_event(lambda ev: ev.get("event") == event and all(ev.get(k) == v for k, v in match.items()),
                                timeout, what, since)  # fmt: skip
 
+    def granted(self, version: int, since: int, timeout: float, what: str, min_verified: int = 0) -> dict[str, Any]:
+        """The first ``progress`` event of ``version`` after mark ``since`` with at least
+        ``min_verified`` bytes verified: the pull was granted (and got that far)."""
+        return self.wait_event(lambda ev: ev.get("event") == "progress" and ev.get("version") == version
+                               and ev.get("verified", 0) >= min_verified, timeout, what, since)  # fmt: skip
+
+    def verified(self, version: int) -> int:
+        """The most bytes of ``version`` this process reported verified so far (0: none yet)."""
+        seen = [ev["verified"] for ev in list(self.events) if ev.get("event") == "progress" and ev.get("version") == version]
+        return max(seen, default=0)
+
     def kill(self) -> None:
         """SIGKILL its process group (it runs in a session of its own)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
