@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import multiprocessing
 import os
 import socket
 import sys
@@ -47,7 +46,7 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 from benchmarks.bench_transfer_baselines import baseline_pull, baseline_serve  # noqa: E402
-from benchmarks.harness import BenchmarkError, free_port, median  # noqa: E402
+from benchmarks.harness import BenchmarkError, fork_server, free_port, median  # noqa: E402
 
 MODEL = "first-try"
 
@@ -186,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.size_mib < 1 or args.tensors < 1 or args.rounds < 1 or (args.size_mib << 20) % args.tensors:
         ap.error("--size-mib, --tensors and --rounds must be >= 1, and the size a multiple of --tensors bytes")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "tensorhub.handles.api"])
+    ctx = fork_server("torch", "tensorhub.handles.api")
     address = f"tcp://127.0.0.1:{free_port()}"
     first = _run(ctx, address, None, args, baselines=True)
     tcp = _run(ctx, address, "tcp", args, baselines=False)

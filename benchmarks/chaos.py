@@ -43,7 +43,6 @@ unexpected death of a process. ``--json PATH`` writes the summary.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import random
 import signal
@@ -58,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import write_json  # noqa: E402
+from benchmarks.harness import fork_server, start_server, stop_process, write_json  # noqa: E402
 
 MODEL = "actor"
 HEARTBEAT_INTERVAL = 0.1
@@ -70,7 +69,6 @@ LEGIT_UPDATE_ERRORS = {"UpdateAborted", "VersionUnavailable", "ServerUnavailable
 #: what an UpdateAborted says when the version it moved to went away (a VersionUnavailable cause)
 GONE = ("unavailable", "no holder can serve", "is gone", "lost its last complete holder")
 
-_ctx: Any = None
 
 
 def _version_went_away(err: tuple[str, str]) -> bool:
@@ -79,12 +77,8 @@ def _version_went_away(err: tuple[str, str]) -> bool:
 
 
 def _mp() -> Any:
-    """The forkserver context, preloading torch and the handle API once for every worker."""
-    global _ctx
-    if _ctx is None:
-        _ctx = multiprocessing.get_context("forkserver")
-        _ctx.set_forkserver_preload(["torch", "tensorhub.handles.api", "tests.procs", "benchmarks.chaos"])
-    return _ctx
+    """The fork server's context, preloading torch and the handle API once for every worker."""
+    return fork_server("torch", "tensorhub.handles.api", "tests.procs", "benchmarks.chaos")
 
 
 # ---- the worker process -----------------------------------------------------------------------
@@ -371,7 +365,6 @@ class Chaos:
             if self.opt.kill_server:
                 self.s.notes.append("--kill-server needs server processes: no server kills with --inproc-server")
             return
-        from benchmarks.harness import start_server
 
         proc, addr = start_server(30, *flags, "--seed", str(self.opt.seed), echo_all=False)
         self.servers.append(proc)
@@ -656,7 +649,6 @@ class Chaos:
         self.s.notes.append("server process mode: only holders are visible; --inproc-server checks sessions, grants and transactions too")
 
     def close(self) -> None:
-        from benchmarks.harness import stop_process
 
         for w in [self.trainer, *self.rollouts.values()]:
             if w is not None:

@@ -78,6 +78,7 @@ if str(_HERE.parent) not in sys.path:
 from benchmarks.harness import (
     BenchmarkError,
     Child,
+    fork_server,
     free_port,
     git_head,
     median,
@@ -248,23 +249,10 @@ def expected_hashes(spec: list, seed: int) -> list[int]:
 # ---- one group -------------------------------------------------------------------------------------
 
 
-_CTX: Any = None
-
-
-def _context() -> Any:
-    """``forkserver``, with torch and the systems' module imported once in the server: a helper
-    process starts in a fraction of a second instead of importing torch again (seconds, on two
-    cores). Nothing else (no thread, no agent, no loop) exists in the server when it forks."""
-    global _CTX
-    if _CTX is None:
-        _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["benchmarks.suite_systems"])
-    return _CTX
-
-
 def fork_child(name: str, target: Any, args: tuple, timeout: float) -> Child:
-    """A helper process (:class:`benchmarks.harness.Child`) started from the fork server."""
-    return Child(name, target, args, timeout, context=_context())
+    """A helper process (:class:`benchmarks.harness.Child`) started from the fork server, where
+    the systems' module (torch with it) is imported once."""
+    return Child(name, target, args, timeout, context=fork_server("benchmarks.suite_systems"))
 
 
 class Group:

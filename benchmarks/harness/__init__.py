@@ -2,7 +2,7 @@
 
 - :mod:`benchmarks.harness.processes`: the reference server a benchmark starts on a free
   loopback port (:func:`start_server`, :func:`stop_process`), helper processes spoken to over a
-  pipe (:class:`Child`), and :class:`BenchmarkError`, raised when a run cannot measure honestly;
+  pipe (:class:`Child`), started by ``spawn`` or from a fork server (:func:`fork_server`), and :class:`BenchmarkError`, raised when a run cannot measure honestly;
 - :mod:`benchmarks.harness.measure`: wall time of a call (:func:`timings`), medians, ratios
   against a baseline measured in the same run and their verdict against a goal, resident memory
   (:class:`PeakRss`) and CPU time of a process;
@@ -35,7 +35,7 @@ from benchmarks.harness.measure import (
     timings,
     verdict,
 )
-from benchmarks.harness.processes import BenchmarkError, Child, free_port, start_server, stop_process
+from benchmarks.harness.processes import BenchmarkError, Child, fork_server, free_port, start_server, stop_process
 from benchmarks.harness.report import git_head, pyplot, write_json
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "Child",
     "PeakRss",
     "cuda_sync",
+    "fork_server",
     "free_port",
     "git_head",
     "meets",
