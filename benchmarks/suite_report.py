@@ -1,5 +1,7 @@
-"""The benchmark suite's report: markdown tables (with ratios to TensorHub and the goals) and
-PNG plots, drawn from the JSON that ``python -m benchmarks`` writes.
+"""The benchmark suite's goals and report: each goal checked against the summary rows
+(:func:`goals`), markdown tables (with ratios to TensorHub and the goals) and PNG plots, drawn
+from the JSON that ``python -m benchmarks`` writes. It imports nothing of ``suite.py``: the suite
+imports it.
 
 ``python -m benchmarks report RESULTS.json [--out DIR] [--name STEM] [--notes NOTES.md]``
 redraws the report of an earlier run (without plots where matplotlib is not installed).
