@@ -69,7 +69,7 @@ from tensorhub.core.errors import (
 )
 from tensorhub.core.lifecycle import HolderState
 from tensorhub.core.table import HISTORY_VERSIONS, ReferenceTable, TableConfig, random_first_id
-from tensorhub.core.table.failover import ROLES, Reign
+from tensorhub.core.table.reign import ROLES, Reign
 from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
 from tensorhub.scheduling.selection import SourceIndex
 

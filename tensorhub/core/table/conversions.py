@@ -61,9 +61,10 @@ from ..errors import (
 from ..lifecycle import Event
 from ..naming import VersionSpec
 from .records import _MAX_SOURCE_FAILURES, P, SourcePolicy, U, _Grant, _Holder, _Model, _named
+from .state import TableState
 
 
-class ConversionMixin:
+class ConversionMixin(TableState):
     """Converted models: their versions, their converters, and the grants those read under.
     Mixed into :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the
     state it uses."""

@@ -72,6 +72,8 @@ from ..deltas import DELTAS, DeltaStep, plan_pull
 from ..errors import InBucket, InvalidArgument, LayoutMismatch, TensorHubError, VersionConflict
 from ..naming import DELTA_SUFFIX, MAX_NAME_LEN
 from .records import C, _Holder, _Model, _Session, _Txn
+from .state import TableState
+
 
 #: models whose bucket copies the table remembers once their records are gone (the newest)
 BUCKET_MODELS = 1024
@@ -79,7 +81,7 @@ BUCKET_MODELS = 1024
 BUCKET_VERSIONS = 64
 
 
-class DeltaMixin:
+class DeltaMixin(TableState):
     """Delta models and the per-reader plan. Mixed into
     :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
 

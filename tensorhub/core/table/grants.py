@@ -60,9 +60,10 @@ from .records import (
     _seed_name,
     _Session,
 )
+from .state import TableState
 
 
-class GrantMixin:
+class GrantMixin(TableState):
     """Source selection, grants, and the reports readers make under them. Mixed into
     :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
 

@@ -28,9 +28,10 @@ from .. import messages as m
 from ..errors import Cancelled, VersionUnavailable
 from ..lifecycle import Event, HolderState, transition
 from .records import SERVING, C, P, U, _Holder, _Model, _Session, _Version
+from .state import TableState
 
 
-class HolderMixin:
+class HolderMixin(TableState):
     """Holder transitions and their accounting. Mixed into
     :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
 

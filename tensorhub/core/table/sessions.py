@@ -41,9 +41,10 @@ from ..errors import (
 from ..layout import Layout
 from ..lifecycle import Event
 from .records import _FENCED_MEMORY, _Declaration, _Model, _Replica, _Session, _Txn
+from .state import TableState
 
 
-class SessionMixin:
+class SessionMixin(TableState):
     """Sessions, layouts, heartbeats, replica removal. Mixed into
     :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
 
@@ -232,8 +233,7 @@ class SessionMixin:
     def _remove_replica(self, replica: _Replica, error: type[TensorHubError], reason: str) -> None:
         """Remove a replica whole (crash, expiry, fencing): its shards' holdings, partial
         holdings, grants and transactions. Live shards are told."""
-        ctx = {"model": replica.model.name, "replica": replica.name}
-        err = error(f"replica removed: {reason}", **ctx)
+        err = error(f"replica removed: {reason}", model=replica.model.name, replica=replica.name)
         for txn in list(replica.txns.values()):
             self._drop_removed(txn, err)
         replica.model.waits = [w for w in replica.model.waits if w[0].replica is not replica]

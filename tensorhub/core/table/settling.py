@@ -22,9 +22,10 @@ handler (handlers only mark; settling runs after them).
 from __future__ import annotations
 
 from .records import _GONE_MEMORY, O, P, _Model
+from .state import TableState
 
 
-class SettleMixin:
+class SettleMixin(TableState):
     """What follows from an event, once it is handled. Mixed into
     :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
 

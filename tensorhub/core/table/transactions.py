@@ -24,9 +24,10 @@ from typing import Any, Hashable
 from .. import messages as m
 from ..errors import ContractViolation, InBucket, InvalidArgument, TensorHubError, Timeout, UpdateAborted
 from .records import _OFFERS_KEPT, _all_done, _AnnouncedArgs, _Model, _Session, _ShardCall, _Txn
+from .state import TableState
 
 
-class TransactionMixin:
+class TransactionMixin(TableState):
     """Model-parallel calls, and list and wait. Mixed into
     :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
 
@@ -117,8 +118,8 @@ class TransactionMixin:
         else:
             return
         what = f"version {txn.version}" if txn.version is not None else _describe(txn.kind, txn.args)
-        ctx = {"model": txn.replica.model.name, "replica": txn.replica.name}
-        self._fail_txn(txn, Timeout(f"timed out waiting for {what}", **ctx))
+        err = Timeout(f"timed out waiting for {what}", model=txn.replica.model.name, replica=txn.replica.name)
+        self._fail_txn(txn, err)
 
     def _set_deadline(self, txn: _Txn, timeout: float | None) -> None:
         if timeout is not None and txn.deadline is None:

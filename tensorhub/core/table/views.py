@@ -24,9 +24,10 @@ from .. import messages as m
 from ..naming import seed_replica
 from ..topology import link_class
 from .records import HISTORY_EDGES, HISTORY_VERSIONS, P, _Grant, _Holder, _Model
+from .state import TableState
 
 
-class ViewMixin:
+class ViewMixin(TableState):
     """Listing, status, replication history. Mixed into
     :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
 
