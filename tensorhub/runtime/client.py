@@ -45,7 +45,7 @@ open sessions in one message. When nothing at all has come from the server for
 If it gives up, the sessions are removed (the engine stops serving them) and every later
 request fails with ``ServerUnavailable``; a new handle gets a new client.
 
-No split brain (:class:`tensorhub.core.table.failover.Reign`). With a primary and a backup, a
+No split brain (:class:`tensorhub.core.table.reign.Reign`). With a primary and a backup, a
 server decides only while it holds the backup's lease or a majority of votes, and a client's
 heartbeats are its vote: each echoes the latest stamp of the current server's
 ``HeartbeatAck`` (forgotten on every move, so a vote never follows the client elsewhere). A
@@ -267,7 +267,7 @@ class ClientActor(Actor):
         self._connected = asyncio.Event()
         self._next_beat = 0.0  # when the next heartbeat is due (monotonic)
         #: the latest (term, stamp) of the current server's heartbeat answers, echoed in every
-        #: heartbeat (the client's vote, :class:`tensorhub.core.table.failover.Reign`); forgotten
+        #: heartbeat (the client's vote, :class:`tensorhub.core.table.reign.Reign`); forgotten
         #: on every move, so that a vote never follows the client to another server
         self._stamp: tuple[int, float] = (0, 0.0)
         #: whether the current server said it decides (False: calls are refused there)

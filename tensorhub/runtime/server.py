@@ -103,7 +103,7 @@ class ServerConfig:
         role: ``solo`` (a server alone: always decides), ``primary`` (decides while it holds
             its backup's lease or a majority of votes; needs ``peer``) or ``backup`` (decides
             only without a lease promised to the primary, with a majority of votes): the
-            no-split-brain rule of :class:`tensorhub.core.table.failover.Reign`.
+            no-split-brain rule of :class:`tensorhub.core.table.reign.Reign`.
         peer: the backup's address (the primary asks it for the lease).
         lease: the lease and vote lifetime in seconds (None: half the heartbeat timeout).
         policy: which client keys may publish and read which models (CURVE only; None: every

@@ -40,7 +40,7 @@ Invariants (checked by :func:`tensorhub.core.invariants.check_invariants`):
   (version, shard) is left;
 - when every client has closed, nothing is left: no sessions, holders, grants, transactions.
 
-No split brain (:class:`~tensorhub.core.table.failover.Reign`): with a primary and a backup, a
+No split brain (:class:`~tensorhub.core.table.reign.Reign`): with a primary and a backup, a
 table decides only while it *reigns*: while it holds the backup's lease (the primary) or fresh
 votes from a majority of the last membership both servers hold (a shard's heartbeats, each
 echoing this table's last stamp, count until that stamp plus the lease, and only from a lease
@@ -56,13 +56,17 @@ answers with an error.
 
 Where things are
 ----------------
-:class:`ReferenceTable` (in this module) is the one object. All its state is set up in its
-``__init__``, next to the entry points (:meth:`~ReferenceTable.handle`,
-:meth:`~ReferenceTable.tick`) and the outbox. Each concern is a mixin class in a module of its
-own; the mixins share the records of :mod:`.records` and import nothing else of the package
-(neither this module nor each other), and the table combines them:
+:class:`ReferenceTable` (in this module) is the one object: the entry points
+(:meth:`~ReferenceTable.handle`, :meth:`~ReferenceTable.tick`) and the handler of each message.
+Each concern is a mixin class in a module of its own, and the table combines them. Every mixin
+subclasses :class:`~.state.TableState`, which sets up all the state in its ``__init__`` and
+declares, for the type checker, the methods one concern calls on another; each mixin's
+docstring names the records it uses. The mixins import :mod:`.records`, :mod:`.state` and
+:mod:`.reign`, nothing else of the table (neither this module nor each other):
 
+- :mod:`.state`: the state, the plumbing (outbox, timers, models to settle), the services;
 - :mod:`.records`: the records, :class:`TableConfig`, the :class:`SourcePolicy` protocol, bounds;
+- :mod:`.reign`: the no-split-brain rule (:class:`~.reign.Reign`), which the table holds;
 - :mod:`.holders`: holder lifecycle transitions and the counts kept in step with them, and the
   abrupt ends of a holding (removal, abort, sources gone);
 - :mod:`.sessions`: open, register, close, heartbeats; identity, fencing, expiry, replica removal;
@@ -78,7 +82,7 @@ own; the mixins share the records of :mod:`.records` and import nothing else of 
   cross-datacenter policy, moving each shard;
 - :mod:`.pins`: a replicate/update in flight keeps the version it decided (a pin), and moves to a
   newer one while nothing of it has landed;
-- :mod:`.failover`: the grace period and re-announcements; the no-split-brain rule (``Reign``);
+- :mod:`.failover`: the grace period and re-announcements; the no-split-brain rule applied;
 - :mod:`.stragglers`: a source alive but slow, told from a busy one by progress, and its readers moved;
 - :mod:`.settling`: the consequences applied after every event, and garbage collection;
 - :mod:`.views`: the listing, status, and the replication history.
@@ -151,7 +155,7 @@ class ReferenceTable(
         rng: the one random source (tie-breaks); injected and seeded by the caller.
         config: timeouts.
         term: this server start's term; grants carry it, and a grant of another term is void.
-        reign: the no-split-brain rule (:class:`~tensorhub.core.table.failover.Reign`) of a primary
+        reign: the no-split-brain rule (:class:`~tensorhub.core.table.reign.Reign`) of a primary
             or a backup server; None: a server alone, which always decides.
         sources: makes the index of one (version, shard)'s grantable holders, which also picks
             the source for a reader: the scheduling policy, injected because the core sits below

@@ -65,9 +65,10 @@ from .state import TableState
 
 
 class ConversionMixin(TableState):
-    """Converted models: their versions, their converters, and the grants those read under.
-    Mixed into :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the
-    state it uses."""
+    """Converted models: their versions, their converters, and the grants those read under. Mixed into
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``rng``, ``term``, ``models``, ``_by_id``,
+    ``stats``."""
 
     def _check_source(self, model: _Model | None, msg: m.OpenShard) -> None:
         """An ``OpenShard`` agrees with what its model is converted from (None: not converted)."""

@@ -82,8 +82,9 @@ BUCKET_VERSIONS = 64
 
 
 class DeltaMixin(TableState):
-    """Delta models and the per-reader plan. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    """Delta models and the per-reader plan. Mixed into :class:`~tensorhub.core.table.ReferenceTable`.
+    State (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``models``,
+    ``bucket_memory``, ``stats``."""
 
     def _check_delta_publish(self, s: _Session, version: int, base: int | None) -> None:
         """A delta model's publish names its base (and its blob's layout is the version's);

@@ -35,8 +35,8 @@ from .state import TableState
 
 
 class FailoverMixin(TableState):
-    """The grace period and re-announcements. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    """The grace period and re-announcements. Mixed into :class:`~tensorhub.core.table.ReferenceTable`.
+    State (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``grace_until``."""
 
     @property
     def in_grace(self) -> bool:
@@ -140,7 +140,10 @@ _SESSION_KINDS = (
 
 class ReignMixin(TableState):
     """The no-split-brain rule applied to the table (see :class:`Reign`). Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets ``reign``."""
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``sources``, ``rng``, ``config``,
+    ``term``, ``reign``, ``models``, ``sessions``, ``by_slot``, ``_ids``, ``_out``, ``stats``,
+    ``bytes_by_link``, ``_voting``."""
 
     def _reign_gate(self, peer: Hashable, msg: Any) -> Any:
         """Before a message is handled: step down if the reign just ended; refuse a call while

@@ -44,8 +44,8 @@ from .state import TableState
 
 
 class PinMixin(TableState):
-    """Pins and re-decisions. Mixed into :class:`~tensorhub.core.table.ReferenceTable`, whose
-    ``__init__`` sets up the state it uses."""
+    """Pins and re-decisions. Mixed into :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``stats``."""
 
     def _pin(self, txn: _Txn) -> None:
         """Pin the version ``txn`` decided to move to (for ``pin_timeout`` at most)."""

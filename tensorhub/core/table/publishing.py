@@ -36,7 +36,9 @@ from .state import TableState
 
 class PublishMixin(TableState):
     """Publish, checksums, unpublish, drain, offload, retention. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``term``,
+    ``sessions``, ``stats``."""
 
     def _on_publish(self, peer: Hashable, msg: m.Publish) -> None:
         s = self._session(peer, msg.session)

@@ -33,8 +33,9 @@ from .state import TableState
 
 
 class PullMixin(TableState):
-    """Replicate and update. Mixed into :class:`~tensorhub.core.table.ReferenceTable`, whose
-    ``__init__`` sets up the state it uses."""
+    """Replicate and update. Mixed into :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``sessions``,
+    ``stats``."""
 
     def _resolve(self, model: _Model, spec: VersionSpec, ctx: dict) -> int | None:
         """The absolute version ``spec`` names now, or None to wait for it.

@@ -46,7 +46,9 @@ from .state import TableState
 
 class SessionMixin(TableState):
     """Sessions, layouts, heartbeats, replica removal. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``term``, ``models``,
+    ``sessions``, ``by_slot``, ``fenced``, ``expiry``, ``bucket_memory``, ``_ids``, ``_out``."""
 
     def _session(self, peer: Hashable, sid: int) -> _Session:
         s = self.sessions.get(sid)

@@ -27,7 +27,8 @@ from .state import TableState
 
 class SettleMixin(TableState):
     """What follows from an event, once it is handled. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``models``, ``_dirty_models``."""
 
     def _settle(self) -> None:
         """After every event: fail partial holders whose (version, shard) has nothing left to

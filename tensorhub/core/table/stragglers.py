@@ -60,9 +60,10 @@ _RECENT = 16  # completed-grant rates kept per (model, link class)
 
 
 class StragglerMixin(TableState):
-    """Straggler detection. Mixed into :class:`~tensorhub.core.table.ReferenceTable` ahead of
-    the grant and view mixins (it wraps their ``_on_progress`` and ``_record``); the table's
-    ``__init__`` sets ``pace`` and ``pace_recent``."""
+    """Straggler detection. Mixed into :class:`~tensorhub.core.table.ReferenceTable` ahead of the grant
+    and view mixins (it wraps their ``_on_progress`` and ``_record``). State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``grants``, ``stats``,
+    ``pace``, ``pace_recent``."""
 
     def _on_progress(self, peer: Hashable, msg: m.Progress) -> None:
         super()._on_progress(peer, msg)

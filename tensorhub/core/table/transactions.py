@@ -29,7 +29,8 @@ from .state import TableState
 
 class TransactionMixin(TableState):
     """Model-parallel calls, and list and wait. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``."""
 
     def _join(self, s: _Session, req: int, n: int, kind: str, args: Any) -> tuple[_Txn, _ShardCall]:
         """Join call ``n`` of the session's replica (opening it if first).

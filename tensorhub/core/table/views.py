@@ -28,8 +28,9 @@ from .state import TableState
 
 
 class ViewMixin(TableState):
-    """Listing, status, replication history. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    """Listing, status, replication history. Mixed into :class:`~tensorhub.core.table.ReferenceTable`.
+    State (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``term``, ``models``,
+    ``sessions``, ``grants``, ``history``, ``_out``, ``stats``, ``bytes_by_link``."""
 
     def _listing(self, model: _Model) -> tuple[m.VersionEntry, ...]:
         """The available versions and the replicas holding each completely (built lazily)."""
