@@ -458,7 +458,7 @@ class ServerActor(Actor):
         while True:
             try:
                 event = parse_monitor_message(await mon.recv_multipart())
-                name = zmq.Event(event["event"]).name.lower()
+                name = (zmq.Event(event["event"]).name or str(event["event"])).lower()  # a combination has no name
             except (RuntimeError, ValueError, zmq.ZMQError) as err:  # counting is not worth dying for
                 self.log.warning("socket monitor stopped", error=str(err))
                 return
@@ -556,7 +556,7 @@ class ServerActor(Actor):
                     self._note_refusal(kind, reply)
                     break
             if outcome == "ok" and isinstance(request, (m.SourceFailed, m.ChecksumFailed)):
-                self.m_failures.inc(request.KIND)
+                self.m_failures.inc(kind)  # the request's KIND (read when it was decoded)
         except ProtocolError as err:
             self.bad_frames += 1
             outcome = err.code
