@@ -73,7 +73,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import zmq
 import zmq.asyncio
@@ -81,6 +81,7 @@ import zmq.asyncio
 from tensorhub.core import messages as m
 from tensorhub.core.errors import (
     ContractViolation,
+    InvalidArgument,
     ServerUnavailable,
     TensorHubError,
     Timeout,
@@ -223,7 +224,8 @@ class ClientActor(Actor):
         those are not set: plain connections).
 
     Raises:
-        InvalidArgument: the CURVE environment is half set or names unreadable keys.
+        InvalidArgument: the CURVE environment is half set or names unreadable keys; ``keys`` is
+            none of those.
     """
 
     def __init__(
@@ -233,9 +235,13 @@ class ClientActor(Actor):
         engine: EngineActor,
         failover_timeout: float = 120.0,
         attempt_timeout: float = 2.0,
-        keys: ClientKeys | None | str = "env",
+        keys: ClientKeys | None | Literal["env"] = "env",
     ) -> None:
-        self.keys: ClientKeys | None = client_keys() if keys == "env" else keys  # type: ignore[assignment]
+        if keys == "env":
+            keys = client_keys()
+        elif keys is not None and not isinstance(keys, ClientKeys):
+            raise InvalidArgument(f"keys must be ClientKeys, None or 'env', got {keys!r}")
+        self.keys: ClientKeys | None = keys
         self.addresses = (addresses,) if isinstance(addresses, str) else tuple(addresses)
         super().__init__(f"client:{','.join(self.addresses)}")
         self.index = 0

@@ -94,7 +94,7 @@ class ConversionMixin(TableState):
         """The models converted from ``model`` (in the table's order: deterministic)."""
         return [x for x in self.models.values() if x.source == model.name]
 
-    def _resolve_converted(self, model: _Model, spec: VersionSpec, ctx: dict) -> int | None:
+    def _resolve_converted(self, model: _Model, spec: VersionSpec, ctx: dict[str, Any]) -> int | None:
         """:meth:`_resolve` for a converted model: its own versions and its source's."""
         src = self._source_of(model)
         newest = max([*model.available[-1:], *(src.available[-1:] if src is not None else ())], default=None)

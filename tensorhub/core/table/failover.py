@@ -28,7 +28,7 @@ from typing import Any, Hashable
 from .. import messages as m
 from ..errors import ContractViolation, NotRegistered, ServerUnavailable, TensorHubError, VersionConflict, error_from_wire
 from ..lifecycle import Event
-from .records import _AnnouncedArgs, _Replica, _Txn
+from .records import Outbox, _AnnouncedArgs, _Replica, _Txn
 from .reign import ROLES as ROLES  # re-exported: the server and tests import these from here
 from .reign import Reign as Reign
 from .state import TableState
@@ -154,7 +154,7 @@ class ReignMixin(TableState):
             return msg
         self._check_reign()
         if isinstance(msg, m.Heartbeat):
-            sids: tuple = msg.sessions
+            sids: tuple[int, ...] = msg.sessions
         else:
             sid = getattr(msg, "session", None)
             sids = (sid,) if type(sid) is int else ()
@@ -174,7 +174,7 @@ class ReignMixin(TableState):
             raise ServerUnavailable(f"this server does not decide now: {reign.why_not()}")
         return msg
 
-    def _reign_after(self, peer: Hashable, msg: Any, out: list) -> list:
+    def _reign_after(self, peer: Hashable, msg: Any, out: Outbox) -> Outbox:
         """After a message: record a heartbeat's votes, stamp heartbeat acks, count grants."""
         reign = self.reign
         now = self.clock()
@@ -199,7 +199,7 @@ class ReignMixin(TableState):
         self._count_grants(out, now)
         return out
 
-    def _count_grants(self, out: list, now: float) -> None:
+    def _count_grants(self, out: Outbox, now: float) -> None:
         n = sum(1 for _, x in out if isinstance(x, m.Grant))
         if n:
             if not self.reign.reigning:

@@ -22,7 +22,7 @@ and is gone.
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Any, Hashable
 
 from .. import messages as m
 from ..errors import InBucket, NotRegistered, TensorHubError, VersionUnavailable
@@ -37,7 +37,7 @@ class PullMixin(TableState):
     (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``sessions``,
     ``stats``."""
 
-    def _resolve(self, model: _Model, spec: VersionSpec, ctx: dict) -> int | None:
+    def _resolve(self, model: _Model, spec: VersionSpec, ctx: dict[str, Any]) -> int | None:
         """The absolute version ``spec`` names now, or None to wait for it.
 
         Raises:

@@ -486,7 +486,7 @@ class _AnnouncedArgs:
     def __ne__(self, other: object) -> bool:
         return False
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as equal to everything: typeshed wants a method
 
 
 def _seed_name(replica: str) -> str | None:
@@ -515,7 +515,7 @@ def _all_done(txn: _Txn) -> bool:
             return False
     return True
 
-def _named(spec: VersionSpec, newest: int | None, ctx: dict) -> int | None:
+def _named(spec: VersionSpec, newest: int | None, ctx: dict[str, Any]) -> int | None:
     """The version ``spec`` names when ``newest`` is the latest available (None: a relative spec
     with nothing available yet: wait).
 

@@ -8,7 +8,7 @@ This module imports neither the table nor a concern of it.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Hashable, Iterable
+from typing import Any, Hashable, Iterable
 
 from .. import messages as m
 
@@ -86,12 +86,12 @@ class Reign:
         self.synced = False  # primary: it learned the backup's membership since it started
         self.peer_epoch = -1  # primary: the membership the backup said it holds
         #: session id -> [slot, first heartbeat here, vote valid until]
-        self.votes: dict[int, list] = {}
+        self.votes: dict[int, list[Any]] = {}  # session id -> [slot, counts from, counts until]
         self.owner: dict[int, Hashable] = {}  # session id -> the connection that opened it
         self.requests: OrderedDict[int, float] = OrderedDict()  # primary: lease request req -> sent at
         self.dropped: OrderedDict[int, None] = OrderedDict()  # session ids dropped by a step-down
         #: reigns, oldest first: [term, start, end, first grant, last grant, grants]
-        self.spans: deque[list] = deque(maxlen=_SPANS_KEPT)
+        self.spans: deque[list[Any]] = deque(maxlen=_SPANS_KEPT)
         self.reigning = False
         self.violations = 0  # grants made while not reigning (never, by construction)
         self._majority_until: float | None = None  # a majority holds until then (cached)

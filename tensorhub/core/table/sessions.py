@@ -40,6 +40,7 @@ from ..errors import (
 )
 from ..layout import Layout
 from ..lifecycle import Event
+from ..placement import PlacedTensor
 from .records import _FENCED_MEMORY, _Declaration, _Model, _Replica, _Session, _Txn
 from .state import TableState
 
@@ -313,7 +314,7 @@ def _layout_diff(known: Layout, got: Layout) -> str:
     return "layout parameters (chunk size, pack threshold) differ from other holders of this shard"
 
 
-def _placement_diff(known: tuple | None, got: tuple | None) -> str:
+def _placement_diff(known: tuple[PlacedTensor, ...] | None, got: tuple[PlacedTensor, ...] | None) -> str:
     """What differs between two registrations' placements (same layout), for LayoutMismatch."""
     if known is None or got is None:
         which = "without" if known is None else "with"
