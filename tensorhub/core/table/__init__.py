@@ -91,14 +91,11 @@ docstring names the records it uses. The mixins import :mod:`.records`, :mod:`.s
 from __future__ import annotations
 
 import heapq
-import itertools
 import random
-from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
 from .. import messages as m
 from ..errors import ProtocolError, ReplicaRemoved, TensorHubError
-from ..topology import LINK_CLASSES
 from .conversions import ConversionMixin
 from .deltas import DeltaMixin
 from .failover import FailoverMixin, ReignMixin
