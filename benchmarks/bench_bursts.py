@@ -1,6 +1,11 @@
 """Bursts on the emulated cluster: one trainer host and N rollout hosts pull one version at once,
 with pipeline replication on and off.
 
+Workload: one version of ``--size-mib`` pulled at once by N = 1, 2, 4, 6 rollout hosts of the
+emulated cluster, over ``tcp`` at ``--host-rate``, pipelining on and off, ``--repeat`` rounds.
+Baseline: N = 1 of the same mode in the same run.
+Goal: with pipelining, N = 6 within 1.3x N = 1; without, about Nx (0.75 N .. 1.25 N).
+
 Every host is a network namespace of one datacenter with its egress shaped to ``--host-rate``
 (``benchmarks/cluster.py``); the real server runs on a host of its own (``ctl``), the trainer on
 ``t1``, one rollout replica per host on ``r1`` .. ``rN``; every byte moves over ``tcp`` across
@@ -42,7 +47,6 @@ Usage: python benchmarks/bench_bursts.py [--size-mib 128] [--ns 1,2,4,6] [--repe
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -71,6 +75,7 @@ from benchmarks.cluster_jobs import (
     median,
     rate_bytes,
 )
+from benchmarks.harness import write_json  # noqa: E402
 
 MODES = {"pipeline": (), "no-pipeline": ("--no-pipeline",)}
 PIPELINE_GOAL = 1.3  # N = max within this many times N = 1, with pipelining
@@ -239,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "chunk_bytes": chunk, "streams": a.streams, "prefix": prefix}  # fmt: skip
         result = {"config": config, "raw_tcp_bytes_per_s": raw, "bursts": records, "summary": rows,
                   "verdicts": checks, "leftovers": left}  # fmt: skip
-        Path(a.json).write_text(json.dumps(result, indent=2))
+        write_json(a.json, result)
     return 0 if ok else 1
 
 

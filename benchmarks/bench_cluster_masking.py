@@ -1,5 +1,10 @@
 """Failure masking on the emulated cluster (the paper's Fig. 7c): a relay SIGKILLed mid-transfer.
 
+Workload: a ``--size-mib`` version on the emulated cluster, pulled along the chain trainer ->
+relay -> d1 .. dK over ``tcp``, the relay SIGKILLed at ``--points`` % of d1's pull.
+Baseline: each downstream's latency in fault-free runs (relay kept) of the same invocation.
+Goal: extra delay <= heartbeat timeout + d1's remaining bytes at the host rate.
+
 The hosts of one datacenter, each a network namespace with its egress shaped to ``--host-rate``
 (``benchmarks/cluster.py``): the real server on ``ctl`` (short heartbeats), the trainer on
 ``t1``, a relay rollout on ``relay`` and ``--downstreams`` rollouts on ``d1`` .. ``dK``; every
@@ -28,7 +33,6 @@ Usage: python benchmarks/bench_cluster_masking.py [--size-mib 128] [--host-rate 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -49,21 +53,11 @@ from benchmarks.cluster_jobs import (
     publish,
     rate_bytes,
 )
+from benchmarks.harness import write_json  # noqa: E402
 
 
 def spec(downstreams: int) -> dict[str, list[str]]:
     return {"dc-a": ["ctl", "t1", "relay", *[f"d{i}" for i in range(1, downstreams + 1)]]}
-
-
-def _granted(p: Proc, version: int, since: int, timeout: float, what: str, min_verified: int = 0) -> dict[str, Any]:
-    """The first ``progress`` event of ``p`` showing ``version`` with at least ``min_verified``."""
-    return p.wait_event(lambda ev: ev.get("event") == "progress" and ev.get("version") == version
-                        and ev.get("verified", 0) >= min_verified, timeout, what, since)  # fmt: skip
-
-
-def _last_progress(p: Proc, version: int) -> int:
-    seen = [ev["verified"] for ev in list(p.events) if ev.get("event") == "progress" and ev.get("version") == version]
-    return max(seen, default=0)
 
 
 def one_run(job: Job, server: str, trainer: Proc, downs: Sequence[Proc], version: int, size: int,
@@ -73,20 +67,20 @@ def one_run(job: Job, server: str, trainer: Proc, downs: Sequence[Proc], version
     trainer_hash = publish([trainer], version)[0]["hash"]
     m = relay.mark()
     relay.send(f"replicate {version}")
-    _granted(relay, version, m, timeout, "the relay's first verified read", min_verified=1)
+    relay.granted(version, m, timeout, "the relay's first verified read", min_verified=1)
     marks = {}
     for d in downs:
         marks[d.name] = d.mark()
         d.send(f"replicate {version}")
-        _granted(d, version, marks[d.name], timeout, f"{d.name}'s grant")
+        d.granted(version, marks[d.name], timeout, f"{d.name}'s grant")
     killed = None
     if kill_at is not None:
-        _granted(downs[0], version, marks[downs[0].name], timeout, f"{downs[0].name} at {kill_at:.0%}",
+        downs[0].granted(version, marks[downs[0].name], timeout, f"{downs[0].name} at {kill_at:.0%}",
                  min_verified=int(kill_at * size))  # fmt: skip
         t_kill = time.monotonic()
-        relay_at = _last_progress(relay, version)
+        relay_at = relay.verified(version)
         relay.kill()
-        killed = {"t": t_kill, "d1_verified": _last_progress(downs[0], version), "relay_verified": relay_at}
+        killed = {"t": t_kill, "d1_verified": downs[0].verified(version), "relay_verified": relay_at}
     pulled = [d.expect("pulled", timeout, since=marks[d.name], version=version) for d in downs]
     if kill_at is None:
         relay.expect("pulled", timeout, since=m, version=version)
@@ -235,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "downstreams": a.downstreams, "heartbeat_timeout": a.heartbeat_timeout,
                               "chunk_bytes": int(a.chunk_mib * MIB), "streams": a.streams, "prefix": prefix},
                       leftovers=left)  # fmt: skip
-        Path(a.json).write_text(json.dumps(result, indent=2))
+        write_json(a.json, result)
     return 0 if ok and not bad_bytes and tcp and not unchained and not listed and not left else 1
 
 

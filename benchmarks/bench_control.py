@@ -1,5 +1,10 @@
 """Latency of control-plane calls against a real server while many clients are connected.
 
+Workload: ``--iterations`` calls of list, no-op update, publish and unpublish from one handle,
+against a real server with ``--clients`` idle handles open in ``--workers`` processes.
+Baseline: a raw ZeroMQ DEALER -> ROUTER msgpack echo, timed the same way in the same run.
+Goal: p99 < 2 ms for publish, no-op update and list.
+
 A real server (``python -m tensorhub server``) runs with ``--clients`` idle shard handles open
 (default 256) in ``--workers`` processes (default 4), each handle on its own event loop thread
 and so with its own ZeroMQ DEALER socket (``tensorhub.aio.open``, one replica per handle, in the
@@ -23,14 +28,12 @@ makes one call, to check that its session stayed alive: a run where heartbeats w
 fails instead of reporting figures.
 
 Usage: python benchmarks/bench_control.py [--clients N] [--workers W] [--iterations N] [--json FILE]
-Goal: p99 < 2 ms for publish, no-op update and list.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import sys
@@ -38,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server_process import BenchmarkError, Child, start_server, stop_process
+from benchmarks.harness import BenchmarkError, Child, start_server, stop_process, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "clients_open": opened, "goal_p99_ms": GOAL_P99_MS, "goal_met": met, "stats": stats,
                "samples_ms": {op: [x * 1e3 for x in xs] for op, xs in samples.items()}}  # fmt: skip
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return 0
 
 

@@ -1,6 +1,12 @@
 """Cross-datacenter replication on the emulated cluster (the paper's Fig. 12): trainers in dc-a,
 rollouts in dc-b, every byte over ``tcp`` across the emulated links.
 
+Workload: ``--versions`` versions from trainers in dc-a to the rollouts of dc-b of the emulated
+cluster, over ``tcp``, by four modes (``p2p``, ``seeding``, ``offload``, ``deltas``).
+Baseline: ``p2p`` (every rollout pulls across), and a probe's intra-dc-b pull, in the same run.
+Goal: seeding moves <= 1.2 shard copies across per version; other rollouts stall <= 1.5x the
+intra-datacenter pull; deltas move <= 1/20 of a full copy across (see "Goals" below).
+
 Four ways to get each new version to the rollouts of dc-b, each with its own server and
 processes on the same cluster:
 
@@ -90,7 +96,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.cluster import Cluster, available, leftovers, netem_available
-from benchmarks.cluster_jobs import MIB, SERVER_PORT, Job, JobError, median, publish
+from benchmarks.cluster_jobs import MIB, SERVER_PORT, Job, JobError, publish
+from benchmarks.harness import median, write_json
 
 MODES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "p2p": (("--no-pipeline",), {}),
@@ -427,8 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"FAIL: the cluster left {left}")
         ok = False
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "records": records, "verdicts": verdicts, "ok": ok}, f, indent=1)
+        write_json(a.json, {"args": vars(a), "records": records, "verdicts": verdicts, "ok": ok}, indent=1)
     return 0 if ok else 1
 
 

@@ -1,5 +1,10 @@
 """A new user's first same-host replicate, as they would try it: no configuration at all.
 
+Workload: a ``--size-mib`` shard of ``--tensors`` tensors replicated between two processes of
+one host with no configuration at all, ``--rounds`` rounds.
+Baseline: one thread's memcpy and one raw TCP loopback socket of the same bytes, same run.
+Goal: none asserted; the ratios to the raw socket and to memcpy are the figures.
+
 Two processes on one host, ``tensorhub.open(...)`` with no ``server=`` (the embedded default
 server starts on first use) and no ``transports=`` (``$TENSORHUB_TRANSPORTS`` unset): a holder
 registers and publishes a shard, a reader replicates it into preallocated tensors. The replicate
@@ -25,19 +30,23 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import multiprocessing
 import os
 import socket
-import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-import torch
-import xxhash
-from bench_transfer_baselines import baseline_pull, baseline_serve
-from server_process import BenchmarkError, free_port
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script: the harness is imported as benchmarks.harness
+
+import torch  # noqa: E402
+import xxhash  # noqa: E402
+
+from benchmarks.bench_transfer_baselines import baseline_pull, baseline_serve  # noqa: E402
+from benchmarks.harness import BenchmarkError, fork_server, free_port, median  # noqa: E402
 
 MODEL = "first-try"
 
@@ -176,15 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.size_mib < 1 or args.tensors < 1 or args.rounds < 1 or (args.size_mib << 20) % args.tensors:
         ap.error("--size-mib, --tensors and --rounds must be >= 1, and the size a multiple of --tensors bytes")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "tensorhub.handles.api"])
+    ctx = fork_server("torch", "tensorhub.handles.api")
     address = f"tcp://127.0.0.1:{free_port()}"
     first = _run(ctx, address, None, args, baselines=True)
     tcp = _run(ctx, address, "tcp", args, baselines=False)
     size = (args.size_mib << 20) / 1e9
 
     def gbps(xs: list[float]) -> float:
-        return size / statistics.median(xs)
+        return size / median(xs)
 
     memcpy, raw = gbps(first["memcpy"]), gbps(first["raw"])
     rows = {

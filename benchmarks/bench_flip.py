@@ -1,5 +1,10 @@
 """Replicate-then-flip against update-in-place, in one run: the pause an engine sees per version.
 
+Workload: ``--versions`` versions of ``--layers`` float32 matrices of ``--hidden``² published by
+a trainer process, taken by two rollout engines generating in this process.
+Baseline: ``update("latest")`` at a request boundary (update in place), in the same run.
+Goal: the flip's switch pause <= 1/10 of the update's (medians).
+
 A trainer process publishes versions of a model (``--layers`` float32 matrices of
 ``--hidden``², 256 MiB by default). Two rollout "engines" in this process generate without end
 (each request: a few steps of ``x @ W`` through every layer, with ``nn.Parameter`` weights), and
@@ -25,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -37,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import tensorhub  # noqa: E402
-from benchmarks.server_process import BenchmarkError, Child, start_server, stop_process  # noqa: E402
+from benchmarks.harness import BenchmarkError, Child, median, start_server, stop_process  # noqa: E402
 
 MODEL = "bench-flip"
 
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"v{v} {mode:>6}: switch pause {row['switch_pause_s'] * 1e3:8.2f} ms, other boundary calls "
                       f"{row['other_boundary_s'] * 1e3:7.2f} ms, {row['requests_meanwhile']:3d} requests served while it "
                       f"arrived, publish -> serving {row['publish_to_serving_s']:.2f} s")  # fmt: skip
-        med = {mode: statistics.median(r["switch_pause_s"] for r in rs) for mode, rs in rows.items()}
+        med = {mode: median(r["switch_pause_s"] for r in rs) for mode, rs in rows.items()}
         ratio = med["flip"] / med["update"] if med["update"] else float("inf")
         shadow = engines["flip"].shadow_bytes
         print(f"median switch pause: update {med['update'] * 1e3:.2f} ms, flip {med['flip'] * 1e3:.2f} ms: "

@@ -1,5 +1,10 @@
 """Where a same-host replicate's time goes: ``tensorhub[local]`` against the copies under it.
 
+Workload: a ``--size-mib`` shard (``--workload``) from one holder process to 1 and 4 reader
+processes (``--readers``) by ``tensorhub[local]``, ``--repeats`` timed rounds.
+Baseline: in the same processes and run, memcpy and ``process_vm_readv`` (with and without xxh3).
+Goal: none of its own: it says where the suite's ``vs_memcpy`` goal (>= 0.7x) is lost.
+
 ``python benchmarks/bench_local_path.py [--size-mib 1024] [--readers 1,4] [--repeats 3]
 [--workload 64x16MiB] [--profile DIR]``
 
@@ -35,9 +40,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import ctypes
 import io
+import json
 import os
 import pstats
 import resource
@@ -52,15 +57,11 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path:
     sys.path.insert(0, str(_HERE.parent))
-if str(_HERE) not in sys.path:
-    sys.path.append(str(_HERE))  # the scripts here import each other by name
 
-from bench_transfer_measure import median  # noqa: E402
-from bench_transfer_shards import allocate, fill_seeded, model_spec, spec_bytes, uniform_spec  # noqa: E402
-from server_process import BenchmarkError, Child, start_server, stop_process  # noqa: E402
+from benchmarks.harness import BenchmarkError, Child, median, start_server, stop_process  # noqa: E402
+from benchmarks.harness.shards import WORKLOADS, allocate, fill_seeded, hashes_of, spec_bytes, workload_spec  # noqa: E402
 
 PIECE = 4 << 20  # bytes per process_vm_readv in the raw rows (the local transport's piece)
-WORKLOADS = ("64x16MiB", "model-500")
 
 
 # ---- profiling every thread of a process --------------------------------------------------------
@@ -163,11 +164,6 @@ def _sleep_until(t: float) -> None:
         time.sleep(delay)
 
 
-def _spec(workload: str, size_mib: int, seed: int) -> list:
-    total = size_mib << 20
-    return uniform_spec(total) if workload == "64x16MiB" else model_spec(total, seed)
-
-
 def _spans(tensors: dict) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors.values()]
 
@@ -202,7 +198,6 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
         if profile:
             profiles.install()
         import tensorhub
-        from benchmarks.suite_systems import hashes_of
 
         tensors = allocate(spec)
         fill_seeded(tensors, seed)
@@ -246,11 +241,10 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
         profiles = _ThreadProfiles()
         if profile:
             profiles.install()
-        import tensorhub
         import torch
         import xxhash
 
-        from benchmarks.suite_systems import hashes_of
+        import tensorhub
         from tensorhub.transports.local import _vm_read
 
         pid, remote, expected = holder
@@ -429,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the suite: tensors on huge pages
-    spec = _spec(args.workload, args.size_mib, args.seed)
+    spec = workload_spec(args.workload, args.size_mib << 20, args.seed)
     gb = spec_bytes(spec) / 1e9
     proc, server = start_server(args.timeout, echo_all=False)
     try:

@@ -1,5 +1,10 @@
 """Failure masking, measured: a chain trainer -> A -> B where A dies during B's pull.
 
+Workload: a ``--size-mib`` shard pulled along trainer -> A -> B, reads paced at ``--rate-mbs``,
+A SIGKILLed at ``--points`` % of B's pull (server actor in process, short heartbeats).
+Baseline: B's replicate time in fault-free runs of the same invocation (median).
+Goal: extra delay <= heartbeat timeout + the remaining transfer time at the paced rate.
+
 Every run: a server actor with short heartbeats, a trainer that publishes a fresh version, a
 relay A that replicates it (its reads paced at ``--rate-mbs``), and a reader B that replicates it
 while A is still partial, so that the server grants A to B (pipeline replication) and B's reads
@@ -20,8 +25,6 @@ Usage: python benchmarks/bench_masking.py [--size-mib 64] [--rate-mbs 40] [--poi
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import median, write_json  # noqa: E402
 from tests.procs import InprocServer, RemoteHandle, wait_until
 
 BASE_BYTES = 41_600  # bytes of the test shard at scale 1 (tests/procs.py SHAPES)
@@ -122,7 +126,7 @@ def main() -> int:
             r = one_run(srv, trainer, version, scale, rate, None, a.timeout)
             base.append(r["seconds"])
             results["runs"].append({"kill_at": None, **r})
-        t0 = statistics.median(base)
+        t0 = median(base)
         print(f"  fault-free: B's replicate {t0:.2f} s (median; {min(base):.2f}-{max(base):.2f})")
         print(f"  {'A killed at':>12} {'B took (s)':>11} {'extra (s)':>10} {'bound (s)':>10}  goal")
         for p in points:
@@ -135,7 +139,7 @@ def main() -> int:
                 extras.append(extra)
                 bounds.append(bound)
                 results["runs"].append({"kill_at": p, **r, "extra": extra, "bound": bound})
-            e, b = statistics.median(extras), statistics.median(bounds)
+            e, b = median(extras), median(bounds)
             verdict = "PASS" if e <= b else "MISS"
             ok = ok and verdict == "PASS"
             print(f"  {p:>11}% {t0 + e:>11.2f} {e:>10.2f} {b:>10.2f}  extra <= bound: {verdict}", flush=True)
@@ -154,7 +158,7 @@ def main() -> int:
         trainer.exit()
         srv.close()
     if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=2))
+        write_json(a.json, results)
     return 0 if ok else 1
 
 

@@ -1,5 +1,10 @@
 """Resharding against a same-layout replicate of the same bytes, in one run.
 
+Workload: a Qwen3-shaped decoder (``--layers``, ``--hidden``) in 4 trainer shards converted into
+2 vLLM-layout FP8 shards, per version, ``--rounds`` versions.
+Baseline: a same-layout replicate of the same bytes on the same server, in the same run.
+Goal: conversion <= 1.5x the baseline; one conversion per layout and version; memory <= budget.
+
 A Qwen3-shaped decoder (Hugging Face names and Qwen3's shape ratios, scaled to this machine)
 lives in a trainer replica of 4 shards (bf16, FSDP ``Shard(0)``). Two inference replicas of 2
 shards each (vLLM names, fused ``qkv_proj``/``gate_up_proj``, FP8 e4m3 block weights, tensor
@@ -17,15 +22,21 @@ peak temporary memory the converters held against their budget (goal: at most th
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script: the harness is imported as benchmarks.harness
 
-import tensorhub
+import torch  # noqa: E402
+
+import tensorhub  # noqa: E402
+from benchmarks.harness import median  # noqa: E402
 from tensorhub.core.placement import ReplicaLayout
 from tensorhub.reshard import convert_in_process, torch_dtype
 from tensorhub.scheduling.decoders import DecoderShape, hf_placements, vllm_placements
@@ -141,13 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  converter shard {hd.shard_idx}: {c.tasks} tasks, planned in {c.plan_s * 1e3:.0f} ms, fetched "
               f"{c.read_bytes / 2**20:.1f} MiB (whole checksum units) for {c.needed_bytes / 2**20:.1f} MiB of reads, "
               f"{c.failures} failed reads, {c.seconds:.3f} s")  # fmt: skip
-    ratio = statistics.median(r[4] for r in rows)
+    ratio = median(r[4] for r in rows)
     peak = max(r[6] for r in rows)
     print()
     print(f"median convert / same-layout: {ratio:.2f}x (goal <= 1.5x) -> {'met' if ratio <= 1.5 else 'NOT met'}")
-    floor = statistics.median(r[7] for r in rows)
+    floor = median(r[7] for r in rows)
     print(f"median convert / (same-layout + the arithmetic alone): "
-          f"{statistics.median(r[2] / (r[1] + r[7]) for r in rows):.2f}x: on this CPU the quantize/fuse arithmetic "
+          f"{median(r[2] / (r[1] + r[7]) for r in rows):.2f}x: on this CPU the quantize/fuse arithmetic "
           f"({floor:.3f} s) is what costs; the data path adds the rest")  # fmt: skip
     print(f"conversions per version: {rows[-1][5]} shard conversions = one per (shard, target layout); "
           f"the second replica converted nothing")  # fmt: skip

@@ -1,5 +1,10 @@
 """Stragglers on the emulated cluster (issue 23): a relay slowed to 5 % of its link mid-pull.
 
+Workload: a ``--size-mib`` version on the emulated cluster pulled along trainer -> relay ->
+d1 .. dK over ``tcp``, the relay's link slowed to ``--slow-fraction`` mid-pull.
+Baseline: fault-free runs of the same layout, alternating with the slow ones in the same run.
+Goal: each reader's latency with the slow relay <= 1.5x without (issue 23).
+
 The hosts of one datacenter, each a network namespace with its link shaped to ``--host-rate``
 (``benchmarks/cluster.py``; the server's port in a control-plane class of its own): the real
 server on ``ctl`` (straggler detection on, ``--straggler-window``), the trainer on ``t1``, a
@@ -47,9 +52,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_cluster_masking import _granted, _last_progress
 from benchmarks.cluster import Cluster, _rate_bits, available, leftovers
-from benchmarks.cluster_jobs import MIB, SERVER_PORT, Job, JobError, Proc, median, publish, rate_bytes
+from benchmarks.cluster_jobs import MIB, SERVER_PORT, Job, JobError, Proc, publish, rate_bytes
+from benchmarks.harness import median, write_json  # noqa: E402
 
 GOAL = 1.5  # issue 23: the slow relay's readers finish within 1.5x of a fault-free run
 
@@ -89,21 +94,21 @@ def one_run(cluster: Cluster, trainer: Proc, relay: Proc, readers: Sequence[Proc
     m = relay.mark()
     t_go = time.monotonic()
     relay.send(f"replicate {version}")
-    _granted(relay, version, m, timeout, "the relay's first verified read", min_verified=1)
+    relay.granted(version, m, timeout, "the relay's first verified read", min_verified=1)
     marks = {}
     for d in readers:
         marks[d.name] = d.mark()
         d.send(f"replicate {version}")
-        _granted(d, version, marks[d.name], timeout, f"{d.name}'s grant")
+        d.granted(version, marks[d.name], timeout, f"{d.name}'s grant")
     slowed = None
     fault = None
     try:
         if slow_at is not None:
-            _granted(readers[0], version, marks[readers[0].name], timeout, f"{readers[0].name} at {slow_at:.0%}",
+            readers[0].granted(version, marks[readers[0].name], timeout, f"{readers[0].name} at {slow_at:.0%}",
                      min_verified=int(slow_at * size))  # fmt: skip
-            relay_at = _last_progress(relay, version)
+            relay_at = relay.verified(version)
             fault = cluster.slow("relay", slow_rate)
-            slowed = {"t": time.monotonic(), "d1_verified": _last_progress(readers[0], version), "relay_verified": relay_at}
+            slowed = {"t": time.monotonic(), "d1_verified": readers[0].verified(version), "relay_verified": relay_at}
         pulled = [d.expect("pulled", timeout, since=marks[d.name], version=version) for d in readers]
     finally:
         if fault is not None:
@@ -277,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result.update(config={"size_bytes": size, "host_rate": a.host_rate, "readers": a.readers, "rounds": a.rounds,
                               "slow_fraction": a.slow_fraction, "slow_at": [lo, hi], "window": a.straggler_window,
                               "ratio": a.straggler_ratio, "seed": a.seed, "prefix": prefix}, leftovers=left)  # fmt: skip
-        Path(a.json).write_text(json.dumps(result, indent=2))
+        write_json(a.json, result)
     return 0 if ok and moved and not bad_bytes and tcp and not unchained and not left else 1
 
 

@@ -1,5 +1,10 @@
 """Operations per second of the reference table alone (no IO), with many clients open.
 
+Workload: the reference table alone (no IO) with ``--clients`` sessions open: heartbeats,
+listings, no-op updates, a burst of grants and completes, unpublishes, ``--rounds`` rounds.
+Baseline: decoding the same number of frames (``wire decode``), in the same run.
+Goal: >= 50,000 simple operations per second (heartbeat, list, grant + complete).
+
 The table is the server's logic; this measures whether it could ever be the server's
 bottleneck. With ``--clients`` sessions open (default 1,024: one 2-shard trainer replica and
 511 2-shard rollout replicas), it times, on one core:
@@ -13,14 +18,12 @@ bottleneck. With ``--clients`` sessions open (default 1,024: one 2-shard trainer
 - unpublish: every rollout unpublishes (drain bookkeeping, retention checks).
 
 Usage: python benchmarks/bench_table.py [--clients N] [--rounds R] [--json FILE]
-Goal: >= 50,000 simple operations per second (heartbeat, list, grant + complete).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import random
 import sys
 import time
@@ -28,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import median, meets, ratio, write_json  # noqa: E402
 from tensorhub.core import messages as m  # noqa: E402
 from tensorhub.core import wire  # noqa: E402
 from tensorhub.core.invariants import check_invariants  # noqa: E402
@@ -178,15 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'operation':<18} {'ops/s (median)':>15} {'min':>12} {'max':>12}")
     for label, rates in results.items():
         rates.sort()
-        print(f"{label:<18} {rates[len(rates) // 2]:>15,.0f} {rates[0]:>12,.0f} {rates[-1]:>12,.0f}")
-    medians = {label: sorted(results[label])[len(results[label]) // 2] for label in ("grant + complete", "heartbeat", "list")}
+        print(f"{label:<18} {median(rates):>15,.0f} {rates[0]:>12,.0f} {rates[-1]:>12,.0f}")
+    medians = {label: median(results[label]) for label in ("grant + complete", "heartbeat", "list")}
     slowest = min(medians, key=medians.get)
     floor = medians[slowest]
-    print(f"slowest simple operation: {slowest}, median {floor:,.0f} ops/s; goal >= {GOAL:,} -> {'met' if floor >= GOAL else 'NOT met'}")
-    base = sorted(results["wire decode"])[len(results["wire decode"]) // 2]
-    print(f"against decoding the frames alone in the same run ({base:,.0f} frames/s): {slowest} runs at {floor / base:.2f}x")
+    print(f"slowest simple operation: {slowest}, median {floor:,.0f} ops/s; goal >= {GOAL:,} -> {'met' if meets(floor, GOAL) else 'NOT met'}")
+    base = median(results["wire decode"])
+    print(f"against decoding the frames alone in the same run ({base:,.0f} frames/s): {slowest} runs at {ratio(floor, base):.2f}x")
     if args.json:
-        args.json.write_text(json.dumps({k: sorted(v) for k, v in results.items()}, indent=2))
+        write_json(args.json, {k: sorted(v) for k, v in results.items()})
     return 0
 
 

@@ -2,6 +2,11 @@
 packing saves in registrations and transfer operations, what verification costs, what
 ``publish`` costs the trainer, and how much memory a pull takes on either side.
 
+Workload: two shards of about ``--size-mib`` (``64x16MiB``, ``model-500``) pulled from one holder
+process by this one, ``--repeats`` times per path, in the sections below.
+Baseline: raw sockets (and raw NIXL, memcpy, one-thread hashing) on the same bytes, same run.
+Goal: per section (``bench_transfer_report.py``), e.g. tcp >= 0.9x the raw socket.
+
 Two shards, each about ``--size-mib`` MiB (default 1,024), with seeded content:
 
 - ``64x16MiB``: 64 tensors of equal size (16 MiB at full size), uint8 and bfloat16 alternating;
@@ -133,8 +138,9 @@ Goals: packing keeps regions/reads/segments near the large tensors; tcp >= 0.9 x
 tcp+verify <= 1.10 x tcp; hash >= memcpy; publish independent of size; <= 64 MiB RSS per side;
 nixl >= 0.9 x raw NIXL READ; local >= 0.7 x memcpy (one reader).
 
-The code, beside this entry point (``main``): ``bench_transfer_shards.py`` (the shards, their
-seeded content, the byte checks), ``bench_transfer_measure.py`` (RSS, CPU time, medians),
+The code, beside this entry point (``main``): the harness (``benchmarks/harness``: the shards,
+their seeded content and byte checks in ``shards.py``; RSS, CPU time and medians in
+``measure.py``; the server and helper processes in ``processes.py``),
 ``bench_transfer_baselines.py`` (raw socket, one thread's hash and memcpy, raw NIXL READ),
 ``bench_transfer_paths.py`` (the TensorHub pulls, the read plan's counts),
 ``bench_transfer_sections.py`` (sections 1 to 5: the holder process and the drivers),
@@ -145,7 +151,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -154,11 +159,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_transfer_baselines import baseline_pull, raw_nixl_agent, raw_nixl_pull, raw_register
-from bench_transfer_measure import PeakRss, median, process_cpu, status_bytes
-from bench_transfer_paths import close_transport, start_transport, transport_pull
-from bench_transfer_rdma import bench_rdma, rdma_available
-from bench_transfer_report import (
+from benchmarks.bench_transfer_rdma import bench_rdma, rdma_available
+from benchmarks.bench_transfer_report import (
     GOAL_HASH,
     GOAL_LOCAL,
     GOAL_NIXL,
@@ -174,49 +176,14 @@ from bench_transfer_report import (
     report_transfer,
     report_verify,
 )
-from bench_transfer_sections import bench_publish, bench_shard
-from bench_transfer_shards import (
-    DTYPES,
+from benchmarks.bench_transfer_sections import bench_publish, bench_shard
+from benchmarks.harness import BenchmarkError, start_server, stop_process, write_json
+from benchmarks.harness.shards import (
     ENGINE_CHUNK,
-    VERSION,
-    Spec,
-    allocate,
-    fill_seeded,
     model_spec,
-    read_bytes_of,
-    spec_bytes,
     uniform_spec,
 )
-from server_process import BenchmarkError, start_server, stop_process
-
 from tensorhub.runtime.actor import new_event_loop
-from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD
-
-# What the neighbours (suite.py, suite_systems.py, gpu_check.py) import from here by name.
-__all__ = [
-    "DEFAULT_PACK_THRESHOLD",
-    "DTYPES",
-    "VERSION",
-    "PeakRss",
-    "Spec",
-    "allocate",
-    "baseline_pull",
-    "close_transport",
-    "fill_seeded",
-    "main",
-    "median",
-    "model_spec",
-    "process_cpu",
-    "raw_nixl_agent",
-    "raw_nixl_pull",
-    "raw_register",
-    "read_bytes_of",
-    "spec_bytes",
-    "start_transport",
-    "status_bytes",
-    "transport_pull",
-    "uniform_spec",
-]
 
 SECTIONS = ("plan", "transfer", "verify", "publish", "memory", "rdma")
 
@@ -309,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "local_vs_memcpy_min": GOAL_LOCAL},
                "verdicts": [{"goal": what, "met": ok} for what, ok in rep.verdicts],
                "shards": results, "publish": pub, "rdma": rdma or None}  # fmt: skip
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return 0
 
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 import xxhash
-from server_process import BenchmarkError
 
+from benchmarks.harness import BenchmarkError
 from tensorhub.runtime import checksum
 from tensorhub.transports.buffers import ShardBuffers, memory_of
 

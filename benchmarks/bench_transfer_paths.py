@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from bench_transfer_shards import ENGINE_CHUNK, REGION, VERSION, read_bytes_of
-from server_process import BenchmarkError
 
+from benchmarks.harness import BenchmarkError
+from benchmarks.harness.shards import ENGINE_CHUNK, REGION, VERSION, read_bytes_of
 from tensorhub.core.errors import TransportError
 from tensorhub.core.layout import PACK_MAX
 from tensorhub.core.session import (

@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from bench_transfer_baselines import RAW_INFLIGHT, raw_nixl_agent, raw_nixl_pull, raw_register
-from bench_transfer_measure import median, process_cpu
-from bench_transfer_paths import close_transport, start_transport, transport_pull
-from bench_transfer_shards import VERSION, Spec, allocate, fill_seeded, read_bytes_of, spec_bytes
-from server_process import BenchmarkError, Child
 
+from benchmarks.bench_transfer_baselines import RAW_INFLIGHT, raw_nixl_agent, raw_nixl_pull, raw_register
+from benchmarks.bench_transfer_paths import close_transport, start_transport, transport_pull
+from benchmarks.harness import BenchmarkError, Child, median, process_cpu
+from benchmarks.harness.shards import VERSION, Spec, allocate, fill_seeded, read_bytes_of, spec_bytes
 from tensorhub.runtime import checksum
 from tensorhub.runtime.actor import new_event_loop
 from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD, ShardBuffers, layout_of

@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bench_transfer_baselines import RAW_INFLIGHT
-from bench_transfer_measure import median
-from bench_transfer_rdma import RDMA_READERS
-from bench_transfer_shards import ENGINE_CHUNK, MEMORY_SHARD
-
+from benchmarks.bench_transfer_baselines import RAW_INFLIGHT
+from benchmarks.bench_transfer_rdma import RDMA_READERS
+from benchmarks.harness import median, verdict
+from benchmarks.harness.shards import ENGINE_CHUNK, MEMORY_SHARD
 from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD
 
 GOAL_TCP = 0.9  # tcp / baseline, GB/s
@@ -21,10 +20,6 @@ GOAL_PUBLISH = 1.5  # publish median at the largest size / at the smallest
 GOAL_RSS_MIB = 64.0  # peak RSS - RSS after register, each side
 GOAL_NIXL = 0.9  # nixl / raw NIXL READ, GB/s
 GOAL_LOCAL = 0.7  # local / one-thread memcpy, GB/s, one reader
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
 
 
 class Report:

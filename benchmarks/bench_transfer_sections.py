@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from bench_transfer_baselines import baseline_pull, baseline_serve, single_thread_seconds
-from bench_transfer_measure import PeakRss, median, process_cpu, status_bytes
-from bench_transfer_paths import TcpPull, plan_counts, product_pull, pull_stats_dict, tcp_pull
-from bench_transfer_shards import (
+from benchmarks.bench_transfer_baselines import baseline_pull, baseline_serve, single_thread_seconds
+from benchmarks.bench_transfer_paths import TcpPull, plan_counts, product_pull, pull_stats_dict, tcp_pull
+from benchmarks.harness import BenchmarkError, Child, PeakRss, median, process_cpu, status_bytes
+from benchmarks.harness.shards import (
     DTYPES,
     MEMORY_SHARD,
     REGION,
@@ -35,8 +35,6 @@ from bench_transfer_shards import (
     spec_bytes,
     zero,
 )
-from server_process import BenchmarkError, Child
-
 from tensorhub.runtime import checksum
 from tensorhub.runtime.engine import WaitPublished
 from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD, ShardBuffers, layout_of, memory_of

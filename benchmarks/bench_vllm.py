@@ -1,5 +1,10 @@
 """The serving pause per weight update of a vLLM engine: TensorHub's backend against vLLM's own route.
 
+Workload: one vLLM engine (CPU build) serving a random-initialized Qwen3 decoder of a few hundred
+MB; a trainer in this process publishes a new version per round.
+Baseline: vLLM's own ``reload_weights`` from a safetensors checkpoint, in the same run.
+Goal: none asserted; the pauses' ratios to the baseline are the figures.
+
 One vLLM engine (the CPU build, in this process, vLLM's default compiled mode) serves a
 random-initialized Qwen3 decoder of a few hundred MB. A trainer (one shard, in this process,
 bf16) publishes a new version per round. Three ways to bring the engine to it, each timed as the
@@ -24,7 +29,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +38,8 @@ for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": 
     os.environ.setdefault(_k, _v)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.harness import median  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4], [100, 7, 300, 9, 11], [42]]
 
@@ -140,10 +146,10 @@ def main() -> int:
         llm.shutdown_weight_transfer_engine()
         trainer.close()
         server.stop()
-    base = statistics.median(pauses["vllm-reload"])
+    base = median(pauses["vllm-reload"])
     print(f"\nmedian pause per update ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same engine, same run):")
     for route, xs in pauses.items():
-        m = statistics.median(xs)
+        m = median(xs)
         print(f"  {route:>19}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:5.2f}")
     return 0
 

@@ -1,6 +1,11 @@
 """Chaos harness: a trainer and N rollouts in real processes, real TCP pulls, a seeded schedule
 of SIGKILLs, and byte-exact checks of every replica (DESIGN §5).
 
+Workload: a trainer and ``--rollouts`` rollouts in real processes, ``--steps`` versions over
+real TCP pulls, under a schedule of SIGKILLs drawn from ``--seed``.
+Baseline: none (a correctness harness: no speed figure).
+Goal: no corrupted replica, hang, empty handle, leak or availability violation.
+
 Each step the trainer unpublishes version v-1, fills and publishes version v; every rollout calls
 ``update("latest")`` at once (they pull from the trainer and from each other: pipelined
 replication, some rollouts are relays) and then checks that its tensors hold exactly the content
@@ -38,8 +43,6 @@ unexpected death of a process. ``--json PATH`` writes the summary.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing
 import os
 import random
 import signal
@@ -54,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import fork_server, start_server, stop_process, write_json  # noqa: E402
+
 MODEL = "actor"
 HEARTBEAT_INTERVAL = 0.1
 HEARTBEAT_TIMEOUT = 1.0
@@ -64,7 +69,6 @@ LEGIT_UPDATE_ERRORS = {"UpdateAborted", "VersionUnavailable", "ServerUnavailable
 #: what an UpdateAborted says when the version it moved to went away (a VersionUnavailable cause)
 GONE = ("unavailable", "no holder can serve", "is gone", "lost its last complete holder")
 
-_ctx: Any = None
 
 
 def _version_went_away(err: tuple[str, str]) -> bool:
@@ -73,12 +77,8 @@ def _version_went_away(err: tuple[str, str]) -> bool:
 
 
 def _mp() -> Any:
-    """The forkserver context, preloading torch and the handle API once for every worker."""
-    global _ctx
-    if _ctx is None:
-        _ctx = multiprocessing.get_context("forkserver")
-        _ctx.set_forkserver_preload(["torch", "tensorhub.handles.api", "tests.procs", "benchmarks.chaos"])
-    return _ctx
+    """The fork server's context, preloading torch and the handle API once for every worker."""
+    return fork_server("torch", "tensorhub.handles.api", "tests.procs", "benchmarks.chaos")
 
 
 # ---- the worker process -----------------------------------------------------------------------
@@ -365,7 +365,6 @@ class Chaos:
             if self.opt.kill_server:
                 self.s.notes.append("--kill-server needs server processes: no server kills with --inproc-server")
             return
-        from benchmarks.server_process import start_server
 
         proc, addr = start_server(30, *flags, "--seed", str(self.opt.seed), echo_all=False)
         self.servers.append(proc)
@@ -650,7 +649,6 @@ class Chaos:
         self.s.notes.append("server process mode: only holders are visible; --inproc-server checks sessions, grants and transactions too")
 
     def close(self) -> None:
-        from benchmarks.server_process import stop_process
 
         for w in [self.trainer, *self.rollouts.values()]:
             if w is not None:
@@ -714,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(len(s.empty_handles) for s in summaries)} empty handles, "
               f"{sum(bool(s.leaks) for s in summaries)} runs with leaks")  # fmt: skip
     if a.json:
-        Path(a.json).write_text(json.dumps([s.as_json() for s in summaries], indent=2, default=str))
+        write_json(a.json, [s.as_json() for s in summaries], default=str)
     return 1 if any(s.failed() for s in summaries) else 0
 
 

@@ -88,7 +88,6 @@ import os
 import queue
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,6 +104,8 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import BenchmarkError, median  # noqa: E402
 
 __all__ = [
     "MIB",
@@ -127,7 +128,7 @@ MIB = 1 << 20
 _LISTENING = re.compile(r"listening on (tcp://\S+)")
 
 
-class JobError(RuntimeError):
+class JobError(BenchmarkError):
     """A job could not measure honestly: a process died or printed an error, an event did not
     come in time, bytes differ from the trainer's."""
 
@@ -583,6 +584,17 @@ class Proc:
         return self.wait_event(lambda ev: ev.get("event") == event and all(ev.get(k) == v for k, v in match.items()),
                                timeout, what, since)  # fmt: skip
 
+    def granted(self, version: int, since: int, timeout: float, what: str, min_verified: int = 0) -> dict[str, Any]:
+        """The first ``progress`` event of ``version`` after mark ``since`` with at least
+        ``min_verified`` bytes verified: the pull was granted (and got that far)."""
+        return self.wait_event(lambda ev: ev.get("event") == "progress" and ev.get("version") == version
+                               and ev.get("verified", 0) >= min_verified, timeout, what, since)  # fmt: skip
+
+    def verified(self, version: int) -> int:
+        """The most bytes of ``version`` this process reported verified so far (0: none yet)."""
+        seen = [ev["verified"] for ev in list(self.events) if ev.get("event") == "progress" and ev.get("version") == version]
+        return max(seen, default=0)
+
     def kill(self) -> None:
         """SIGKILL its process group (it runs in a session of its own)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -845,11 +857,6 @@ def chain_depth(pulled: Iterable[Mapping[str, Any]]) -> int:
         return k
 
     return max((d(r, frozenset()) for r in first), default=0)
-
-
-def median(xs: Iterable[float]) -> float:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else math.nan
 
 
 def rate_bytes(rate: str) -> float:

@@ -1,6 +1,11 @@
 """Hostile input against a real server: at least 100,000 random and mutated frames while honest
 clients keep publishing and replicating (see :mod:`tensorhub.testing.fuzzing`).
 
+Workload: ``--frames`` (>= 100,000) random and mutated frames sent to a real server while honest
+clients keep publishing and replicating.
+Baseline: none (a robustness harness: no speed figure).
+Goal: 0 internal errors, 0 honest-client errors, the server alive and answering.
+
     python benchmarks/fuzz_server.py                     # 100,000 frames, CURVE on, seed 20261121
     python benchmarks/fuzz_server.py --frames 200000 --seed 7 --json out.json
 
@@ -14,13 +19,13 @@ whether the server is alive and answering) and PASS or FAIL; exits 1 on FAIL.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tensorhub.testing.fuzzing import run_fuzz
+from benchmarks.harness import write_json  # noqa: E402
+from tensorhub.testing.fuzzing import run_fuzz  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     print("\n".join(report.lines()))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report.as_dict(), f, indent=2)
+        write_json(args.json, report.as_dict())
     return 0 if report.ok() else 1
 
 

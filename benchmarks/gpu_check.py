@@ -1,6 +1,11 @@
 """GPU check: ``nixl``, ``rdma_copy``, ``local`` and ``tcp`` (for reference) moving a shard from
 one process's GPU memory into another's, byte-exact, against a device-to-device copy.
 
+Workload: shards of about ``--size-mib`` (``64x16MiB``, ``model-500``) pulled from one
+process's GPU memory into another's by each transport, ``--repeats`` timed pulls.
+Baseline: a device-to-device ``copy_`` of the same bytes in the reader process, same run.
+Goal: every pull byte-exact; the transports' GB/s as ratios to the copy (no threshold here).
+
 For each shard (``--shards``: ``64x16MiB`` and ``model-500``, the shards of
 ``bench_transfer.py``, about ``--size-mib`` MiB each), two processes (multiprocessing
 ``spawn``):
@@ -54,26 +59,23 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from bench_transfer import (
+
+from benchmarks.bench_transfer_paths import close_transport, start_transport, transport_pull
+from benchmarks.harness import BenchmarkError, Child, median, write_json
+from benchmarks.harness.shards import (
     DTYPES,
+    ENGINE_CHUNK,
     VERSION,
     Spec,
     allocate,
-    close_transport,
     fill_seeded,
-    median,
     model_spec,
     spec_bytes,
-    start_transport,
-    transport_pull,
     uniform_spec,
 )
-from bench_transfer_shards import ENGINE_CHUNK
-from server_process import BenchmarkError, Child
-
 from tensorhub.runtime import checksum
 from tensorhub.runtime.actor import new_event_loop
 from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD, ShardBuffers, layout_of
@@ -399,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print("skipped: no CUDA device")
         if args.json:
-            args.json.write_text(json.dumps({"skipped": "no CUDA device"}, indent=2))
+            write_json(args.json, {"skipped": "no CUDA device"})
         return 0
     else:
         count, holder_device = torch.cuda.device_count(), "cuda:0"
@@ -421,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
           f"FAILED: {'; '.join(failures)} (errors above; --json has the tracebacks)")  # fmt: skip
     if args.json:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"config": config, "shards": results, "failures": failures}, indent=2))
+        write_json(args.json, {"config": config, "shards": results, "failures": failures})
     return 1 if failures else 0
 
 

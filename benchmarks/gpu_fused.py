@@ -1,39 +1,38 @@
 """Where the fused copy-and-hash kernel's time goes (issue 32): one process, one GPU.
 
 Workload: a 1 GiB buffer cut as the local transport's 1 GiB read of ``gpu_check``'s uniform
-shard is (64 segments of 16 MiB, 256 checksum units of 4 MiB). Baselines, same run: the segments'
-``copy_`` (what ``local`` does without a landing), the hashing kernel alone (``sums_at``, what
-verification does after). Measured: ``copy_sums_at`` as shipped, the same kernel launched with
-other warps and sub-block sizes, and ``DeviceLanding.copy`` (the Python around it). Goal: the
-fused kernel no slower than ``copy_`` + hashing, ideally near ``copy_`` alone. Prints a table
-and, with ``--json``, writes the figures. Needs CUDA and Triton.
+shard (64 segments of 16 MiB, 256 checksum units of 4 MiB), on one GPU.
+Baseline: the segments' ``copy_`` and the hashing kernel alone (``sums_at``), same run.
+Goal: the fused kernel no slower than ``copy_`` + hashing, ideally near ``copy_`` alone.
+
+The baselines are what ``local`` does without a landing (``copy_``) and what verification does
+after it (``sums_at``). Measured: ``copy_sums_at`` as shipped, the same kernel launched with
+other warps and sub-block sizes, and ``DeviceLanding.copy`` (the Python around it). Prints a
+table and, with ``--json``, writes the figures. Needs CUDA and Triton.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
-import numpy as np
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script: the harness is imported as benchmarks.harness
 
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.harness import cuda_sync, median, timings, write_json  # noqa: E402
 from tensorhub.runtime import checksum, wordmix
 from tensorhub.transports.buffers import ShardBuffers, layout_of
 
 
 def timed(fn, repeats: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    """Median seconds of ``fn()`` from a synchronized device to a synchronized device, after one
+    untimed call."""
+    return median(timings(fn, repeats, warmup=1, sync=cuda_sync))
 
 
 def main() -> int:
@@ -104,7 +103,7 @@ def main() -> int:
     for k, v in rows.items():
         print(f"  {k:<62} {v * 1e3:>8.3f} {total / v / 1e9:>8.0f} {base / v:>8.2f}x")
     if args.json:
-        args.json.write_text(json.dumps({"mib": args.mib, "gpu": torch.cuda.get_device_name(dev), "seconds": rows}, indent=1))
+        write_json(args.json, {"mib": args.mib, "gpu": torch.cuda.get_device_name(dev), "seconds": rows}, indent=1)
     return 0
 
 

@@ -1,5 +1,10 @@
 """The GPU report: every GPU check of TensorHub in one run, written to ``GPU.json`` and ``GPU.md``.
 
+Workload: every GPU check in one run: transfers of 1 and 8 GiB shards, tcp's bound,
+checksums, an FP8 conversion and deltas (sections below).
+Baseline: per section, a device-to-device copy, a socket, or a training step, same run and device.
+Goal: ``local`` >= 0.8x the copy; ``tcp`` >= 0.8x its bound; conversion <= 1.5x (see "Goals").
+
 Run it on any CUDA host (``bash scripts/gpu_run.sh`` installs what a bare GPU machine lacks and
 runs it, with the CUDA tests, in one go; README "GPU"). Each section is measured against a
 baseline taken in the same run on the same device, and checks its bytes, not only its time:
@@ -42,29 +47,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script: the harness is imported as benchmarks.harness
 
-import torch
+import torch  # noqa: E402
+
+from benchmarks.harness import cuda_sync, median, timings, write_json  # noqa: E402
 
 SECTIONS = ("transfers", "tcp_bound", "checksums", "conversion", "deltas")
 GOALS = {"local": 0.8, "tcp": 0.8, "conversion": 1.5, "delta_compare_pct": 5.0}
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
-
-
-def _timed(fn: Any, repeats: int, warmup: int = 1) -> list[float]:
-    """Seconds of ``fn()`` (which synchronizes what it starts), ``repeats`` times after ``warmup``."""
-    out = []
-    for i in range(warmup + repeats):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            out.append(dt)
-    return out
 
 
 def environment() -> dict[str, Any]:
@@ -107,8 +99,8 @@ def _has_dist(md: Any, name: str) -> bool:
 
 def transfers(sizes_mib: list[int], names: list[str], quick: bool, options: dict, device: str = "cuda:0") -> dict[str, Any]:
     """``gpu_check``'s pulls of a uniform shard of each size, verified, against the copy."""
-    import gpu_check
-    from bench_transfer import uniform_spec
+    from benchmarks import gpu_check
+    from benchmarks.harness.shards import uniform_spec
 
     out: dict[str, Any] = {}
     slow: dict[str, float] = {}  # transports too slow to time at the larger sizes within a device lease
@@ -209,9 +201,9 @@ def tcp_bound(sizes_mib: list[int], quick: bool) -> dict[str, Any]:
             torch.cuda.synchronize()
 
         res = {
-            "socket_gbps": _median([_socket_gbps(total, streams, piece) for _ in range(reps)]),
-            "h2d_gbps": total / _median(_timed(h2d, reps)) / 1e9,
-            "d2h_gbps": total / _median(_timed(d2h, reps)) / 1e9,
+            "socket_gbps": median([_socket_gbps(total, streams, piece) for _ in range(reps)]),
+            "h2d_gbps": total / median(timings(h2d, reps, warmup=1)) / 1e9,
+            "d2h_gbps": total / median(timings(d2h, reps, warmup=1)) / 1e9,
         }
         res["bound_gbps"] = min(res.values())
         out[f"{mib} MiB"] = res
@@ -225,16 +217,10 @@ def tcp_bound(sizes_mib: list[int], quick: bool) -> dict[str, Any]:
 # ---- checksums -----------------------------------------------------------------------------
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def checksums(sizes_mib: list[int], quick: bool, device: str = "cuda", seed: int = 0) -> dict[str, Any]:
     """``wordmix-64`` on GPU memory against the copy of the same bytes; ``xxh3-64`` staged; the
     kernel against the CPU; a flipped byte caught."""
-    from bench_transfer import allocate, fill_seeded, uniform_spec
-
+    from benchmarks.harness.shards import allocate, fill_seeded, uniform_spec
     from tensorhub.runtime import checksum, wordmix
     from tensorhub.transports.buffers import ShardBuffers, layout_of
 
@@ -254,7 +240,7 @@ def checksums(sizes_mib: list[int], quick: bool, device: str = "cuda", seed: int
         def copy() -> None:
             for a, b in zip(twin.values(), gpu.values()):
                 a.copy_(b)
-            _sync()
+            cuda_sync()
 
         sums: list[int] = []
 
@@ -262,8 +248,8 @@ def checksums(sizes_mib: list[int], quick: bool, device: str = "cuda", seed: int
             sums[:] = checksum.compute(buffers)  # returns values on the CPU: synchronized
 
         res: dict[str, Any] = {
-            "copy_gbps": total / _median(_timed(copy, reps)) / 1e9,
-            "wordmix_gbps": total / _median(_timed(kernel, reps)) / 1e9,
+            "copy_gbps": total / median(timings(copy, reps, warmup=1)) / 1e9,
+            "wordmix_gbps": total / median(timings(kernel, reps, warmup=1)) / 1e9,
             "units": len(buffers.plan.units),
         }
         res["wordmix_vs_copy"] = res["wordmix_gbps"] / res["copy_gbps"]
@@ -285,7 +271,7 @@ def checksums(sizes_mib: list[int], quick: bool, device: str = "cuda", seed: int
         if mib <= 1024:  # the CPU hash through pinned staging, for comparison (slow: once)
             staged = ShardBuffers(gpu, layout_of(gpu, checksum="xxh3-64"))
             staged.pack()
-            res["xxh3_staged_gbps"] = total / _median(_timed(lambda: checksum.compute(staged), 1)) / 1e9
+            res["xxh3_staged_gbps"] = total / median(timings(lambda: checksum.compute(staged), 1, warmup=1)) / 1e9
         out[f"{mib} MiB"] = res
         print(f"== checksums, {mib} MiB: wordmix-64 ({out['backend']}) {res['wordmix_gbps']:.0f} GB/s, copy "
               f"{res['copy_gbps']:.0f} GB/s ({res['wordmix_vs_copy']:.2f}x); equal to the CPU's: {res['equal_to_cpu']}; "
@@ -366,7 +352,7 @@ def render(report: dict[str, Any]) -> str:
             ratio = f"{p['gbps_median'] / b:.2f}x" if b else "-"
             lines.append(f"| {label} | {p['gbps_median']:.2f} | {_fmt(b)} | {ratio} | {_fmt(p.get('verify_gbps_median'), '.0f')} |")
         lines.append("")
-    import gpu_workloads
+    from benchmarks import gpu_workloads
 
     for key, fmt in (("conversion", gpu_workloads.conversion_lines), ("deltas", gpu_workloads.delta_lines)):
         sec = report.get(key)
@@ -420,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             elif section == "checksums":
                 report[section] = checksums(sizes, args.quick)
             else:
-                import gpu_workloads
+                from benchmarks import gpu_workloads
 
                 fn = getattr(gpu_workloads, section)
                 report[section] = fn("cuda", "small" if args.quick else "full")
@@ -430,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         report.setdefault("seconds", {})[section] = time.perf_counter() - t0
     report["failures"] = _failures(report)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "GPU.json").write_text(json.dumps(report, indent=1, default=str))
+    write_json(args.out / "GPU.json", report, indent=1, default=str)
     (args.out / "GPU.md").write_text(render(report))
     print(render(report))
     return 1 if report["failures"] else 0

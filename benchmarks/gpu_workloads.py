@@ -1,6 +1,11 @@
 """GPU workloads: the FP8 conversion of a Qwen3-shaped shard and the deltas of a small model, run on
 a device, each against its baseline measured in the same run, and checked byte for byte.
 
+Workload: the FP8 conversion of a Qwen3-shaped shard, and the deltas of a small model's
+training steps, on a device.
+Baseline: a same-layout replicate (device copy) of the same bytes; a training step; same run.
+Goal: conversion <= 1.5x the replicate; the delta compare <= 5 % of a step.
+
 :func:`conversion` (issue 32, "conversion on the device"): a Qwen3-shaped model (Hugging Face
 names, bf16; ``full``: 3 layers of Qwen3-8B's sizes, hidden 4096, intermediate 12288, 32 heads, 8
 KV heads of 128, vocabulary 16384: about 1.4 GB) held by a trainer replica of 4 shards (FSDP's
@@ -67,10 +72,8 @@ Usage: python benchmarks/gpu_workloads.py [--cpu] [--json FILE] [--seed N] [--on
 from __future__ import annotations
 
 import argparse
-import os
 import datetime
-import json
-import statistics
+import os
 import sys
 import time
 import traceback
@@ -78,10 +81,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script: the harness is imported as benchmarks.harness
 
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.harness import cuda_sync, median, write_json  # noqa: E402
 from tensorhub.core.deltas import DENSE, SPARSE, encoding_for
 from tensorhub.core.layout import DTYPE_SIZES, Layout
 from tensorhub.core.placement import ReplicaLayout
@@ -146,17 +154,12 @@ def device_name(dev: torch.device) -> str:
     return "CPU memory" if dev.type == "cpu" else torch.cuda.get_device_name(dev)
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _timed(dev: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     """``fn()`` timed from a synchronized device to a synchronized device."""
-    _sync(dev)
+    cuda_sync(dev)
     t0 = time.perf_counter()
     out = fn()
-    _sync(dev)
+    cuda_sync(dev)
     return time.perf_counter() - t0, out
 
 
@@ -170,7 +173,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _figures(seconds: list[float], nbytes: int) -> dict[str, Any]:
-    med = statistics.median(seconds)
+    med = median(seconds)
     return {"seconds": seconds, "median_s": med, "min_s": min(seconds), "max_s": max(seconds),
             "gbps": nbytes / med / 1e9}  # fmt: skip
 
@@ -205,12 +208,12 @@ def _phases(p: ReshardPlan, sources: Sequence[Mapping[str, torch.Tensor]], dest:
     spent = dict.fromkeys(("stage", "gather", "transform", "land"), 0.0)
 
     def lap(phase: str, t0: float) -> float:
-        _sync(dev)
+        cuda_sync(dev)
         now = time.perf_counter()
         spent[phase] += now - t0
         return now
 
-    _sync(dev)
+    cuda_sync(dev)
     for sp in p.shards:
         for task in sp.tasks:
             t = time.perf_counter()
@@ -293,11 +296,11 @@ def conversion(device: str, scale: str, *, seed: int = 0) -> dict[str, Any]:
     peak = None
     _poison(dest)
     if dev.type == "cuda":  # one more conversion, its temporary memory watched; its bytes are checked below
-        _sync(dev)
+        cuda_sync(dev)
         before = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         convert()
-        _sync(dev)
+        cuda_sync(dev)
         peak = torch.cuda.max_memory_allocated(dev) - before
     else:
         convert()
@@ -561,7 +564,7 @@ def deltas(device: str, scale: str, *, seed: int = 0) -> dict[str, Any]:
             spare = {n: t.clone().pin_memory() if cuda else t.clone() for n, t in snap.items()}
             with cProfile.Profile() as prof:
                 _compare(spare, pub, base, version, layout, sums, new_sums)
-                _sync(dev)
+                cuda_sync(dev)
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
             del spare
         handle_s, (delta, snap) = _timed(dev, lambda: _compare(snap, pub, base, version, layout, sums, new_sums))
@@ -595,7 +598,7 @@ def deltas(device: str, scale: str, *, seed: int = 0) -> dict[str, Any]:
 
     timed = [r for r in rows if not r["warmup"]]
     keys = [k for k, v in timed[0].items() if k.endswith("_s")]
-    median_ms = {k.removesuffix("_s"): statistics.median(r[k] for r in timed) * 1e3 for k in keys}
+    median_ms = {k.removesuffix("_s"): median(r[k] for r in timed) * 1e3 for k in keys}
     step = median_ms["step"]
     checks["ok"] = all(v for k, v in checks.items() if k != "planted_base") and checks["planted_base"]["ok"]
     return {
@@ -611,8 +614,8 @@ def deltas(device: str, scale: str, *, seed: int = 0) -> dict[str, Any]:
         "streamed_fraction_of_step": median_ms["compare_streamed"] / step,
         "device_fraction_of_step": median_ms["compare_device"] / step,
         "goal_fraction": COMPARE_GOAL, "goal_met": median_ms["compare_handle"] / step <= COMPARE_GOAL,
-        "changed_fraction": statistics.median(r["changed_fraction"] for r in timed),
-        "delta_bytes": statistics.median(r["delta_bytes"] for r in timed), "full_bytes": rows[-1]["full_bytes"],
+        "changed_fraction": median(r["changed_fraction"] for r in timed),
+        "delta_bytes": median(r["delta_bytes"] for r in timed), "full_bytes": rows[-1]["full_bytes"],
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
         "rows": rows, "exact": checks,
     }  # fmt: skip
@@ -716,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print("skipped: no CUDA device")
         if args.json:
-            args.json.write_text(json.dumps({"skipped": "no CUDA device"}, indent=2))
+            write_json(args.json, {"skipped": "no CUDA device"})
         return 0
     else:
         device, scale = "cuda", "full"
@@ -747,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("FAILED: " + "; ".join(failures) if failures else "every byte check passed")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
     return 1 if failures else 0
 
 

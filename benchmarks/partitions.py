@@ -1,5 +1,10 @@
 """Partitions, not only crashes: a Jepsen-style run on the emulated cluster (issue 23).
 
+Workload: a trainer, relays and rollouts with a primary and a backup server on the emulated
+cluster, version after version, under a seeded schedule of cuts, slow links and flaps.
+Baseline: none (a correctness harness: no speed figure).
+Goal: no corruption, hang, leak or split-brain moment.
+
 Theory of operation
 -------------------
 One run builds a cluster (:class:`~benchmarks.cluster.Cluster`) of two datacenters: a primary
@@ -37,7 +42,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +51,7 @@ if __package__ in (None, ""):
 
 from benchmarks.cluster import Cluster, Fault, available  # noqa: E402
 from benchmarks.cluster_jobs import MIB, Job, Proc  # noqa: E402
+from benchmarks.harness import write_json  # noqa: E402
 
 __all__ = ["Report", "reign_overlaps", "run", "schedule", "server_states"]
 
@@ -280,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=35, help="faults per seed")
     parser.add_argument("--size-mib", type=float, default=2.0)
     parser.add_argument("--call-timeout", type=float, default=20.0)
+    parser.add_argument("--json", type=Path, help="also write every seed's report here")
     args = parser.parse_args(argv)
     reason = available()
     if reason:
@@ -298,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"total: {sum(r.faults for r in reports)} faults injected, {sum(r.versions for r in reports)} versions completed, "
           f"{total['corruptions']} corruptions, {total['hangs']} hangs, {total['leaks']} leaks, "
           f"{total['split_brain']} split-brain moments; seeds {args.seeds}")  # fmt: skip
+    if args.json:
+        write_json(args.json, {"seeds": args.seeds, "total": total, "reports": [asdict(r) for r in reports]})
     return 0 if not any(total.values()) else 1
 
 

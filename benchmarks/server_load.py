@@ -1,5 +1,10 @@
 """The real reference server process under thousands of sessions: heartbeats, bursts and churn.
 
+Workload: thousands of sessions (``--sessions``) of emulated workers speaking the real protocol
+to a real server: heartbeats, bursts of updates with churn, ``--versions`` versions.
+Baseline: none as a ratio: absolute bounds, the generator's own CPU printed beside.
+Goal: at 4,096 sessions, 0 false removals, heartbeat p99 <= 100 ms, <= 1 server core.
+
 A load generator that speaks the real wire protocol (the client's own message classes and
 :mod:`tensorhub.core.wire` encoding) to a real ``tensorhub server`` process on 127.0.0.1, and
 optionally a primary with its backup. It emulates every worker of an RL job as the server sees
@@ -44,7 +49,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import random
 import sys
@@ -59,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq  # noqa: E402
 
-from benchmarks.server_process import BenchmarkError, Child, start_server, stop_process  # noqa: E402
+from benchmarks.harness import BenchmarkError, Child, start_server, stop_process, write_json  # noqa: E402
 from tensorhub.core import messages as m  # noqa: E402
 from tensorhub.core.layout import Layout, TensorSpec  # noqa: E402
 from tensorhub.core.topology import Location  # noqa: E402
@@ -777,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
             report(r)
             results.append(r)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2, default=str))
+        write_json(args.json, results, default=str)
     return 0
 
 

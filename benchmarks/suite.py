@@ -1,5 +1,10 @@
 """TensorHub side by side with the alternatives: one suite, one machine, same data, same run.
 
+Workload: a shard (``64x16MiB``, ``model-500``, about ``--size-mib``) from one holder process to
+1, 2 and 4 reader processes, by TensorHub and each alternative system.
+Baseline: memcpy, a raw socket, gloo, Ray, raw NIXL, Mooncake on the same bytes, same run.
+Goal: <= 0.5x gloo and <= 0.7x Ray at 4 readers; >= 0.7x memcpy at 1; holder RSS <= 64 MiB.
+
 ``python -m benchmarks [PART ...] [options]`` (PART: ``all``, the default, or any of
 ``tensorhub``, ``memcpy``, ``socket``, ``gloo``, ``ray``, ``nixl``, ``mooncake``) measures
 each system moving a shard from one holder process to 1, 2 and 4 reader processes and writes
@@ -57,12 +62,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -71,23 +74,22 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path:
     sys.path.insert(0, str(_HERE.parent))
-if str(_HERE) not in sys.path:
-    sys.path.append(
-        str(_HERE)
-    )  # bench_transfer and server_process are imported by name, as the scripts do
 
-from bench_transfer import (
-    DEFAULT_PACK_THRESHOLD,
-    allocate,
-    fill_seeded,
+from benchmarks.harness import (
+    BenchmarkError,
+    Child,
+    fork_server,
+    free_port,
+    git_head,
     median,
-    model_spec,
     process_cpu,
-    spec_bytes,
-    uniform_spec,
+    start_server,
+    stop_process,
+    write_json,
 )
-from server_process import BenchmarkError, Child, free_port, start_server, stop_process
-
+from benchmarks.harness.shards import WORKLOADS, allocate, fill_seeded, spec_bytes, workload_spec
+from benchmarks.suite_report import goals, packed_bytes, write_report
+from benchmarks.suite_report import main as report_main
 from benchmarks.suite_systems import (
     System,
     hashes_of,
@@ -97,13 +99,7 @@ from benchmarks.suite_systems import (
 )
 
 PARTS = ("tensorhub", "memcpy", "socket", "gloo", "ray", "nixl", "mooncake")
-WORKLOADS = ("64x16MiB", "model-500")
 RESULTS = _HERE / "results"
-GOAL_GLOO = 0.5  # tensorhub wall / gloo broadcast wall, 4 readers, 64x16MiB
-GOAL_RAY = 0.7  # tensorhub wall / ray numpy (put + get) wall, 4 readers, 64x16MiB
-GOAL_MEMCPY = 0.7  # tensorhub GB/s / memcpy GB/s, one reader, 64x16MiB
-GOAL_RSS_MIB = 64.0  # tensorhub holder peak RSS - RSS after allocating its tensors
-GOAL_WORKLOAD = "64x16MiB"
 QUICK = {"size_mib": 64, "readers": "1,2,4", "repeats": 2, "warmup": 1, "rounds": 1}
 FULL = {"size_mib": 1024, "readers": "1,2,4", "repeats": 3, "warmup": 1, "rounds": 1}
 
@@ -240,15 +236,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def workload_specs(names: list[str], size_mib: int, seed: int) -> dict[str, list]:
-    total = size_mib << 20
-    make = {
-        "64x16MiB": lambda: uniform_spec(total),
-        "model-500": lambda: model_spec(total, seed),
-    }
-    return {name: make[name]() for name in names}
-
-
 def expected_hashes(spec: list, seed: int) -> list[int]:
     """The xxh3-64 of each tensor of ``spec`` filled with ``seed``'s content, computed here,
     apart from every holder: what a reader must hold after a round."""
@@ -262,33 +249,10 @@ def expected_hashes(spec: list, seed: int) -> list[int]:
 # ---- one group -------------------------------------------------------------------------------------
 
 
-_CTX: Any = None
-
-
-def _context() -> Any:
-    """``forkserver``, with torch and the systems' module imported once in the server: a helper
-    process starts in a fraction of a second instead of importing torch again (seconds, on two
-    cores). Nothing else (no thread, no agent, no loop) exists in the server when it forks."""
-    global _CTX
-    if _CTX is None:
-        _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["benchmarks.suite_systems"])
-    return _CTX
-
-
-class Proc(Child):
-    """A helper process as :class:`server_process.Child`, started from the fork server."""
-
-    def __init__(self, name: str, target: Any, args: tuple, timeout: float) -> None:
-        ctx = _context()
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=target, args=(child, *args), name=name, daemon=True
-        )
-        self.timeout = timeout
-        self.proc.start()
-        child.close()
+def fork_child(name: str, target: Any, args: tuple, timeout: float) -> Child:
+    """A helper process (:class:`benchmarks.harness.Child`) started from the fork server, where
+    the systems' module (torch with it) is imported once."""
+    return Child(name, target, args, timeout, context=fork_server("benchmarks.suite_systems"))
 
 
 class Group:
@@ -303,7 +267,7 @@ class Group:
         self.procs: list[Child] = []
         try:
             if system.holder is not None:
-                self.holder = Proc(
+                self.holder = fork_child(
                     "holder",
                     side_main,
                     ("holder", *common, 0, n, expected, options, name, args.timeout),
@@ -313,7 +277,7 @@ class Group:
             self.readers = []
             for i in range(n):
                 self.readers.append(
-                    Proc(
+                    fork_child(
                         f"reader{i}",
                         side_main,
                         (
@@ -501,109 +465,6 @@ def _control(samples: list[dict]) -> dict[str, Any]:
             "outside_reads_share": median(shares) if shares else None}  # fmt: skip
 
 
-def _row(rows: list[dict], system: str, workload: str, n: int) -> dict | None:
-    for r in rows:
-        if (
-            r["system"] == system
-            and r["workload"] == workload
-            and r["readers"] == n
-            and "wall_s" in r
-        ):
-            return r
-    return None
-
-
-def packed_bytes(spec: list) -> int:
-    """Bytes of the tensors under the default pack threshold (2 MiB). A process whose transports
-    do not all gather (``nixl``) keeps a second copy of them in pack buffers; one whose
-    transports all do (``local``, ``tcp``) keeps its packs in place (``ShardBuffers``)."""
-    sizes = {"uint8": 1, "bfloat16": 2, "float32": 4}
-    return sum(
-        n * sizes[d] for _, d, n in spec if n * sizes[d] < DEFAULT_PACK_THRESHOLD
-    )
-
-
-def goals(
-    rows: list[dict], tensorhub: str, packed: dict[str, int] | None = None
-) -> list[dict[str, Any]]:
-    """The issue's goals, each with the measured figures, the ratio, PASS / MISS (or not
-    measured, when a part did not run), and for a miss the figures that say where time went."""
-    out = []
-    th4 = _row(rows, tensorhub, GOAL_WORKLOAD, 4)
-    th1 = _row(rows, tensorhub, GOAL_WORKLOAD, 1)
-
-    def wall_goal(name: str, other: str, target: float) -> dict[str, Any]:
-        base = _row(rows, other, GOAL_WORKLOAD, 4)
-        g: dict[str, Any] = {"goal": f"{tensorhub} to 4 readers <= {target} x {other} (wall time, {GOAL_WORKLOAD})",
-                             "key": name, "target": target}  # fmt: skip
-        if th4 is None or base is None:
-            return {
-                **g,
-                "verdict": "NOT MEASURED",
-                "why": f"needs {tensorhub} and {other} with 4 readers in this run",
-            }
-        ratio = th4["wall_s"] / base["wall_s"]
-        g.update(measured=f"{th4['wall_s']:.3f} s vs {base['wall_s']:.3f} s", ratio=ratio,
-                 verdict="PASS" if ratio <= target else "MISS")  # fmt: skip
-        if ratio > target:
-            g["why"] = (f"off by {ratio / target:.2f}x; " + _where(th4) +
-                        f"; {other}: {base['aggregate_gbps']:.2f} GB/s aggregate, {base['cpu_s_per_gb']:.2f} CPU s/GB")  # fmt: skip
-        return g
-
-    out.append(wall_goal("vs_gloo", "gloo broadcast", GOAL_GLOO))
-    out.append(wall_goal("vs_ray", "ray numpy", GOAL_RAY))
-    mem = _row(rows, "memcpy", GOAL_WORKLOAD, 1)
-    g = {
-        "goal": f"{tensorhub}, one reader >= {GOAL_MEMCPY} x memcpy (GB/s, {GOAL_WORKLOAD})",
-        "key": "vs_memcpy",
-        "target": GOAL_MEMCPY,
-    }
-    if th1 is None or mem is None:
-        g.update(
-            verdict="NOT MEASURED",
-            why=f"needs {tensorhub} with 1 reader and memcpy in this run",
-        )
-    else:
-        ratio = th1["reader_gbps"] / mem["reader_gbps"]
-        g.update(measured=f"{th1['reader_gbps']:.2f} GB/s vs {mem['reader_gbps']:.2f} GB/s", ratio=ratio,
-                 verdict="PASS" if ratio >= GOAL_MEMCPY else "MISS")  # fmt: skip
-        if ratio < GOAL_MEMCPY:
-            g["why"] = f"off by {GOAL_MEMCPY / ratio:.2f}x; " + _where(th1)
-    out.append(g)
-    ths = [
-        r
-        for r in rows
-        if r["system"] == tensorhub and r.get("holder_rss_mib") is not None
-    ]
-    g = {"goal": f"{tensorhub} holder RSS beyond its registered tensors <= {GOAL_RSS_MIB:g} MiB (every group)", "key": "holder_rss",
-         "target": GOAL_RSS_MIB}  # fmt: skip
-    if not ths:
-        g.update(verdict="NOT MEASURED", why=f"needs {tensorhub} in this run")
-    else:
-        worst = max(ths, key=lambda r: r["holder_rss_mib"])
-        g.update(measured=f"{worst['holder_rss_mib']:.1f} MiB ({worst['workload']}, {worst['readers']} readers)",
-                 ratio=worst["holder_rss_mib"] / GOAL_RSS_MIB, verdict="PASS" if worst["holder_rss_mib"] <= GOAL_RSS_MIB else "MISS")  # fmt: skip
-        if worst["holder_rss_mib"] > GOAL_RSS_MIB:
-            pack_mib = (packed or {}).get(worst["workload"], 0) / (1 << 20)
-            g["why"] = (f"off by {worst['holder_rss_mib'] - GOAL_RSS_MIB:.1f} MiB; the shard has ~{pack_mib:.0f} MiB of tensors "
-                        "under 2 MiB, which a transport that registers memory (nixl) needs copied into pack buffers "
-                        "(with transports that gather, packs stay in place)")  # fmt: skip
-    out.append(g)
-    return out
-
-
-def _where(row: dict) -> str:
-    c = row.get("control") or {}
-    parts = [
-        f"{row['aggregate_gbps']:.2f} GB/s aggregate",
-        f"{row['cpu_s_per_gb']:.2f} CPU s/GB on {os.cpu_count()} cores",
-    ]
-    if c.get("first_read_ms") is not None:
-        parts.append(f"first read {c['first_read_ms']:.0f} ms after the start, {c['after_last_read_ms']:.0f} ms after the "
-                     f"last read, no read in flight {100 * c['outside_reads_share']:.0f} % of a reader's time")  # fmt: skip
-    return "; ".join(parts)
-
-
 # ---- the run -------------------------------------------------------------------------------------------
 
 
@@ -644,16 +505,12 @@ def machine() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
-        from benchmarks.suite_report import main as report_main
-
         return report_main(argv[1:])
     try:
         args = parse_args(argv)
     except SuiteError as err:
         print(f"python -m benchmarks: error: {err}", file=sys.stderr)
         return 2
-    from benchmarks.suite_report import write_report
-
     if not args.no_thp:
         # Before the fork server starts (its children inherit it) and before this process's
         # torch allocates: torch's CPU allocator then puts allocations >= 2 MiB on transparent
@@ -663,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
     stamp = args.name or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
-    specs = workload_specs(args.workloads, args.size_mib, args.seed)
+    specs = {w: workload_spec(w, args.size_mib << 20, args.seed) for w in args.workloads}
     nbytes = {w: spec_bytes(s) for w, s in specs.items()}
     every = [s for s in systems(args.tensorhub_transports) if s.part in args.parts]
     skipped = {s.name: s.missing() for s in every if s.missing()}
@@ -685,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if any(s.part == "ray" for s in chosen):
             store = max(2 << 30, int(2.5 * max(nbytes.values())))
-            ray_head = Proc("ray-head", ray_head_main, (store,), args.timeout)
+            ray_head = fork_child("ray-head", ray_head_main, (store,), args.timeout)
             _, options["ray_address"] = ray_head.expect("ready")
         plan = [
             (s, w, n)
@@ -750,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "suite": "tensorhub benchmarks suite", "started": datetime.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
         "duration_s": round(time.time() - t_start, 1), "command": " ".join(["python -m benchmarks", *argv]),
-        "machine": machine(), "git": _git_head(),
+        "machine": machine(), "git": git_head(),
         "params": {"parts": args.parts, "size_mib": args.size_mib, "workloads": args.workloads, "readers": args.readers,
                    "repeats": args.repeats, "warmup": args.warmup, "rounds": args.rounds, "seed": args.seed,
                    "tensorhub_transports": args.tensorhub_transports, "quick": args.quick},
@@ -759,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         "groups": groups, "summary": rows, "goals": goals(rows, tensorhub, {w: packed_bytes(specs[w]) for w in specs}), "tensorhub_row": tensorhub,
     }  # fmt: skip
     json_path = args.out / f"{stamp}.json"
-    json_path.write_text(json.dumps(results, indent=1))
+    write_json(json_path, results, indent=1)
     md_path = write_report(
         results, args.out, stamp, plots=not args.no_plots, notes=args.notes
     )
@@ -770,18 +627,3 @@ def main(argv: list[str] | None = None) -> int:
             f"  {g['verdict']:12} {g['goal']}{ratio}{': ' + g['why'] if g.get('why') else ''}"
         )
     return 1 if failed else 0
-
-
-def _git_head() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=_HERE.parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None

@@ -1,5 +1,7 @@
-"""The benchmark suite's report: markdown tables (with ratios to TensorHub and the goals) and
-PNG plots, drawn from the JSON that ``python -m benchmarks`` writes.
+"""The benchmark suite's goals and report: each goal checked against the summary rows
+(:func:`goals`), markdown tables (with ratios to TensorHub and the goals) and PNG plots, drawn
+from the JSON that ``python -m benchmarks`` writes. It imports nothing of ``suite.py``: the suite
+imports it.
 
 ``python -m benchmarks report RESULTS.json [--out DIR] [--name STEM] [--notes NOTES.md]``
 redraws the report of an earlier run (without plots where matplotlib is not installed).
@@ -9,11 +11,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+_HERE = Path(__file__).resolve().parent
+if str(_HERE.parent) not in sys.path:
+    sys.path.insert(0, str(_HERE.parent))
+
+from benchmarks.harness import meets, pyplot, verdict
+from benchmarks.harness.shards import workload_spec
+from tensorhub.transports.buffers import DEFAULT_PACK_THRESHOLD
+
 WALL_GOAL_READERS = 4
+GOAL_GLOO = 0.5  # tensorhub wall / gloo broadcast wall, 4 readers, 64x16MiB
+GOAL_RAY = 0.7  # tensorhub wall / ray numpy (put + get) wall, 4 readers, 64x16MiB
+GOAL_MEMCPY = 0.7  # tensorhub GB/s / memcpy GB/s, one reader, 64x16MiB
+GOAL_RSS_MIB = 64.0  # tensorhub holder peak RSS - RSS after allocating its tensors
+GOAL_WORKLOAD = "64x16MiB"
 
 
 def _f(x: Any, fmt: str = ".2f", none: str = "–") -> str:
@@ -163,6 +179,115 @@ def render(
     return L
 
 
+# ---- the goals -----------------------------------------------------------------------------------
+
+
+def _row(rows: list[dict], system: str, workload: str, n: int) -> dict | None:
+    for r in rows:
+        if (
+            r["system"] == system
+            and r["workload"] == workload
+            and r["readers"] == n
+            and "wall_s" in r
+        ):
+            return r
+    return None
+
+
+def packed_bytes(spec: list) -> int:
+    """Bytes of the tensors under the default pack threshold (2 MiB). A process whose transports
+    do not all gather (``nixl``) keeps a second copy of them in pack buffers; one whose
+    transports all do (``local``, ``tcp``) keeps its packs in place (``ShardBuffers``)."""
+    sizes = {"uint8": 1, "bfloat16": 2, "float32": 4}
+    return sum(
+        n * sizes[d] for _, d, n in spec if n * sizes[d] < DEFAULT_PACK_THRESHOLD
+    )
+
+
+def goals(
+    rows: list[dict], tensorhub: str, packed: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """The issue's goals, each with the measured figures, the ratio, PASS / MISS (or not
+    measured, when a part did not run), and for a miss the figures that say where time went."""
+    out = []
+    th4 = _row(rows, tensorhub, GOAL_WORKLOAD, 4)
+    th1 = _row(rows, tensorhub, GOAL_WORKLOAD, 1)
+
+    def wall_goal(name: str, other: str, target: float) -> dict[str, Any]:
+        base = _row(rows, other, GOAL_WORKLOAD, 4)
+        g: dict[str, Any] = {"goal": f"{tensorhub} to 4 readers <= {target} x {other} (wall time, {GOAL_WORKLOAD})",
+                             "key": name, "target": target}  # fmt: skip
+        if th4 is None or base is None:
+            return {
+                **g,
+                "verdict": "NOT MEASURED",
+                "why": f"needs {tensorhub} and {other} with 4 readers in this run",
+            }
+        ratio = th4["wall_s"] / base["wall_s"]
+        g.update(measured=f"{th4['wall_s']:.3f} s vs {base['wall_s']:.3f} s", ratio=ratio,
+                 verdict=verdict(meets(ratio, target, higher_is_better=False)))  # fmt: skip
+        if ratio > target:
+            g["why"] = (f"off by {ratio / target:.2f}x; " + _where(th4) +
+                        f"; {other}: {base['aggregate_gbps']:.2f} GB/s aggregate, {base['cpu_s_per_gb']:.2f} CPU s/GB")  # fmt: skip
+        return g
+
+    out.append(wall_goal("vs_gloo", "gloo broadcast", GOAL_GLOO))
+    out.append(wall_goal("vs_ray", "ray numpy", GOAL_RAY))
+    mem = _row(rows, "memcpy", GOAL_WORKLOAD, 1)
+    g = {
+        "goal": f"{tensorhub}, one reader >= {GOAL_MEMCPY} x memcpy (GB/s, {GOAL_WORKLOAD})",
+        "key": "vs_memcpy",
+        "target": GOAL_MEMCPY,
+    }
+    if th1 is None or mem is None:
+        g.update(
+            verdict="NOT MEASURED",
+            why=f"needs {tensorhub} with 1 reader and memcpy in this run",
+        )
+    else:
+        ratio = th1["reader_gbps"] / mem["reader_gbps"]
+        g.update(measured=f"{th1['reader_gbps']:.2f} GB/s vs {mem['reader_gbps']:.2f} GB/s", ratio=ratio,
+                 verdict=verdict(meets(ratio, GOAL_MEMCPY)))  # fmt: skip
+        if ratio < GOAL_MEMCPY:
+            g["why"] = f"off by {GOAL_MEMCPY / ratio:.2f}x; " + _where(th1)
+    out.append(g)
+    ths = [
+        r
+        for r in rows
+        if r["system"] == tensorhub and r.get("holder_rss_mib") is not None
+    ]
+    g = {"goal": f"{tensorhub} holder RSS beyond its registered tensors <= {GOAL_RSS_MIB:g} MiB (every group)", "key": "holder_rss",
+         "target": GOAL_RSS_MIB}  # fmt: skip
+    if not ths:
+        g.update(verdict="NOT MEASURED", why=f"needs {tensorhub} in this run")
+    else:
+        worst = max(ths, key=lambda r: r["holder_rss_mib"])
+        g.update(measured=f"{worst['holder_rss_mib']:.1f} MiB ({worst['workload']}, {worst['readers']} readers)",
+                 ratio=worst["holder_rss_mib"] / GOAL_RSS_MIB, verdict=verdict(meets(worst["holder_rss_mib"], GOAL_RSS_MIB, higher_is_better=False)))  # fmt: skip
+        if worst["holder_rss_mib"] > GOAL_RSS_MIB:
+            pack_mib = (packed or {}).get(worst["workload"], 0) / (1 << 20)
+            g["why"] = (f"off by {worst['holder_rss_mib'] - GOAL_RSS_MIB:.1f} MiB; the shard has ~{pack_mib:.0f} MiB of tensors "
+                        "under 2 MiB, which a transport that registers memory (nixl) needs copied into pack buffers "
+                        "(with transports that gather, packs stay in place)")  # fmt: skip
+    out.append(g)
+    return out
+
+
+def _where(row: dict) -> str:
+    c = row.get("control") or {}
+    parts = [
+        f"{row['aggregate_gbps']:.2f} GB/s aggregate",
+        f"{row['cpu_s_per_gb']:.2f} CPU s/GB on {os.cpu_count()} cores",
+    ]
+    if c.get("first_read_ms") is not None:
+        parts.append(f"first read {c['first_read_ms']:.0f} ms after the start, {c['after_last_read_ms']:.0f} ms after the "
+                     f"last read, no read in flight {100 * c['outside_reads_share']:.0f} % of a reader's time")  # fmt: skip
+    return "; ".join(parts)
+
+
+# ---- the plots -----------------------------------------------------------------------------------
+
+
 def _order(results: dict[str, Any], name: str) -> int:
     names = list(results["systems"])
     return names.index(name) if name in names else len(names)
@@ -171,10 +296,7 @@ def _order(results: dict[str, Any], name: str) -> int:
 def draw_plots(results: dict[str, Any], out: Path, stamp: str) -> list[tuple[str, str]]:
     """Three PNGs: wall time and aggregate GB/s against readers (one panel per workload), and
     RSS beyond the tensors at the largest reader count. Raises ImportError without matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in results["summary"] if "wall_s" in r]
     workloads = [
@@ -299,12 +421,8 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    from benchmarks.suite import goals, packed_bytes, workload_specs
-
     p = results.get("params", {})
-    specs = workload_specs(
-        list(results["workloads"]), p.get("size_mib", 1024), p.get("seed", 0)
-    )
+    specs = {w: workload_spec(w, p.get("size_mib", 1024) << 20, p.get("seed", 0)) for w in results["workloads"]}
     packed = {w: packed_bytes(spec) for w, spec in specs.items()}
     results["goals"] = goals(
         results["summary"], results["tensorhub_row"], packed

@@ -47,26 +47,12 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path:
     sys.path.insert(0, str(_HERE.parent))
-if str(_HERE) not in sys.path:
-    sys.path.append(
-        str(_HERE)
-    )  # bench_transfer imports its neighbour server_process by name
 
 import torch
-import xxhash
-from bench_transfer import (
-    PeakRss,
-    Spec,
-    allocate,
-    baseline_pull,
-    fill_seeded,
-    raw_nixl_agent,
-    raw_nixl_pull,
-    raw_register,
-    status_bytes,
-)
-from server_process import BenchmarkError
 
+from benchmarks.bench_transfer_baselines import baseline_pull, raw_nixl_agent, raw_nixl_pull, raw_register
+from benchmarks.harness import BenchmarkError, PeakRss, status_bytes
+from benchmarks.harness.shards import Spec, allocate, fill_seeded, hashes_of
 from tensorhub.transports.buffers import memory_of
 
 #: Ray on 127.0.0.1 (not the host's address), with its token authentication (the head's default)
@@ -76,11 +62,6 @@ PIECE = (
     8 << 20
 )  # bytes per NIXL READ request / descriptor piece (the engine's default read size)
 RAW_INFLIGHT = 4  # NIXL READ requests in flight (as the transports' default streams)
-
-
-def hashes_of(tensors: dict[str, torch.Tensor]) -> list[int]:
-    """xxh3-64 of every tensor's bytes, in order."""
-    return [xxhash.xxh3_64_intdigest(memory_of(t)) for t in tensors.values()]
 
 
 def bytes_view(t: torch.Tensor) -> torch.Tensor:

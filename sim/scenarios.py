@@ -9,6 +9,9 @@ it (it checks that the model reproduces its own calibration) and a *prediction* 
 The parameters of the workloads are the paper's (§5, Table 3): 8 GPUs per host, 25 GB/s RDMA per
 shard, 200 Gbps TCP per host between datacenters, the models' shard counts and sizes and their
 trainer and rollout GPU counts.
+
+Size: a catalogue of independent scenarios (one function each, the paper's workloads and their
+headlines), not one mechanism: it grows by adding scenarios.
 """
 
 from __future__ import annotations

@@ -53,19 +53,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("integration") else 2)
 
 
-@pytest.fixture(autouse=True)
-def _servers_noted_per_test():
-    """The control-plane servers a process noted (``nic.note_servers``, called whenever a handle
-    resolves its servers) are put back after each test: a test that resolved a remote address
-    (``tcp://10.0.0.1:5557``) left the transports of later tests in that worker listening on the
-    interface that routes there instead of loopback."""
-    from tensorhub.transports import nic
-
-    noted = nic.noted_servers()
-    yield
-    nic.note_servers(noted)
-
-
 @pytest.fixture
 def seed() -> int:
     """The run's seed: derive every random source of a test from it."""

@@ -17,7 +17,6 @@ from tensorhub.transports.tcp import TcpTransport
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
     monkeypatch.delenv(ADVERTISE_ENV, raising=False)
-    monkeypatch.setattr(nic, "_servers", ())
 
 
 def _pair(choice: nic.AddressChoice) -> tuple[str, str]:
@@ -60,10 +59,55 @@ def test_otherwise_the_interface_that_routes_to_the_server(monkeypatch):
     assert got.advertise == "127.0.0.1" and "unreachable from other hosts" in got.rule
 
 
-def test_no_server_known_is_loopback_and_the_runtime_records_the_servers():
-    assert choose_address().advertise == "127.0.0.1"
-    nic.note_servers(["tcp://127.0.0.1:9"])
-    assert nic.noted_servers() == ("tcp://127.0.0.1:9",) and "on loopback" in choose_address().rule
+def test_no_server_known_is_loopback_and_a_transport_uses_the_servers_it_is_given(monkeypatch):
+    assert choose_address().advertise == "127.0.0.1" and "no server known" in choose_address().rule
+    asked = []
+    monkeypatch.setattr(nic, "route_source", lambda host: asked.append(host) or "127.0.0.1")
+
+    async def main(servers: list[str] | None) -> str:
+        t = TcpTransport({})
+        if servers is not None:
+            t.set_servers(servers)
+        await t.start()
+        try:
+            return t.address_rule
+        finally:
+            await t.close()
+
+    assert "no server known" in run(main(None))  # nothing process-wide: a transport not told knows none
+    assert "routes to the server trainer-0" in run(main(["tcp://trainer-0:5557"])) and asked == ["trainer-0"]
+    assert "no server known" in run(main(None))  # what another transport was given does not leak
+    from tensorhub.transports.faults import wrap
+
+    inner = TcpTransport({})
+    wrapped = wrap(inner, [])
+    wrapped.set_servers(("tcp://trainer-0:5557",))
+    assert inner.servers == wrapped.servers == ("tcp://trainer-0:5557",)  # the inner one starts and advertises
+
+
+@pytest.mark.integration  # a server process (about 2 s to start)
+def test_the_runtime_gives_its_transports_the_handles_server_list():
+    from tensorhub.handles.api import open_async
+
+    from .procs import ServerProcess
+
+    srv = ServerProcess()
+    try:
+        other = "tcp://127.0.0.1:9"  # a backup that does not answer: the client stays on the primary
+
+        async def main() -> tuple[tuple[str, ...], str]:
+            h = await open_async("m", "r", server=[srv.address, other], transports={"tcp": {}}, connect_timeout=30)
+            try:
+                assert h._engine is not None
+                t = h._engine.transports["tcp"]
+                return t.servers, t.address_rule
+            finally:
+                await h.close()
+
+        servers, rule = run(main())
+        assert servers == (srv.address, other) and "on loopback" in rule
+    finally:
+        assert srv.stop() == 0
 
 
 def test_a_route_lookup_finds_this_hosts_loopback_source():

@@ -14,11 +14,15 @@ Layers, bottom to top; a module may import its own layer and the layers below it
 Every import counts, also those inside functions and under ``TYPE_CHECKING``: a lazy import is
 still an arrow. Plugins depend on the base class, never the other way: nothing outside a plugin
 module imports it, except through the registry's ``"module:Class"`` names.
+
+No module is longer than ``MAX_LINES`` lines unless its docstring says why, on a line that starts
+with ``Size:`` (what keeps it whole, or where it would split).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import shutil
 import subprocess
 import sys
@@ -52,6 +56,9 @@ IO_MODULES = {
     "socketserver", "ssl", "subprocess", "threading", "uvloop", "zmq", "http", "urllib", "torch",
 }  # fmt: skip
 SANS_IO = ("tensorhub.core", "tensorhub.errors", "tensorhub.scheduling")
+#: a module longer than this says why in its docstring, on a line starting with SIZE_MARK
+MAX_LINES = 800
+SIZE_MARK = "Size:"
 
 
 def modules() -> dict[str, Path]:
@@ -83,7 +90,7 @@ def _resolve(module: str, is_pkg: bool, level: int, target: str | None) -> str:
 def imports_of(name: str) -> list[tuple[str, int]]:
     """(imported module, line) for every import in ``name``'s source, relative ones resolved."""
     path = MODULES[name]
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parsed(path)
     is_pkg = path.name == "__init__.py"
     out: list[tuple[str, int]] = []
     for node in ast.walk(tree):
@@ -95,6 +102,12 @@ def imports_of(name: str) -> list[tuple[str, int]]:
                 sub = f"{mod}.{alias.name}"
                 out.append((sub if sub in MODULES else mod, node.lineno))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once for all the checks of this file."""
+    return ast.parse(path.read_text(), str(path))
 
 
 def where(name: str, line: int) -> str:
@@ -206,10 +219,10 @@ def test_the_sans_io_layers_import_no_io():
 def test_nothing_imports_the_bare_folder_names():
     """``transports``, ``scheduling`` and ``sim`` are folders of the repository, not installed names."""
     wrong = []
-    for path in sorted(ROOT.glob("*/**/*.py")):
-        if path.parts[len(ROOT.parts)].startswith(".") or path.parts[len(ROOT.parts)] in ("build", "dist"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    # top-level folders first: globbing "*/**/*.py" from the root walked .venv's 30,000 files too
+    folders = [d for d in sorted(ROOT.iterdir()) if d.is_dir() and not d.name.startswith(".") and d.name not in ("build", "dist")]
+    for path in (p for d in folders for p in sorted(d.rglob("*.py"))):
+        for node in ast.walk(_parsed(path)):
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -234,6 +247,48 @@ def test_the_checker_sees_a_planted_violation(tmp_path):
             test_the_sans_io_layers_import_no_io()
     finally:
         del MODULES["tensorhub.core._planted"], MODULES["tensorhub.core._planted2"]
+
+
+def size_reason(path: Path) -> str:
+    """What the line of ``path``'s module docstring that starts with ``Size:`` says ("": none)."""
+    doc = ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""  # not cached: a test rewrites its file
+    return next((ln.strip()[len(SIZE_MARK) :].strip() for ln in doc.splitlines() if ln.strip().startswith(SIZE_MARK)), "")
+
+
+def oversized(names: list[str]) -> list[str]:
+    """Each of the modules ``names`` that is over ``MAX_LINES`` lines with no reason given."""
+    wrong = []
+    for name in names:
+        path = MODULES[name]
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES and len(size_reason(path)) < 20:  # a reason is a sentence, not a word
+            wrong.append(f"{where(name, 1)}: {name} has {lines} lines (over {MAX_LINES}) and no '{SIZE_MARK}' line in its docstring saying why")
+    return wrong
+
+
+def test_no_module_is_over_the_size_limit_without_a_reason():
+    wrong = oversized(sorted(MODULES))
+    assert wrong == [], "modules over the size limit:\n" + "\n".join(wrong)
+
+
+def test_the_size_check_sees_a_long_module_without_a_reason(tmp_path):
+    planted = tmp_path / "planted.py"
+    MODULES["tensorhub.core._planted"] = planted
+    body = "x = 1\n" * MAX_LINES
+    try:
+        planted.write_text('"""A planted module."""\n' + body)
+        with pytest.raises(AssertionError, match=r"tensorhub.core._planted has 801 lines"):
+            test_no_module_is_over_the_size_limit_without_a_reason()
+        planted.write_text('"""A planted module.\n\nSize: ok.\n"""\n' + body)  # too short to be a reason
+        assert [w.split(": ", 1)[1] for w in oversized(["tensorhub.core._planted"])] == [
+            f"tensorhub.core._planted has 804 lines (over {MAX_LINES}) and no 'Size:' line in its docstring saying why"
+        ]
+        planted.write_text('"""A planted module.\n\nSize: one table of constants, read top to bottom.\n"""\n' + body)
+        assert oversized(["tensorhub.core._planted"]) == []
+        planted.write_text('"""A planted module."""\n' + "x = 1\n" * (MAX_LINES - 1))  # at the limit: no reason needed
+        assert oversized(["tensorhub.core._planted"]) == []
+    finally:
+        del MODULES["tensorhub.core._planted"]
 
 
 @pytest.mark.slow

@@ -13,6 +13,8 @@ decided from, and ``tensorhub doctor``, which says the same.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -21,6 +23,7 @@ import sys
 import pytest
 
 from tensorhub.handles.api import default_transports
+from tensorhub.tools.cli import main as cli_main
 from tensorhub.transports import local, nic
 from tensorhub.transports.base import Probe, Transport
 from tensorhub.transports.registry import BUILTIN_ORDER, get_transport, probe_builtins
@@ -130,15 +133,30 @@ def test_a_new_users_same_host_replicate_takes_the_fast_path(inproc_server, hand
     assert narrow.call("last_transports") == ["tcp"]
 
 
-def _doctor(*args: str, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+def _doctor(*args: str, env: dict[str, str | None] | None = None, process: bool = False) -> subprocess.CompletedProcess:
+    """``tensorhub doctor ARGS`` with ``env`` changed (None: unset): as its own process when
+    ``process``, else through the CLI's ``main`` in this process (the same code, without the
+    seconds a fresh process spends importing torch; the environment is put back after)."""
     full = dict(os.environ)
     for k, v in (env or {}).items():
         if v is None:
             full.pop(k, None)
         else:
             full[k] = v
-    return subprocess.run([sys.executable, "-m", "tensorhub", "doctor", *args], capture_output=True, text=True,
-                          timeout=120, env=full)  # fmt: skip
+    if process:
+        return subprocess.run([sys.executable, "-m", "tensorhub", "doctor", *args], capture_output=True, text=True,
+                              timeout=120, env=full)  # fmt: skip
+    saved = dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.clear()
+        os.environ.update(full)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli_main(["doctor", *args])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["tensorhub", "doctor", *args], rc, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.integration
@@ -155,7 +173,7 @@ def test_doctor_reports_the_transports_the_server_and_curve():
         assert doc["server"]["curve"]["needed"] is False
         assert doc["preference"]["host"][0] == "local"
         assert doc["huge_pages"]["transparent"]
-        text = _doctor("--server", server.address, "--timeout", "5").stdout
+        text = _doctor("--server", server.address, "--timeout", "5", process=True).stdout  # the command itself
         assert "a handle with no transports= starts:" in text and "answering now: yes" in text
     finally:
         server.stop()

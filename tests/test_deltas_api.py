@@ -153,7 +153,8 @@ def test_the_standby_set_of_replicate_then_flip_lands_through_deltas_too(server,
                 if reader.prefetched == 4:
                     break
                 await asyncio.sleep(0.02)
-            assert reader._shadow.last_delta.versions == [2, 3, 4] and reader._shadow.last_delta.landed
+            standby = reader._banks.shadow
+            assert standby.last_delta.versions == [2, 3, 4] and standby.last_delta.landed
             assert await reader.flip() is True and reader.version == 4 and same(reader.tensors, w)
             await step(trainer, w, 5, g)
             assert await reader.update() and reader.last_delta.versions == [5] and reader.last_delta.landed

@@ -26,8 +26,10 @@ from .procs import RemoteError, ServerProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
-#: Short heartbeats: a lost server is noticed in about a second.
-FAST = ("--heartbeat-interval", "0.1", "--heartbeat-timeout", "1.0")
+#: Short heartbeats: a lost server is noticed in about two seconds. (A one-second timeout made
+#: clients fail over from a healthy primary, and servers remove live replicas, on a machine whose
+#: cores were all busy: processes there stand still for longer than that.)
+FAST = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "2.0")
 
 
 def _free_port() -> int:
@@ -99,7 +101,7 @@ def test_rollouts_survive_the_primary_and_move_to_the_backup(servers, handles):
         listing = until_moved(h)
         assert h.call("server_address") == backup.address
     moved_in = time.monotonic() - t0
-    assert moved_in < 10, f"moving took {moved_in:.1f} s"
+    assert moved_in < 20, f"moving took {moved_in:.1f} s"  # about 3 s idle; a bound only a hang exceeds
     assert listing == {1: ["rollout-0", "rollout-1", "trainer"]}
 
     # A new step on the backup: the rollouts get it byte for byte.
@@ -129,8 +131,8 @@ def test_no_server_at_all_then_a_backup_comes_up(servers, handles):
     assert rollout.call("replicate", 1, 30.0) == 1
 
     kill(primary)
-    time.sleep(1.6)  # past the heartbeat timeout: the loss is noticed, and no server answers
-    assert rollout.call("server_address") is None
+    # past the heartbeat timeout the loss is noticed, and no server answers
+    wait_until(lambda: rollout.call("server_address") is None, 30, "the rollout noticing its server is gone")
     for _ in range(5):
         assert rollout.call("update", "latest", timeout=5.0) is False
         assert rollout.call("holds", 1)

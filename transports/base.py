@@ -7,17 +7,19 @@ chunking, retries and talking to the server. Bulk bytes never go through ZeroMQ 
 The plugin author's manual
 --------------------------
 **Lifecycle.** The process's engine creates one instance per transport name, with the options
-the user configured (a dict of msgpack-able values), then:
+the user configured (a dict of msgpack-able values), tells it the servers the process talks to
+(``set_servers``: the control plane's addresses, primary first; the base class stores them as
+``servers``, empty when none is known, as for a transport used alone), then:
 
 1. ``await start()`` once, on the engine's event loop. A two-sided transport starts serving
    here (a listener, its threads); a one-sided one creates its agent.
 2. ``endpoint()``: a msgpack-able dict that tells peers how to reach this process (host, port,
    agent metadata...). The server hands it, unread, to the readers it grants. Never put pickled
    or otherwise executable bytes in it. An address in it must be one that readers on *other
-   hosts* can dial: take it from :func:`tensorhub.transports.nic.choose_address` (the rule, for
-   every built-in: an explicit ``host``/``advertise`` option, else ``$TENSORHUB_ADVERTISE_HOST``,
-   else loopback when the server is on loopback, else the address of the interface that routes
-   to the server), and bind what it says.
+   hosts* can dial: take it from :func:`tensorhub.transports.nic.choose_address`, passing it
+   ``self.servers`` (the rule, for every built-in: an explicit ``host``/``advertise`` option,
+   else ``$TENSORHUB_ADVERTISE_HOST``, else loopback when the server is on loopback, else the
+   address of the interface that routes to the server), and bind what it says.
 3. Holder side: ``serve(resolver)`` is called once before any reader can come. For each read a
    peer asks for, call ``resolver(region, version)``: it returns the :class:`ShardBuffers` that
    hold (or are about to hold: a partial holder can be granted to a reader before its own grant
@@ -175,7 +177,7 @@ The capability flags steer it: a one-sided transport must refuse withdrawn buffe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
@@ -283,11 +285,20 @@ class Transport:
     reports_landing: ClassVar[bool] = False
     gathers: ClassVar[bool] = False
     checks_grants: ClassVar[bool] = False
+    #: the control-plane servers this process talks to, primary first (:meth:`set_servers`;
+    #: empty: none known, a transport used alone)
+    servers: tuple[str, ...] = ()
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = dict(options or {})
         self._resolver: Resolver | None = None
         self._guard: Guard | None = None
+
+    def set_servers(self, servers: Sequence[str]) -> None:
+        """The servers this process talks to (ZeroMQ addresses, primary first), before
+        ``start()``: a transport advertises the address of the interface that reaches them
+        (:func:`tensorhub.transports.nic.choose_address`)."""
+        self.servers = tuple(str(a) for a in servers)
 
     @classmethod
     def available(cls) -> bool:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +132,11 @@ class FaultyTransport(Transport):
         self._matched = [0] * len(self.faults)
         self._fire_count = [0] * len(self.faults)
         self._closing = asyncio.Event()
+        self.servers = inner.servers
+
+    def set_servers(self, servers: Sequence[str]) -> None:
+        super().set_servers(servers)
+        self.inner.set_servers(servers)  # the inner transport is the one that starts and advertises
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes the wrapper lacks (``port``, ``streams``...).

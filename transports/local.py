@@ -98,6 +98,9 @@ Other CUDA copies (a GPU source into an in-place pack, CPU memory into GPU memor
 through a CPU buffer) go piece by piece, each followed by a synchronize of the devices
 involved. The CPU tests exercise the CPU path; ``benchmarks/gpu_report.py`` runs the GPU path on
 a CUDA host (``benchmarks/results/GPU.md``).
+
+Size: one plugin: the holder's side (describe, serve), the reader's copy workers and the
+CPU/CUDA copy paths share its per-read state; the CUDA copy paths would split off first.
 """
 
 from __future__ import annotations

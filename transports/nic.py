@@ -37,8 +37,9 @@ may be on other hosts. :func:`choose_address` is the rule every built-in transpo
    default ``host``). ``advertise`` alone binds every interface (``0.0.0.0``: the address may be
    one the host does not own, behind NAT), or loopback if it is a loopback address;
 2. ``$TENSORHUB_ADVERTISE_HOST``: advertised, and bound as ``advertise`` alone is;
-3. the servers this process talks to (:func:`note_servers`; the runtime records them when a
-   handle resolves its server, before the transports start) are all on loopback (or ``ipc://``):
+3. the servers this process talks to (passed in: the runtime gives each transport the server list
+   of the handle that starts it, :meth:`~tensorhub.transports.base.Transport.set_servers`) are
+   all on loopback (or ``ipc://``):
    every process of the job reaches that server, so the job is on this host: ``127.0.0.1``,
    bound and advertised, and nothing listens on the network;
 4. the address of the interface that routes to the first server (asked of the kernel's routing
@@ -71,7 +72,6 @@ __all__ = [
     "NicChoice",
     "choose_address",
     "choose_nic",
-    "note_servers",
     "gpu_bdf",
     "nearest_nic",
     "normalize_bdf",
@@ -359,22 +359,6 @@ ANY = "0.0.0.0"
 _SIOCGIFADDR, _SIOCGIFFLAGS = 0x8915, 0x8913
 _IFF_UP, _IFF_LOOPBACK = 0x1, 0x8
 
-_servers: tuple[str, ...] = ()
-
-
-def note_servers(addresses: Sequence[str]) -> None:
-    """Record the control-plane servers this process talks to (ZeroMQ addresses, primary
-    first), for :func:`choose_address`. The runtime calls it whenever a handle resolves its
-    server list, before the process's transports start."""
-    global _servers
-    _servers = tuple(str(a) for a in addresses)
-
-
-def noted_servers() -> tuple[str, ...]:
-    """What :func:`note_servers` last recorded."""
-    return _servers
-
-
 @dataclass(frozen=True, slots=True)
 class AddressChoice:
     """Where a transport listens and what it advertises.
@@ -496,7 +480,8 @@ def choose_address(
     Args:
         host: the transport's ``host`` option (None or "": not given).
         advertise: its ``advertise`` option (None or "": not given).
-        servers: the control-plane servers (default: those :func:`note_servers` recorded).
+        servers: the control-plane servers this process talks to, primary first (None or empty:
+            none known).
 
     Raises:
         InvalidArgument: ``host`` or ``advertise`` is not a string.
@@ -518,7 +503,7 @@ def choose_address(
 
 def _fallback(servers: Sequence[str] | None) -> tuple[str, str]:
     """Rules 3 to 6: ``(address, rule)``."""
-    servers = tuple(servers) if servers is not None else _servers
+    servers = tuple(servers or ())
     if not servers:
         return LOOPBACK, "no server known (a transport used alone): loopback, unreachable from other hosts"
     hosts = [_server_host(a) for a in servers]

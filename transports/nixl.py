@@ -48,6 +48,9 @@ the GPU of option ``cuda_device`` or the current CUDA device, from sysfs; see
 
 What it must never do: unpickle NIXL descriptors from a peer (``deserialize_descs``), register
 memory per read, leave a transfer handle unreleased, or wait without a bound.
+
+Size: one plugin with its NIXL plumbing (probe, agent, transfer driver, registrations) that
+``rdma_copy`` reuses; the plumbing above :class:`NixlTransport` would split off first.
 """
 
 from __future__ import annotations
@@ -636,7 +639,7 @@ class NixlTransport(Transport):
         self._scratch_dlists, _ = self.io.register([self._scratch])
         self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="nixl-read")
         self._client = SideClient(f"nixl reader {self.agent_name}")
-        where = choose_address(self.host or None, self.advertise or None)
+        where = choose_address(self.host or None, self.advertise or None, self.servers)
         self._side = SideServer(f"nixl-{os.getpid()}", {"describe": (self._describe, True)}, where.bind, advertise=where.advertise)
         self.log.info("nixl side channel listening", address=self._side.address, bind=where.bind, rule=where.rule)
 

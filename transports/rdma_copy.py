@@ -211,7 +211,7 @@ class RdmaCopyTransport(Transport):
         self._executor = ThreadPoolExecutor(max_workers=self.o["threads"], thread_name_prefix="rdma-copy-read")
         self._client = SideClient(f"rdma_copy reader {self.agent_name}")
         handlers: dict[str, tuple[Handler, bool]] = {"stage": (self._stage, False), "release": (self._release, True)}
-        where = choose_address(self.o["host"] or None, self.o["advertise"] or None)
+        where = choose_address(self.o["host"] or None, self.o["advertise"] or None, self.servers)
         self._side = SideServer(f"rdma-copy-{os.getpid()}", handlers, where.bind, workers=self.o["copy_threads"], advertise=where.advertise)
         self.log.info("rdma_copy side channel listening", address=self._side.address, bind=where.bind, rule=where.rule)
 

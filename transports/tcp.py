@@ -207,7 +207,7 @@ class TcpTransport(Transport):
     # ---- holder side ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        where = choose_address(self.host, self.advertise)
+        where = choose_address(self.host, self.advertise, self.servers)
         self.host, self.advertise, self.address_rule = where.bind, where.advertise, where.rule
         lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -70,6 +70,9 @@ do not hold ``b`` (refused before any byte changed), a delta is missing or corru
 any byte changed), or the result does not verify. Never: present tensors as a version they did
 not verify as; after a failure past the first write the tensors hold no version (the caller
 treats them as empty, as after a failed pull).
+
+Size: the on-disk format (manifests, content-addressed chunks), its writer, its reader and its
+retention share the format's private helpers; the writer/reader seam is where it would split.
 """
 
 from __future__ import annotations

@@ -164,6 +164,10 @@ class _Beat:
     pass
 
 
+_BEAT_S = 0.2  # the client's clock: heartbeats due, servers lost, looks back at the primary
+_MIN_STALL_S = 0.3  # a beat later than this is a stall of this process (see on__Beat)
+
+
 @dataclass(frozen=True, slots=True)
 class _Raw:
     """A request of the failover task: sent even while ``lost`` (to the server being moved to)."""
@@ -264,6 +268,7 @@ class ClientActor(Actor):
         self.heartbeat_interval = 1.0
         self.heartbeat_timeout = 10.0
         self.last_heard = time.monotonic()
+        self._beat_at = self.last_heard  # when on__Beat last ran
         #: Set while no server is connected (before the first, during a failover, after giving up).
         self.lost: ServerUnavailable | None = ServerUnavailable(f"not connected yet to {self._names()}")
         #: Set once the actor gave up looking for a server: nothing will work any more.
@@ -291,7 +296,8 @@ class ClientActor(Actor):
 
     async def on_start(self) -> None:
         self.spawn(self._find_and_move(0, first=True), "client-connect")
-        self.every(0.2, _Beat)
+        self._beat_at = time.monotonic()
+        self.every(_BEAT_S, _Beat)
 
     async def on_stop(self) -> None:
         self._fail_all(ServerUnavailable(f"client for {self._names()} closed"))
@@ -434,6 +440,13 @@ class ClientActor(Actor):
 
     def on__Beat(self, _: _Beat) -> None:
         now = time.monotonic()
+        # Beats come every _BEAT_S. A longer gap means this process stood still (not scheduled
+        # on a machine whose cores are busy, or its loop held up): the server's answers sent
+        # meanwhile may still sit unread, so the gap is not held against the server.
+        stalled = now - self._beat_at - _BEAT_S
+        self._beat_at = now
+        if stalled > _MIN_STALL_S:
+            self.last_heard = min(self.last_heard + stalled, now)
         if self.lost is None:
             waiting = bool(self.pending) or bool(self.sessions)
             if waiting and now - self.last_heard > self.heartbeat_timeout:

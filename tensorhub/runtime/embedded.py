@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -106,29 +107,20 @@ def parse_servers(server: object, what: str = "server") -> tuple[str, ...]:
     return tuple(seen)
 
 
-async def resolve_server(ctx: zmq.asyncio.Context, server: str | list[str] | tuple[str, ...] | None) -> str:
+async def resolve_server(ctx: zmq.asyncio.Context, server: str | Sequence[str] | None) -> str:
     """:func:`resolve_servers`, as one comma-separated string."""
     return ",".join(await resolve_servers(ctx, server))
 
 
-async def resolve_servers(ctx: zmq.asyncio.Context, server: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+async def resolve_servers(ctx: zmq.asyncio.Context, server: str | Sequence[str] | None) -> tuple[str, ...]:
     """The addresses a handle should use, in order (starting the embedded server if none is given).
-    They are recorded for the transports, which choose the address they advertise by them
-    (:func:`tensorhub.transports.nic.choose_address`: loopback for a server on loopback, else the
-    interface that routes to the server).
+    The caller passes them on to what needs them: the client, and the transports, which choose
+    the address they advertise by them (:func:`tensorhub.transports.nic.choose_address`).
 
     Raises:
         InvalidArgument: ``server=None`` in a multi-node job, or a malformed address list.
         ServerUnavailable: the embedded server could not be started.
     """
-    from tensorhub.transports.nic import note_servers
-
-    addresses = await _resolve_servers(ctx, server)
-    note_servers(addresses)
-    return addresses
-
-
-async def _resolve_servers(ctx: zmq.asyncio.Context, server: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
     if server is not None:
         return parse_servers(server)
     env = os.environ.get("TENSORHUB_SERVER") or None

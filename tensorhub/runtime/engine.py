@@ -53,6 +53,9 @@ As a reader, the engine passes each grant's token to the transport it reads with
 What it must never do: serve a version the buffers do not hold (the progress counter's version
 and generation are set before a publish is sent and bumped when an unpublish returns), or run
 two pulls' reads into one set of buffers at once.
+
+Size: one actor over one state (the slots and their pulls): its message handlers share that
+state and its invariants; the seam to split along, if it grows, is serving vs. pulling.
 """
 
 from __future__ import annotations

@@ -39,6 +39,9 @@ state, :mod:`tensorhub.tools.status`) and ``GetTrace`` (a version's transfer spa
 :mod:`tensorhub.tools.trace`), and keeps the ``TransferSpan`` reports of readers (bounded: the latest
 ``HISTORY_VERSIONS`` versions, ``SPANS_PER_VERSION`` each). With ``metrics_port`` it serves
 Prometheus metrics (:mod:`tensorhub.runtime.metrics`).
+
+Size: the server actor is the table's IO shell: its socket loop, lease and failover, and the
+operations requests share the actor's state; the operations answers would split off first.
 """
 
 from __future__ import annotations
@@ -168,6 +171,7 @@ _PEER = b"\0peer"  # the table's peer name for the backup (never a ZeroMQ routin
 
 
 _KINDS_LOCAL = (m.TransferSpan, m.GetTrace, m.GetCluster)
+_MIN_STALL_S = 0.25  # a tick later than this (and than one tick interval) is a stall: see _credit_stall
 _BATCH = 256  # frames taken from the socket per reader callback (then the mailbox handles them)
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags cost more than the call itself
 _POLLIN = int(zmq.POLLIN)
@@ -208,6 +212,8 @@ class ServerActor(Actor):
         self._wake: asyncio.TimerHandle | None = None
         self._wake_at: float | None = None
         self._idle_since = time.monotonic()
+        self._ticked_at = time.monotonic()  # when on__Tick last ran (see _credit_stall)
+        self._tick_every = 1.0
         self.frames_in = 0
         self.bad_frames = 0
         self.done = asyncio.Event()
@@ -364,7 +370,9 @@ class ServerActor(Actor):
         self._fd = fd
         self.loop.add_reader(fd, self._drain)
         self._drain_later()  # frames that came before the descriptor was watched
-        self.every(min(1.0, self.config.table.heartbeat_interval), _Tick)
+        self._tick_every = min(1.0, self.config.table.heartbeat_interval)
+        self._ticked_at = time.monotonic()
+        self.every(self._tick_every, _Tick)
         if self.config.role == "primary" and self.config.peer:
             peer = self.ctx.socket(zmq.DEALER)
             peer.setsockopt(zmq.LINGER, 0)
@@ -692,6 +700,7 @@ class ServerActor(Actor):
 
     def on__Tick(self, _: _Tick) -> None:
         was = self.reign.reigning
+        self._credit_stall()
         self._send(self.table.tick())
         self._input_waits()
         if was != self.reign.reigning:
@@ -705,6 +714,20 @@ class ServerActor(Actor):
             elif now - self._idle_since >= self.config.idle_exit:
                 self.log.info("no sessions; idle exit", idle_s=round(now - self._idle_since, 1))
                 self.spawn(self.stop(), "server-idle-exit")
+
+    def _credit_stall(self) -> None:
+        """Ticks come at least every tick interval (``every`` below, plus the table's deadlines).
+        A longer gap means this server stood still: its process was not scheduled (a machine
+        whose cores are all busy), or its loop was held up. Clients' heartbeats sent meanwhile
+        may still sit unread, so the gap past one interval is not held against the sessions
+        (:meth:`Table.credit_stall`): without this, a server that stalls longer than the
+        heartbeat timeout would remove every replica on waking, before reading a single beat."""
+        now = time.monotonic()
+        stalled = now - self._ticked_at - self._tick_every
+        self._ticked_at = now
+        if stalled > max(self._tick_every, _MIN_STALL_S):
+            self.table.credit_stall(stalled)
+            self.log.warning("server stood still; heartbeat clocks credited", seconds=round(stalled, 2))
 
     def _send(self, out: list[tuple[Any, Any]]) -> None:
         """Send replies without ever waiting: a reply to a client whose queue is full, or whose

@@ -264,6 +264,18 @@ class ReferenceTable(
         self._count_grants(out, now)
         return out
 
+    def credit_stall(self, seconds: float) -> None:
+        """The server stood still for ``seconds`` (its process was not scheduled, or its loop was
+        busy): the heartbeats it could not read meanwhile are not held against the sessions. Each
+        session's silence is shortened by that much, never past now, which keeps their order in
+        :attr:`expiry`. A session that really went silent is removed that much later."""
+        if seconds <= 0:
+            return
+        now = self.clock()
+        for s in self.expiry.values():
+            s.last_seen = min(s.last_seen + seconds, now)
+        self.stats["stalls_credited"] += 1
+
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (None: only on new messages)."""
         times = []

@@ -97,6 +97,7 @@ class TableState:
             "grants": 0, "grants_ended": 0, "revoked": 0, "expired": 0, "quarantined": 0, "offloads": 0,
             "updates_skipped": 0, "offload_seeds": 0, "pins": 0, "pins_expired": 0, "redecided": 0,
             "conversions": 0, "stragglers": 0, "delta_plans": 0, "deltas_landed": 0, "deltas_refused": 0,
+            "stalls_credited": 0,
         }  # fmt: skip
         self.pace: dict[int, _Pace] = {}  # grant id -> its recent progress (see :mod:`.stragglers`)
         #: (model, link class) -> completed grants' rates (bytes/s), the newest last

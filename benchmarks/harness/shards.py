@@ -1,4 +1,4 @@
-"""The shards that ``bench_transfer.py`` moves: their specs (``64x16MiB``, ``model-500``), seeded
+"""The shards benchmarks move: their specs (the workloads ``64x16MiB`` and ``model-500``), seeded
 content, the CRC-32 check of the bytes that arrived, and what a pull is planned with (the
 engine's read size, the regions the holder serves)."""
 
@@ -12,8 +12,9 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from server_process import BenchmarkError
+import xxhash
 
+from benchmarks.harness.processes import BenchmarkError
 from tensorhub.core.layout import Layout
 from tensorhub.transports.buffers import ShardBuffers, memory_of
 
@@ -67,6 +68,18 @@ def model_spec(total: int, seed: int, n: int = 500) -> Spec:
     return spec
 
 
+WORKLOADS = ("64x16MiB", "model-500")
+
+
+def workload_spec(name: str, total: int, seed: int) -> Spec:
+    """The spec of workload ``name`` (one of :data:`WORKLOADS`) at about ``total`` bytes."""
+    if name == "64x16MiB":
+        return uniform_spec(total)
+    if name == "model-500":
+        return model_spec(total, seed)
+    raise BenchmarkError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
 def spec_bytes(spec: Spec) -> int:
     return sum(numel * DTYPES[dtype].itemsize for _, dtype, numel in spec)
 
@@ -95,6 +108,11 @@ def fill_seeded(tensors: dict[str, torch.Tensor], seed: int) -> None:
 def crcs_of(tensors: dict[str, torch.Tensor], pool: ThreadPoolExecutor) -> list[int]:
     """CRC-32 of every tensor's bytes (zlib releases the GIL: the pool runs them in parallel)."""
     return list(pool.map(lambda t: zlib.crc32(memory_of(t)), tensors.values()))
+
+
+def hashes_of(tensors: dict[str, torch.Tensor]) -> list[int]:
+    """xxh3-64 of every tensor's bytes, in order: what a reader's round is checked with."""
+    return [xxhash.xxh3_64_intdigest(memory_of(t)) for t in tensors.values()]
 
 
 def check_bytes(label: str, got: list[int], expected: list[int], names: Sequence[str]) -> None:
