@@ -37,7 +37,8 @@ def _check(dag: Any) -> list[dict[str, Any]]:
         missing = [f for f in _FIELDS if f not in e] if isinstance(e, dict) else list(_FIELDS)
         if missing:
             raise InvalidArgument(f"edge {k} of the replication DAG lacks {missing}")
-    return dag["edges"]
+    edges: list[dict[str, Any]] = dag["edges"]
+    return edges
 
 
 def link_class(edge: dict[str, Any]) -> str:

@@ -55,7 +55,7 @@ class DecoderShape:
     @classmethod
     def family(cls, family: str, **sizes: int) -> DecoderShape:
         """A shape with ``family``'s switches (Qwen2: q/k/v biases; Qwen3: q/k norms)."""
-        return cls(**sizes, qkv_bias=family == "qwen2", qk_norm=family == "qwen3")  # type: ignore[arg-type]
+        return cls(**sizes, qkv_bias=family == "qwen2", qk_norm=family == "qwen3")  # type: ignore[arg-type]  # sizes: the int fields only
 
 
 def hf_tensors(shape: DecoderShape) -> list[tuple[str, tuple[int, ...]]]:

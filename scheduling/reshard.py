@@ -363,7 +363,7 @@ def plan(
             )
     slots: list[_Slot] = []
     drafts: list[tuple[int, tuple[TensorSpec, ...], list[tuple[Task, list[int]]]]] = []
-    geometry: dict[tuple, tuple[int, Any]] = {}  # many reads share a geometry: compute it once
+    geometry: dict[tuple[Any, ...], tuple[int, Any]] = {}  # many reads share a geometry: compute it once
     for j, tensors in enumerate(dest.shards):
         if only is not None and j not in only:
             continue
@@ -418,7 +418,7 @@ def plan(
 
 
 def _slot(
-    tensor: str, box: Box, h: _Holding, itemsize: int, max_gap: int, cache: dict[tuple, tuple[int, Any]]
+    tensor: str, box: Box, h: _Holding, itemsize: int, max_gap: int, cache: dict[tuple[Any, ...], tuple[int, Any]]
 ) -> _Slot:
     options: list[_Option] = []
     for shard, piece, local in h.holders:
@@ -434,7 +434,7 @@ def _slot(
     return _Slot(tensor, box, options)
 
 
-def _tasks_of(members: list, derivations: dict[str, Derivation], src: dict, max_task_bytes: int | None) -> list[Task]:
+def _tasks_of(members: list[Any], derivations: dict[str, Derivation], src: dict[str, Any], max_task_bytes: int | None) -> list[Task]:
     """The tasks that feed one destination tensor (or an FP8 bundle) on one shard, without reads."""
     d0: Derivation = members[0][1]
     fp8 = d0.kind in (FP8_VALUES, FP8_SCALES)

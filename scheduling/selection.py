@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tensorhub.core.topology import Location
 
@@ -173,7 +173,7 @@ class SourceIndex:
         self,
         reader: Location,
         rng: random.Random,
-        eligible,
+        eligible: Callable[[int], bool],
         prefer_replica: str | None = None,
     ) -> int | None:
         """The key of the source for a reader at ``reader``, or None.
@@ -197,7 +197,7 @@ class SourceIndex:
                     return key
         return best
 
-    def _best(self, reader: Location, dcs: list[str], rng: random.Random, eligible) -> int | None:
+    def _best(self, reader: Location, dcs: list[str], rng: random.Random, eligible: Callable[[int], bool]) -> int | None:
         if len(dcs) == 1:
             loads = sorted(self._loads.get(dcs[0], ()))
         else:

@@ -33,6 +33,7 @@ version while a reader still reads them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -226,6 +227,12 @@ class SimShard:
         return ReplicationSession(version, layout.total_bytes, layout.chunk_bytes, max_inflight=1)
 
     @property
+    def sid(self) -> int:
+        """The session id the server gave this shard; 0 before it opened (never an id the
+        table gives, so a call made then gets ``UnknownSession``, as the real client would)."""
+        return self.session if self.session is not None else 0
+
+    @property
     def grant(self) -> m.Grant | None:
         """The grant the shard was given last."""
         return self.core.grant
@@ -268,7 +275,7 @@ class SimShard:
             if self.alive and self.session == msg.session:
                 self.offloads.add(msg.version)
                 self.request(
-                    lambda req: m.PublishOffload(req, self.session, msg.version, True)
+                    lambda req: m.PublishOffload(req, self.sid, msg.version, True)
                 )
 
         self.timers.append(self.sim.after(copy_s, done))
@@ -281,7 +288,7 @@ class SimShard:
         self.offloads.discard(msg.version)
 
     def on_VerifyRequest(self, msg: m.VerifyRequest) -> None:
-        self.request(lambda req: m.VerifyResult(req, self.session, msg.version, True))
+        self.request(lambda req: m.VerifyResult(req, self.sid, msg.version, True))
 
     def on_Removed(self, msg: m.Removed) -> None:
         self.removed = msg.code
@@ -317,17 +324,17 @@ class SimShard:
             elif isinstance(a, DropPull):
                 self._abandon_waiting(a.pull)
             elif isinstance(a, ReportProgress):
-                self.server.send(self, report_message(a, self.session, 0))
+                self.server.send(self, report_message(a, self.sid, 0))
             elif isinstance(a, ReportComplete):
                 assert self.core.pull is not None
                 self.holding = self.core.pull.version
                 self.sim.record("complete", f"{self.peer} v{self.holding}")
-                self.request(lambda req, a=a: report_message(a, self.session, req), self._ignore)
+                self.request(lambda req: report_message(a, self.sid, req), self._ignore)
             elif isinstance(a, ReportSourceFailed):
                 self.sim.record(
                     "source_failed", f"{self.peer} grant {a.grant[1]}: {a.reason}"
                 )
-                self.request(lambda req, a=a: report_message(a, self.session, req), self._ignore)
+                self.request(lambda req: report_message(a, self.sid, req), self._ignore)
             elif isinstance(
                 a, ReportChecksumFailed
             ):  # pragma: no cover - the simulator does not verify
@@ -377,10 +384,12 @@ class SimShard:
                 return
             src_dev = self.cluster.cpu(src.device.host) if offload else src.device
             links, cap, latency = self.cluster.path(src_dev, self.device)
+            flow: Flow | None = None  # the transfer, once begun
 
             def landed() -> None:
-                src.serving.pop(flow, None)
-                self.reading.pop(flow, None)
+                if flow is not None:  # always: begin started the transfer that calls this
+                    src.serving.pop(flow, None)
+                    self.reading.pop(flow, None)
                 if self.alive:
                     self._do(core.on_read_done(a.pull, a.grant, a.offset))
 
@@ -404,7 +413,6 @@ class SimShard:
                 src.serving[flow] = (self, fail)
                 self.reading[flow] = src
 
-            flow: Flow | None = None
             self.timers.append(self.sim.after(latency, begin))
 
         if offload or src.available(version) >= end:
@@ -563,14 +571,14 @@ class SimReplica:
         for s in self.shards:
             call = s.core.next_call()
             s.request(
-                lambda req, s=s, call=call: build(s, req, call),
-                lambda r, i=s.shard_idx: got(i, r),
+                lambda req: build(s, req, call),  # built at once (see request)
+                functools.partial(got, s.shard_idx),
             )
         return rec
 
     # ---- the API -------------------------------------------------------------------------------
 
-    def open(self, then: Callable[[], None] | None = None) -> None:
+    def open(self, then: Callable[[], object] | None = None) -> None:
         """``tensorhub.open(...)`` then ``register(tensors)`` on every shard."""
         left = [len(self.shards)]
         loc_of = {s.shard_idx: s.device.location for s in self.shards}
@@ -598,18 +606,18 @@ class SimReplica:
             self.server.by_session[reply.session] = s
             s.request(
                 lambda req: m.Register(
-                    req, s.session, self.layout, {"sim": s.peer, "region": 0}
+                    req, s.sid, self.layout, {"sim": s.peer, "region": 0}
                 ),
                 lambda r: registered(s, r),
             )
 
         for s in self.shards:
             s.request(
-                lambda req, s=s: m.OpenShard(
+                lambda req: m.OpenShard(
                     req, self.model, self.name, len(self.shards), s.shard_idx, self.incarnation, loc_of[s.shard_idx],
                     self.spot, self.retain,
                 ),
-                lambda r, s=s: opened(s, r),
+                functools.partial(opened, s),
             )  # fmt: skip
 
     def _heartbeat(self) -> None:
@@ -617,7 +625,7 @@ class SimReplica:
             return
         for s in self.shards:
             if s.session is not None:
-                s.request(lambda req, s=s: m.Heartbeat(req, (s.session,)), _noop)
+                s.request(lambda req: m.Heartbeat(req, (s.sid,)), _noop)
         self.heartbeat = self.sim.after(
             self.server.table.config.heartbeat_interval, self._heartbeat
         )
@@ -632,7 +640,7 @@ class SimReplica:
         self.version = version
         return self._all(
             "publish",
-            lambda s, req, call: m.Publish(req, s.session, call, version, (0,) * count),
+            lambda s, req, call: m.Publish(req, s.sid, call, version, (0,) * count),
             then,
         )
 
@@ -647,7 +655,7 @@ class SimReplica:
                 then(rec, replies)
 
         return self._all(
-            "unpublish", lambda s, req, call: m.Unpublish(req, s.session, call), done
+            "unpublish", lambda s, req, call: m.Unpublish(req, s.sid, call), done
         )
 
     def update(
@@ -680,7 +688,7 @@ class SimReplica:
         offload = self.offload_seeding
         return self._all(
             "update",
-            lambda s, req, call: m.Update(req, s.session, call, spec, timeout, offload),
+            lambda s, req, call: m.Update(req, s.sid, call, spec, timeout, offload),
             done,
         )
 
@@ -700,7 +708,7 @@ class SimReplica:
 
         return self._all(
             "replicate",
-            lambda s, req, call: m.Replicate(req, s.session, call, spec, timeout),
+            lambda s, req, call: m.Replicate(req, s.sid, call, spec, timeout),
             done,
         )
 
@@ -717,7 +725,7 @@ class SimReplica:
         if self.seed is not None:
             self._retire_seed()
         for s in self.shards:
-            s.request(lambda req, s=s: m.CloseShard(req, s.session), closed)
+            s.request(lambda req: m.CloseShard(req, s.sid), closed)
 
     def _stop(self) -> None:
         if self.heartbeat is not None:

@@ -239,13 +239,8 @@ def bandwidth(seed: int, quick: bool = False) -> Result:
     sizes = [1, 5, 10, 20, 35, 50] if not quick else [1, 10, 50]
     res = Result("bandwidth", "Fig. 7a: transfer time of one shard (8 shards, host to host)",
                  ["GB/shard", "TensorHub s", "NCCL s", "UCX s", "Ray s", "ideal s", "TensorHub GB/s"], [], {"sizes_gb": sizes})  # fmt: skip
-    series: dict[str, list[float | None]] = {
-        "TensorHub": [],
-        "NCCL": [],
-        "UCX": [],
-        "Ray": [],
-        "ideal": [],
-    }
+    series: dict[str, list[float]] = {"TensorHub": [], "NCCL": [], "UCX": [], "ideal": []}
+    ray_series: list[float | None] = []  # None: Ray crashed at that size
     for gb in sizes:
         w = World(seed)
         th, rh = w.hosts("dc0", "t", 1), w.hosts("dc0", "r", 1)
@@ -266,13 +261,14 @@ def bandwidth(seed: int, quick: bool = False) -> Result:
             ends = b.flows(list(zip(src, dst)), gb * GB)
             series[system.name].append(max(ends))
             _merge(res, b)
-        series["Ray"].append(RAY.time(gb * GB))
+        ray_series.append(RAY.time(gb * GB))
         series["ideal"].append(gb * GB / RDMA_LINE)
     for i, gb in enumerate(sizes):
-        ray = series["Ray"][i]
+        ray = ray_series[i]
         res.rows.append([gb, series["TensorHub"][i], series["NCCL"][i], series["UCX"][i], "crash" if ray is None else ray,
                          series["ideal"][i], gb / series["TensorHub"][i]])  # fmt: skip
-    res.data["series"] = series
+    res.data["series"] = {"TensorHub": series["TensorHub"], "NCCL": series["NCCL"], "UCX": series["UCX"],
+                          "Ray": ray_series, "ideal": series["ideal"]}  # fmt: skip
     last = len(sizes) - 1
     res.headlines += [
         Headline(
@@ -300,7 +296,7 @@ def bandwidth(seed: int, quick: bool = False) -> Result:
             "input",
         ),
     ]
-    ray_ok = [(gb, t) for gb, t in zip(sizes, series["Ray"]) if t is not None]
+    ray_ok = [(gb, t) for gb, t in zip(sizes, ray_series) if t is not None]
     if ray_ok:
         gb, t = ray_ok[-1]
         res.headlines.append(Headline("7a", f"Ray / TensorHub time at {gb} GB (two orders of magnitude)", 100.0,
@@ -395,7 +391,7 @@ def failure(seed: int, quick: bool = False) -> Result:
     res = Result("failure", "Fig. 7c: rollout B's transfer time when A (its source) fails at t",
                  ["A fails at s", "B done at s", "B re-granted", "B's sources"], [], {"fail_at": times})  # fmt: skip
     done_at: list[float] = []
-    base = None
+    base: float | None = None
     for t in [None] + times:
         w = World(seed, config=TableConfig(heartbeat_timeout=10.0))
         th, ah, bh = (
@@ -422,14 +418,16 @@ def failure(seed: int, quick: bool = False) -> Result:
         sources = sorted(
             {s.grant.source.replica for s in b.shards if s.grant is not None}
         )
-        took = rb.end - start
+        took = rb.stall  # w.wait returned: it ended
         if t is None:
             base = took
             res.data["no_failure"] = took
             continue
+        assert base is not None  # the first run, without a failure, set it
         done_at.append(took)
         res.rows.append([t, took, took > base + 0.5, ",".join(sources)])
     res.data["b_done_at"] = done_at
+    assert base is not None  # the first run, without a failure, set it
     late = [d for t, d in zip(times, done_at) if t >= base]
     early = [(t, d) for t, d in zip(times, done_at) if t < base]
     if early:
@@ -619,7 +617,8 @@ def elastic(seed: int, quick: bool = False) -> Result:
         recs = [r.update() for r in readers]
         for slot in kill:  # killed during the transfer, at a random moment
             w.sim.after(rng.uniform(0.0, 1.5), elastic_up[slot].crash)
-        w.sim.run_until(lambda recs=recs, readers=readers: all(r.end is not None for r, rep in zip(recs, readers) if rep.alive),
+        # run_until asks the predicate only before it returns: this step's recs and readers
+        w.sim.run_until(lambda: all(r.end is not None for r, rep in zip(recs, readers) if rep.alive),
                         600.0, f"step {step}")  # fmt: skip
         for slot in kill:
             del elastic_up[slot]
@@ -864,9 +863,7 @@ def churn(
             victim = rng.choice(up)
             w.sim.after(rng.uniform(0.0, 0.2), victim.crash)
         w.sim.run_until(
-            lambda recs=recs: all(
-                rec.end is not None or not r.alive for r, rec in recs
-            ),
+            lambda: all(rec.end is not None or not r.alive for r, rec in recs),  # asked before it returns
             120.0,
             f"churn step {step}",
         )

@@ -304,6 +304,15 @@ def test_version_spec_passes_through():
     assert parse_version_spec(spec) is spec
 
 
+def test_absolute_of_a_relative_spec_is_refused():
+    assert parse_version_spec(7).absolute == 7 and parse_version_spec(7).resolve(3) == 7
+    for spec in (parse_version_spec("latest-1"), VersionSpec()):
+        with pytest.raises(InvalidName, match="not an absolute version spec"):
+            spec.absolute
+    with pytest.raises(InvalidName):  # a spec that names nothing resolves to nothing (it was None)
+        VersionSpec().resolve(3)
+
+
 def test_invalid_spec_carries_its_context():
     with pytest.raises(InvalidName) as info:
         parse_version_spec("nope", model="actor", replica="r", shard=0)

@@ -64,6 +64,13 @@ def client(keys, name: str, where: str = "clients") -> ClientKeys:
     return ClientKeys(pub, sec, load_public(str(keys / "server.key")))
 
 
+def test_client_keys_of_another_kind_are_refused():
+    from tensorhub.runtime.client import ClientActor
+
+    with pytest.raises(e.InvalidArgument, match="keys must be ClientKeys, None or 'env'"):
+        ClientActor("tcp://127.0.0.1:1", None, None, keys="alice")
+
+
 def test_keygen_files(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tensorhub", "keygen", "--dir", str(tmp_path), "--name", "w0"],
                          capture_output=True, text=True, timeout=30)  # fmt: skip

@@ -510,9 +510,18 @@ class ShardBuffers:
 
     def flat(self, region: int) -> torch.Tensor:
         """Region ``region``'s buffer as a flat uint8 tensor (no copy; not for an in-place pack)."""
+        return self.region_tensor(region).reshape(-1).view(torch.uint8)
+
+    def region_tensor(self, region: int) -> torch.Tensor:
+        """Region ``region``'s buffer as it is (the caller's tensor or a pack buffer).
+
+        Raises:
+            InvalidArgument: the region is a pack kept in place, which has no buffer.
+        """
         t = self.regions[region]
-        assert t is not None, "an in-place pack has no buffer"
-        return t.reshape(-1).view(torch.uint8)
+        if t is None:
+            raise InvalidArgument(f"region {region} is a pack kept in place: it has no buffer of its own")
+        return t
 
     def copy_out(self, offset: int, dest: memoryview) -> None:
         """Copy transfer bytes starting at ``offset`` into ``dest`` (used for CUDA staging)."""

@@ -121,12 +121,12 @@ class FaultyTransport(Transport):
         super().__init__(inner.options)
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]  # it stands in for the inner transport
-        self.one_sided = inner.one_sided  # type: ignore[misc]
-        self.cuda = inner.cuda  # type: ignore[misc]
-        self.cross_host = inner.cross_host  # type: ignore[misc]
-        self.reports_landing = inner.reports_landing  # type: ignore[misc]
-        self.gathers = inner.gathers  # type: ignore[misc]
-        self.checks_grants = inner.checks_grants  # type: ignore[misc]
+        self.one_sided = inner.one_sided  # type: ignore[misc]  # as above
+        self.cuda = inner.cuda  # type: ignore[misc]  # as above
+        self.cross_host = inner.cross_host  # type: ignore[misc]  # as above
+        self.reports_landing = inner.reports_landing  # type: ignore[misc]  # as above
+        self.gathers = inner.gathers  # type: ignore[misc]  # as above
+        self.checks_grants = inner.checks_grants  # type: ignore[misc]  # as above
         self.faults = tuple(_validate(i, f) for i, f in enumerate(faults))
         self.fired: list[FiredFault] = []
         self._matched = [0] * len(self.faults)

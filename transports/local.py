@@ -843,7 +843,7 @@ class LocalTransport(Transport):
             return None
         with holder._lock:
             found = [b for b in holder._exposed.values() if b.progress.words_address == words]
-        return found[0].regions[k].reshape(-1).view(torch.uint8) if found else None
+        return found[0].flat(k) if found else None
 
     def _match(self, desc: _Described, into: ShardBuffers, where: str) -> None:
         """The described region sizes must be ``into``'s plan's (checked once per pair: the
@@ -993,7 +993,7 @@ class LocalTransport(Transport):
             if src.cuda is not None:  # GPU memory of the holder: torch copies it
                 piece = src.cuda[seg.start : seg.start + seg.length]
                 if dst is None:
-                    into.copy_in(seg.offset, memoryview(piece.cpu().numpy()))
+                    into.copy_in(seg.offset, piece.cpu().numpy().data)
                     continue
                 dst.copy_(piece)
                 synced.update(t.device for t in (dst, src.cuda) if t.device.type == "cuda")

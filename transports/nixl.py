@@ -356,9 +356,11 @@ class NixlIO:
     def register(self, tensors: list[torch.Tensor]) -> tuple[list[Any], list[list[Any]]]:
         """Register the tensors (grouped per memory type). Returns the reg descriptor lists and
         ``[address, nbytes, memtype, device]`` per tensor."""
-        rows = [[t.data_ptr(), t.numel() * t.element_size(), *memtype(t)] for t in tensors]
+        rows: list[list[Any]] = []
         groups: dict[str, list[tuple[int, int, int, str]]] = {}
-        for addr, n, kind, dev in rows:
+        for t in tensors:
+            addr, n, (kind, dev) = t.data_ptr(), t.numel() * t.element_size(), memtype(t)
+            rows.append([addr, n, kind, dev])
             if n:
                 groups.setdefault(kind, []).append((addr, n, dev, ""))
         dlists = []
@@ -654,7 +656,7 @@ class NixlTransport(Transport):
                 return
         if buffers.packs_in_place:
             raise InvalidArgument("nixl registers pack buffers: these buffers keep their packs in place (nixl does not gather)")
-        dlists, rows = io.register(buffers.regions)
+        dlists, rows = io.register([buffers.region_tensor(k) for k in range(len(buffers.regions))])
         io.words_dlist(buffers.progress.words_chunk)
         with self._lock:
             self._exposed[id(buffers)] = _Registration(buffers, dlists, regions=rows)
@@ -797,7 +799,7 @@ class NixlTransport(Transport):
             cls = Unauthorized if err.code == "unauthorized" else TransportError
             raise cls(f"the holder refused to describe it ({err.code}: {err})") from err
         regions, words, tag, md = reply.get("regions"), reply.get("words"), reply.get("tag"), reply.get("md")
-        ok = (
+        if not (
             isinstance(regions, list)
             and len(regions) == len(into.plan.regions)
             and all(
@@ -807,8 +809,7 @@ class NixlTransport(Transport):
             and type(words) is int
             and type(tag) is int
             and isinstance(md, list)
-        )
-        if not ok:
+        ):
             raise TransportError("the holder's description is malformed or has a different number of regions")
         for r, mine in zip(regions, into.plan.regions):
             if r[1] != mine.nbytes:
@@ -877,7 +878,7 @@ class NixlTransport(Transport):
     def _transfer(self, io: NixlIO, d: _Described, where: str, into: ShardBuffers, offset: int, length: int) -> None:
         groups: dict[tuple[tuple[str, int], tuple[str, int]], list[tuple[int, int, int, int]]] = {}
         for seg in into.segments(offset, length):
-            mine = into.regions[seg.index]
+            mine = into.region_tensor(seg.index)  # exposed buffers keep no pack in place
             addr, _, kind, dev = d.regions[seg.index]
             key = (memtype(mine), (kind, dev))
             groups.setdefault(key, []).append((mine.data_ptr() + seg.start, addr + seg.start, seg.length, seg.index))

@@ -61,7 +61,7 @@ from .base import Probe, RangeNotReady, ReadCall, Transport, Unauthorized
 from .buffers import ShardBuffers, memory_of
 from .nic import choose_address
 from .nixl import NixlIO, default_agent, load_nixl, options_of, probe_nixl, start_agent
-from .sidechannel import SideClient, SideError, SideServer
+from .sidechannel import Handler, SideClient, SideError, SideServer
 from .sidechannel import field as req_field
 
 __all__ = ["RdmaCopyTransport", "StagingPool"]
@@ -210,7 +210,7 @@ class RdmaCopyTransport(Transport):
         self._pool_dlists, _ = self.io.register([self.pool.tensor])
         self._executor = ThreadPoolExecutor(max_workers=self.o["threads"], thread_name_prefix="rdma-copy-read")
         self._client = SideClient(f"rdma_copy reader {self.agent_name}")
-        handlers = {"stage": (self._stage, False), "release": (self._release, True)}
+        handlers: dict[str, tuple[Handler, bool]] = {"stage": (self._stage, False), "release": (self._release, True)}
         where = choose_address(self.o["host"] or None, self.o["advertise"] or None, self.servers)
         self._side = SideServer(f"rdma-copy-{os.getpid()}", handlers, where.bind, workers=self.o["copy_threads"], advertise=where.advertise)
         self.log.info("rdma_copy side channel listening", address=self._side.address, bind=where.bind, rule=where.rule)
@@ -397,7 +397,7 @@ class RdmaCopyTransport(Transport):
             except TransportError as err:
                 raise type(err)(f"read of {where}: {err}") from err  # keeps PeerUnreachable
             slot, token, address, gen = (reply.get(k) for k in ("slot", "token", "address", "generation"))
-            if not all(type(v) is int for v in (slot, token, address, gen)):
+            if not (type(slot) is int and type(token) is int and type(address) is int and type(gen) is int):
                 raise TransportError(f"read of {where}: the holder's stage reply is malformed")
             read = False
             try:

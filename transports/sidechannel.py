@@ -95,7 +95,7 @@ def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], minimum
     """``msg[name]`` checked to be of ``kind`` (bool is never an int) and >= ``minimum``."""
     value = msg.get(name)
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    if type(value) not in kinds or (minimum is not None and value < minimum):
+    if type(value) not in kinds or (minimum is not None and value is not None and value < minimum):
         want = " or ".join(k.__name__ for k in kinds) + (f" >= {minimum}" if minimum is not None else "")
         raise SideError("malformed", f"field {name!r} must be {want}, got {value!r}")
     return value

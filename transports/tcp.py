@@ -363,12 +363,13 @@ class TcpTransport(Transport):
         if errors:  # every stripe has returned: nothing still writes into ``into``
             hard = [e for e in errors if not isinstance(e, RangeNotReady)]
             raise (hard or errors)[0]
-        if len(set(results)) != 1:
+        generations = [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed
+        if len(set(generations)) != 1:
             raise TransportError(
                 f"read of {key[0]}:{key[1]} region {region} version {version} bytes [{offset}, {offset + length}): "
-                f"the holder's generation changed between stripes ({sorted(set(results))})"
+                f"the holder's generation changed between stripes ({sorted(set(generations))})"
             )
-        return results[0]
+        return generations[0]
 
     def abort_reads(self, into: ShardBuffers) -> int:
         """End every read of this process running into ``into`` now (see the module docstring):

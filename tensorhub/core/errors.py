@@ -111,7 +111,7 @@ class TensorHubError(Exception):
         parts = [f"{k}={v!r}" for k, v in self.context().items() if v is not None]
         return f"{self.message} [{', '.join(parts)}]" if parts else self.message
 
-    def __reduce__(self):  # keep errors picklable for multiprocessing in tests (never on a wire)
+    def __reduce__(self) -> tuple[Any, ...]:  # keep errors picklable for multiprocessing in tests (never on a wire)
         return (_rebuild, (type(self).code, self.message, self.context()))
 
 

@@ -110,7 +110,7 @@ def check_invariants(table: ReferenceTable) -> list[str]:
         for replica in model.replicas.values():
             for txn in replica.txns.values():
                 # (a pinning transaction with no version finds no pins: reported too)
-                pins = model.pins.get(txn.version, ())  # type: ignore[arg-type]
+                pins = model.pins.get(txn.version, ()) if txn.version is not None else ()
                 if txn.pinned_until is not None and txn not in pins:
                     bad.append(f"model {model.name}: {replica.name} call {txn.n} thinks it pins v{txn.version}")
         for h in model.offload_holders.values():

@@ -13,6 +13,7 @@ of a holder goes through this table.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from .errors import InvalidTransition
 
@@ -66,7 +67,7 @@ TRANSITIONS: dict[tuple[HolderState | None, Event], HolderState | None] = {
 }
 
 
-def transition(state: HolderState | None, event: Event, **context) -> HolderState | None:
+def transition(state: HolderState | None, event: Event, **context: Any) -> HolderState | None:
     """The state after ``event`` in ``state``.
 
     Raises:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 from .errors import InvalidName
 
@@ -47,7 +47,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*\Z")
 _LATEST_RE = re.compile(r"latest(?:-([0-9]{1,7}))?\Z")
 
 
-def _validate_name(what: str, name: object, **ctx) -> str:
+def _validate_name(what: str, name: object, **ctx: Any) -> str:
     if not isinstance(name, str):
         raise InvalidName(f"{what} name must be a str, got {type(name).__name__}", **ctx)
     if not name or len(name) > MAX_NAME_LEN:
@@ -122,7 +122,7 @@ def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def validate_shard(num_shards: object, shard_idx: object, **ctx) -> tuple[int, int]:
+def validate_shard(num_shards: object, shard_idx: object, **ctx: Any) -> tuple[int, int]:
     """Check ``num_shards`` in [1, MAX_SHARDS] and ``shard_idx`` in [0, num_shards)."""
     if not _is_int(num_shards) or not 1 <= num_shards <= MAX_SHARDS:
         raise InvalidName(f"num_shards must be an int in [1, {MAX_SHARDS}], got {num_shards!r}", **ctx)
@@ -131,7 +131,7 @@ def validate_shard(num_shards: object, shard_idx: object, **ctx) -> tuple[int, i
     return num_shards, shard_idx
 
 
-def validate_version(version: object, **ctx) -> int:
+def validate_version(version: object, **ctx: Any) -> int:
     """Return ``version`` if it is an absolute version (int in [0, 2**63)), else raise."""
     if not _is_int(version) or not 0 <= version <= MAX_VERSION:
         raise InvalidName(f"a version must be an int in [0, 2**63), got {version!r}", **ctx)
@@ -153,13 +153,24 @@ class VersionSpec:
     def resolve(self, latest: int) -> int:
         """The absolute version this spec names when ``latest`` is the highest available one.
         May be negative for ``latest-k`` past version 0 (the caller reports that)."""
-        return latest - self.back if self.back is not None else self.version  # type: ignore[return-value]
+        return latest - self.back if self.back is not None else self.absolute
 
     def wire(self) -> int | str:
         """The canonical form: the int, ``"latest"`` or ``"latest-k"``."""
         if self.back is None:
-            return self.version  # type: ignore[return-value]
+            return self.absolute
         return "latest" if self.back == 0 else f"latest-{self.back}"
+
+    @property
+    def absolute(self) -> int:
+        """The version an absolute spec names.
+
+        Raises:
+            InvalidName: the spec is relative (or names nothing).
+        """
+        if self.version is None:
+            raise InvalidName(f"{self!r} is not an absolute version spec")
+        return self.version
 
     def __str__(self) -> str:
         return str(self.wire())
@@ -169,7 +180,7 @@ LATEST = VersionSpec(back=0)
 _SPEC_CACHE: dict[str, VersionSpec] = {}  # relative specs seen so far (a handful in practice)
 
 
-def parse_version_spec(spec: object, **ctx) -> VersionSpec:
+def parse_version_spec(spec: object, **ctx: Any) -> VersionSpec:
     """Parse a version spec: an int >= 0, ``"latest"`` or ``"latest-k"`` (k >= 0).
 
     Raises:
@@ -199,7 +210,7 @@ def parse_version_spec(spec: object, **ctx) -> VersionSpec:
     )
 
 
-def parse_retain(retain: object, **ctx) -> int | None:
+def parse_retain(retain: object, **ctx: Any) -> int | None:
     """Parse ``retain=``: ``None`` -> None; ``"latest"`` -> 0; ``"latest-k"`` -> k."""
     if retain is None:
         return None
@@ -214,4 +225,4 @@ def retain_to_str(back: int | None) -> str | None:
     """Inverse of :func:`parse_retain`."""
     if back is None:
         return None
-    return VersionSpec(back=back).wire()  # type: ignore[return-value]
+    return str(VersionSpec(back=back))

@@ -482,7 +482,7 @@ class ShardCore:
         out.append(Drained())
         return out
 
-    def _run(self, pull: int, actions: list) -> list[ShardAction]:
+    def _run(self, pull: int, actions: list[Any]) -> list[ShardAction]:
         """The session's actions, as the IO carries them out (those of a pull that is not
         current are dropped; reads wait while an aborted pull drains)."""
         if self.pull is None or pull != self.serial:

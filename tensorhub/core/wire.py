@@ -95,7 +95,7 @@ class _Schema:
             self.decoders[f.name] = _compile_decoder(hints[f.name], max_len)
             self.encoders[f.name] = _compile_encoder(hints[f.name])
         # encoding reads every field at once (in C) and converts only the fields that need it
-        self.getter: Callable[[Any], tuple] | None = None
+        self.getter: Callable[[Any], tuple[Any, ...]] | None = None
         if len(self.names) == 1:
             one = operator.attrgetter(self.names[0])
             self.getter = lambda v: (one(v),)
@@ -113,7 +113,7 @@ def struct(cls: type[T]) -> type[T]:
     """Make ``cls`` a frozen, slotted dataclass usable as a nested wire value."""
     cls = _dataclass(cls)
     # compiled lazily: annotations may name classes defined later
-    cls.__wire_schema__ = None  # type: ignore[attr-defined]
+    cls.__wire_schema__ = None  # type: ignore[attr-defined]  # set on the class here, not declared by it
     return cls
 
 
@@ -125,7 +125,7 @@ def message(kind: str) -> Callable[[type[T]], type[T]]:
         if kind in _KINDS:
             raise TypeError(f"message kind {kind!r} already registered by {_KINDS[kind].__name__}")
         cls = struct(cls)
-        cls.KIND = kind  # type: ignore[attr-defined]
+        cls.KIND = kind  # type: ignore[attr-defined]  # set on the class here, not declared by it
         _KINDS[kind] = cls
         return cls
 
@@ -138,10 +138,10 @@ def message_kinds() -> dict[str, type]:
 
 
 def _schema(cls: type) -> _Schema:
-    s: _Schema | None = cls.__wire_schema__  # type: ignore[attr-defined]
+    s: _Schema | None = cls.__wire_schema__  # type: ignore[attr-defined]  # set by @struct
     if s is None:
         s = _Schema(cls, getattr(cls, "KIND", None))
-        cls.__wire_schema__ = s  # type: ignore[attr-defined]
+        cls.__wire_schema__ = s  # type: ignore[attr-defined]  # set by @struct
     return s
 
 
@@ -179,7 +179,8 @@ def _compile_decoder(tp: Any, max_len: int | None = None) -> _Conv:
                 raise _bad(path, "float", v)
             if not math.isfinite(v):
                 raise MalformedMessage(f"field {path!r}: expected a finite float, got {v!r}")
-            return v
+            f: float = v
+            return f
 
         return dec_float
     if tp is str or tp is bytes:
@@ -223,7 +224,7 @@ def _compile_decoder(tp: Any, max_len: int | None = None) -> _Conv:
         inner = _compile_decoder(args[0])
         limit = max_len or MAX_COLLECTION
 
-        def dec_tuple(v: Any, path: str) -> tuple:
+        def dec_tuple(v: Any, path: str) -> tuple[Any, ...]:
             if type(v) is not list:
                 raise _bad(path, "array", v)
             if len(v) > limit:
@@ -238,7 +239,7 @@ def _compile_decoder(tp: Any, max_len: int | None = None) -> _Conv:
         inner = _compile_decoder(vt)
         limit = max_len or MAX_COLLECTION
 
-        def dec_dict(v: Any, path: str) -> dict:
+        def dec_dict(v: Any, path: str) -> dict[str, Any]:
             if type(v) is not dict:
                 raise _bad(path, "map", v)
             if len(v) > limit:
@@ -367,7 +368,7 @@ def _identity(v: Any) -> Any:
     return v
 
 
-def _encode_body(schema: _Schema, msg: Any) -> dict:
+def _encode_body(schema: _Schema, msg: Any) -> dict[str, Any]:
     if schema.getter is None:
         return {}
     values = schema.getter(msg)
@@ -387,7 +388,8 @@ def encode(msg: Any) -> bytes:
     kind = getattr(cls, "KIND", None)
     if kind is None or _KINDS.get(kind) is not cls:
         raise TypeError(f"{cls.__name__} is not a registered wire message")
-    return msgpack.packb([WIRE_VERSION, kind, _encode_body(_schema(cls), msg)], use_bin_type=True)
+    frame: bytes = msgpack.packb([WIRE_VERSION, kind, _encode_body(_schema(cls), msg)], use_bin_type=True)
+    return frame
 
 
 def to_plain(value: Any) -> Any:
@@ -399,5 +401,6 @@ def to_plain(value: Any) -> Any:
 
 def from_plain(cls: type[T], data: Any) -> T:
     """Validate plain data against a struct's schema and build it."""
-    return _decode_body(_schema(cls), data, "")
+    built: T = _decode_body(_schema(cls), data, "")
+    return built
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ __all__ = ["Actor", "LoopThread", "TaskCrashed", "new_event_loop"]
 try:  # uvloop when installed; the standard loop otherwise
     import uvloop as _uvloop
 except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-    _uvloop = None  # type: ignore[assignment]
+    _uvloop = None  # type: ignore[assignment]  # the name is typed as the module: None says it is absent
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -228,10 +228,10 @@ class Actor:
 
         return self.spawn(tick(), f"{self.name}-every")
 
-    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run ``coro`` as a supervised task of this actor."""
         assert self.loop is not None
-        task: asyncio.Task = self.loop.create_task(coro, name=name)  # type: ignore[arg-type]
+        task = self.loop.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
@@ -255,8 +255,8 @@ def _chain(src: asyncio.Future, dst: asyncio.Future) -> None:
             return
         if f.cancelled():
             dst.cancel()
-        elif f.exception() is not None:
-            dst.set_exception(f.exception())  # type: ignore[arg-type]
+        elif (err := f.exception()) is not None:
+            dst.set_exception(err)
         else:
             dst.set_result(f.result())
 

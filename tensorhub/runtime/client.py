@@ -45,7 +45,7 @@ open sessions in one message. When nothing at all has come from the server for
 If it gives up, the sessions are removed (the engine stops serving them) and every later
 request fails with ``ServerUnavailable``; a new handle gets a new client.
 
-No split brain (:class:`tensorhub.core.table.failover.Reign`). With a primary and a backup, a
+No split brain (:class:`tensorhub.core.table.reign.Reign`). With a primary and a backup, a
 server decides only while it holds the backup's lease or a majority of votes, and a client's
 heartbeats are its vote: each echoes the latest stamp of the current server's
 ``HeartbeatAck`` (forgotten on every move, so a vote never follows the client elsewhere). A
@@ -73,7 +73,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import zmq
 import zmq.asyncio
@@ -81,6 +81,7 @@ import zmq.asyncio
 from tensorhub.core import messages as m
 from tensorhub.core.errors import (
     ContractViolation,
+    InvalidArgument,
     ServerUnavailable,
     TensorHubError,
     Timeout,
@@ -227,7 +228,8 @@ class ClientActor(Actor):
         those are not set: plain connections).
 
     Raises:
-        InvalidArgument: the CURVE environment is half set or names unreadable keys.
+        InvalidArgument: the CURVE environment is half set or names unreadable keys; ``keys`` is
+            none of those.
     """
 
     def __init__(
@@ -237,9 +239,13 @@ class ClientActor(Actor):
         engine: EngineActor,
         failover_timeout: float = 120.0,
         attempt_timeout: float = 2.0,
-        keys: ClientKeys | None | str = "env",
+        keys: ClientKeys | None | Literal["env"] = "env",
     ) -> None:
-        self.keys: ClientKeys | None = client_keys() if keys == "env" else keys  # type: ignore[assignment]
+        if keys == "env":
+            keys = client_keys()
+        elif keys is not None and not isinstance(keys, ClientKeys):
+            raise InvalidArgument(f"keys must be ClientKeys, None or 'env', got {keys!r}")
+        self.keys: ClientKeys | None = keys
         self.addresses = (addresses,) if isinstance(addresses, str) else tuple(addresses)
         super().__init__(f"client:{','.join(self.addresses)}")
         self.index = 0
@@ -272,7 +278,7 @@ class ClientActor(Actor):
         self._connected = asyncio.Event()
         self._next_beat = 0.0  # when the next heartbeat is due (monotonic)
         #: the latest (term, stamp) of the current server's heartbeat answers, echoed in every
-        #: heartbeat (the client's vote, :class:`tensorhub.core.table.failover.Reign`); forgotten
+        #: heartbeat (the client's vote, :class:`tensorhub.core.table.reign.Reign`); forgotten
         #: on every move, so that a vote never follows the client to another server
         self._stamp: tuple[int, float] = (0, 0.0)
         #: whether the current server said it decides (False: calls are refused there)

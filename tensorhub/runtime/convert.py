@@ -308,9 +308,9 @@ class Conversion:
                 t = asyncio.ensure_future(self._task(task, dest_tensors, budget, cost))
                 running.add(t)
                 t.add_done_callback(running.discard)
-                failed = [x for x in list(running) if x.done() and x.exception() is not None]
+                failed = [err for x in list(running) if x.done() and (err := x.exception()) is not None]
                 if failed:
-                    raise failed[0].exception()  # type: ignore[misc]
+                    raise failed[0]
             if running:
                 await asyncio.gather(*running)
         except BaseException:

@@ -178,7 +178,8 @@ class _Slot:
         self.ctx = ctx
         self.checksums: dict[int, tuple[int, ...]] = {}  # version -> its checksums, once known
         self.parked: list[VerifyRead] = []  # landed reads waiting for checksums
-        self.landed: dict[tuple[int, int], dict[int, int]] = {}  # (grant, offset) -> digests hashed on landing
+        #: ((grant, term), offset) -> the digests of that read's units, hashed as they landed
+        self.landed: dict[tuple[GrantKey, int], dict[int, int]] = {}
         self.reads: dict[int, Read] = {}  # offset -> the read plan's read (its checksum units)
         self.peer_generation: int | None = None  # the current grant's source generation
         self.publishing: asyncio.Task | None = None  # the publish job (pack, hash, declare)

@@ -72,7 +72,7 @@ from tensorhub.core.errors import (
 )
 from tensorhub.core.lifecycle import HolderState
 from tensorhub.core.table import HISTORY_VERSIONS, ReferenceTable, TableConfig, random_first_id
-from tensorhub.core.table.failover import ROLES, Reign
+from tensorhub.core.table.reign import ROLES, Reign
 from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
 from tensorhub.scheduling.selection import SourceIndex
 
@@ -106,7 +106,7 @@ class ServerConfig:
         role: ``solo`` (a server alone: always decides), ``primary`` (decides while it holds
             its backup's lease or a majority of votes; needs ``peer``) or ``backup`` (decides
             only without a lease promised to the primary, with a majority of votes): the
-            no-split-brain rule of :class:`tensorhub.core.table.failover.Reign`.
+            no-split-brain rule of :class:`tensorhub.core.table.reign.Reign`.
         peer: the backup's address (the primary asks it for the lease).
         lease: the lease and vote lifetime in seconds (None: half the heartbeat timeout).
         policy: which client keys may publish and read which models (CURVE only; None: every
@@ -466,7 +466,7 @@ class ServerActor(Actor):
         while True:
             try:
                 event = parse_monitor_message(await mon.recv_multipart())
-                name = zmq.Event(event["event"]).name.lower()
+                name = (zmq.Event(event["event"]).name or str(event["event"])).lower()  # a combination has no name
             except (RuntimeError, ValueError, zmq.ZMQError) as err:  # counting is not worth dying for
                 self.log.warning("socket monitor stopped", error=str(err))
                 return
@@ -564,7 +564,7 @@ class ServerActor(Actor):
                     self._note_refusal(kind, reply)
                     break
             if outcome == "ok" and isinstance(request, (m.SourceFailed, m.ChecksumFailed)):
-                self.m_failures.inc(request.KIND)
+                self.m_failures.inc(kind)  # the request's KIND (read when it was decoded)
         except ProtocolError as err:
             self.bad_frames += 1
             outcome = err.code

@@ -626,7 +626,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     killed_at_step = p.latest
                     for proc in procs:  # the whole replica dies, and comes back
                         if proc.name.startswith(f"{victim}/"):
-                            if proc.is_alive():
+                            if proc.is_alive() and proc.pid is not None:  # alive: started, so it has one
                                 os.kill(proc.pid, signal.SIGKILL)
                             proc.join(10)
                     p.kill(victim, time.monotonic() - t_start)

@@ -40,7 +40,7 @@ Invariants (checked by :func:`tensorhub.core.invariants.check_invariants`):
   (version, shard) is left;
 - when every client has closed, nothing is left: no sessions, holders, grants, transactions.
 
-No split brain (:class:`~tensorhub.core.table.failover.Reign`): with a primary and a backup, a
+No split brain (:class:`~tensorhub.core.table.reign.Reign`): with a primary and a backup, a
 table decides only while it *reigns*: while it holds the backup's lease (the primary) or fresh
 votes from a majority of the last membership both servers hold (a shard's heartbeats, each
 echoing this table's last stamp, count until that stamp plus the lease, and only from a lease
@@ -56,13 +56,17 @@ answers with an error.
 
 Where things are
 ----------------
-:class:`ReferenceTable` (in this module) is the one object. All its state is set up in its
-``__init__``, next to the entry points (:meth:`~ReferenceTable.handle`,
-:meth:`~ReferenceTable.tick`) and the outbox. Each concern is a mixin class in a module of its
-own; the mixins share the records of :mod:`.records` and import nothing else of the package
-(neither this module nor each other), and the table combines them:
+:class:`ReferenceTable` (in this module) is the one object: the entry points
+(:meth:`~ReferenceTable.handle`, :meth:`~ReferenceTable.tick`) and the handler of each message.
+Each concern is a mixin class in a module of its own, and the table combines them. Every mixin
+subclasses :class:`~.state.TableState`, which sets up all the state in its ``__init__`` and
+declares, for the type checker, the methods one concern calls on another; each mixin's
+docstring names the records it uses. The mixins import :mod:`.records`, :mod:`.state` and
+:mod:`.reign`, nothing else of the table (neither this module nor each other):
 
+- :mod:`.state`: the state, the plumbing (outbox, timers, models to settle), the services;
 - :mod:`.records`: the records, :class:`TableConfig`, the :class:`SourcePolicy` protocol, bounds;
+- :mod:`.reign`: the no-split-brain rule (:class:`~.reign.Reign`), which the table holds;
 - :mod:`.holders`: holder lifecycle transitions and the counts kept in step with them, and the
   abrupt ends of a holding (removal, abort, sources gone);
 - :mod:`.sessions`: open, register, close, heartbeats; identity, fencing, expiry, replica removal;
@@ -78,7 +82,7 @@ own; the mixins share the records of :mod:`.records` and import nothing else of 
   cross-datacenter policy, moving each shard;
 - :mod:`.pins`: a replicate/update in flight keeps the version it decided (a pin), and moves to a
   newer one while nothing of it has landed;
-- :mod:`.failover`: the grace period and re-announcements; the no-split-brain rule (``Reign``);
+- :mod:`.failover`: the grace period and re-announcements; the no-split-brain rule applied;
 - :mod:`.stragglers`: a source alive but slow, told from a busy one by progress, and its readers moved;
 - :mod:`.settling`: the consequences applied after every event, and garbage collection;
 - :mod:`.views`: the listing, status, and the replication history.
@@ -87,17 +91,14 @@ own; the mixins share the records of :mod:`.records` and import nothing else of 
 from __future__ import annotations
 
 import heapq
-import itertools
 import random
-from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
 from .. import messages as m
 from ..errors import ProtocolError, ReplicaRemoved, TensorHubError
-from ..topology import LINK_CLASSES
 from .conversions import ConversionMixin
 from .deltas import DeltaMixin
-from .failover import FailoverMixin, Reign, ReignMixin
+from .failover import FailoverMixin, ReignMixin
 from .grants import GrantMixin
 from .holders import HolderMixin
 from .pins import PinMixin
@@ -108,16 +109,16 @@ from .pulls import PullMixin
 from .records import HISTORY_EDGES as HISTORY_EDGES
 from .records import HISTORY_VERSIONS as HISTORY_VERSIONS
 from .records import SERVING as SERVING
-from .records import Outbox, SourcePolicy, TableConfig, _Grant, _Holder, _Model, _Session, _ShardCall
+from .records import Outbox, SourcePolicy, TableConfig
+from .reign import Reign
 from .sessions import SessionMixin
 from .stragglers import StragglerMixin
 from .settling import SettleMixin
+from .state import _MAX_FIRST_ID, TableState
 from .transactions import TransactionMixin
 from .views import ViewMixin
 
 __all__ = ["ReferenceTable", "TableConfig", "Outbox", "random_first_id"]
-
-_MAX_FIRST_ID = 2**52  # ids stay below 2**53 (exact as JSON numbers) for 2**52 ids after it
 
 
 def random_first_id(rng: random.Random) -> int:
@@ -142,6 +143,7 @@ class ReferenceTable(
     ReignMixin,
     SettleMixin,
     ViewMixin,
+    TableState,
 ):
     """The reference server's state and decisions (sans-IO).
 
@@ -150,7 +152,7 @@ class ReferenceTable(
         rng: the one random source (tie-breaks); injected and seeded by the caller.
         config: timeouts.
         term: this server start's term; grants carry it, and a grant of another term is void.
-        reign: the no-split-brain rule (:class:`~tensorhub.core.table.failover.Reign`) of a primary
+        reign: the no-split-brain rule (:class:`~tensorhub.core.table.reign.Reign`) of a primary
             or a backup server; None: a server alone, which always decides.
         sources: makes the index of one (version, shard)'s grantable holders, which also picks
             the source for a reader: the scheduling policy, injected because the core sits below
@@ -173,45 +175,7 @@ class ReferenceTable(
         reign: Reign | None = None,
         first_id: int = 1,
     ) -> None:
-        if type(first_id) is not int or not 1 <= first_id < _MAX_FIRST_ID:
-            raise ValueError(f"first_id must be an int in [1, 2**52), got {first_id!r}")
-        self.clock = clock
-        self.sources = sources
-        self.rng = rng
-        self.config = config or TableConfig()
-        self.term = term
-        self.reign = reign if reign is not None else Reign()
-        if self.reign.role == "solo" and not self.reign.reigning:
-            self.reign.began(term, clock())
-        self.models: dict[str, _Model] = {}
-        self.sessions: dict[int, _Session] = {}
-        self.by_slot: dict[tuple[str, str, int], _Session] = {}
-        self.fenced: OrderedDict[int, str] = OrderedDict()  # removed session id -> error code
-        self.expiry: OrderedDict[int, _Session] = OrderedDict()  # sessions by last_seen
-        self.grants: dict[int, _Grant] = {}
-        #: model name -> (its num_shards, its ``buckets``): what the bucket tier holds outlives the
-        #: model's record (a reader may come after every holder left); the newest models kept
-        self.bucket_memory: OrderedDict[str, tuple[int, dict]] = OrderedDict()
-        self._by_id: dict[int, _Holder] = {}  # every holder in the table, by id
-        self.revoked: OrderedDict[int, None] = OrderedDict()  # recently revoked grant ids
-        self.grace_until = clock() + self.config.heartbeat_timeout
-        #: (model, version) -> its ended grants, oldest first (see :meth:`replication_dag`)
-        self.history: OrderedDict[tuple[str, int], list[dict[str, Any]]] = OrderedDict()
-        self._ids = itertools.count(first_id)
-        self._timers: list[tuple[float, int, str, Any]] = []
-        self._seq = itertools.count()
-        self._out: Outbox = []
-        self._dirty_models: dict[str, _Model] = {}
-        self.stats = {
-            "grants": 0, "grants_ended": 0, "revoked": 0, "expired": 0, "quarantined": 0, "offloads": 0,
-            "updates_skipped": 0, "offload_seeds": 0, "pins": 0, "pins_expired": 0, "redecided": 0,
-            "conversions": 0, "stragglers": 0, "delta_plans": 0, "deltas_landed": 0, "deltas_refused": 0,
-            "stalls_credited": 0,
-        }  # fmt: skip
-        self.pace: dict[int, Any] = {}  # grant id -> its recent progress (see :mod:`.stragglers`)
-        self.pace_recent: dict[tuple[str, str], Any] = {}  # (model, link class) -> completed grants' rates
-        #: bytes moved under ended grants, per link class (:data:`tensorhub.core.topology.LINK_CLASSES`)
-        self.bytes_by_link = dict.fromkeys(LINK_CLASSES, 0)
+        super().__init__(clock, rng, config, term, sources=sources, reign=reign, first_id=first_id)
         self._handlers: dict[type, Callable[[Hashable, Any], None]] = {
             m.OpenShard: self._on_open,
             m.Register: self._on_register,
@@ -325,21 +289,3 @@ class ReferenceTable(
         if change is not None:
             times.append(change)
         return min(times) if times else None
-
-    # ---- plumbing ----------------------------------------------------------------------------
-
-    def _flush(self) -> Outbox:
-        out, self._out = self._out, []
-        return out
-
-    def _send(self, session: _Session, msg: Any) -> None:
-        self._out.append((session.peer, msg))
-
-    def _reply_error(self, call: _ShardCall, err: TensorHubError) -> None:
-        self._send(call.session, m.Failed.of(call.req, err))
-
-    def _timer(self, when: float, what: str, obj: Any) -> None:
-        heapq.heappush(self._timers, (when, next(self._seq), what, obj))
-
-    def _mark_dirty(self, model: _Model) -> None:
-        self._dirty_models[model.name] = model

@@ -61,12 +61,14 @@ from ..errors import (
 from ..lifecycle import Event
 from ..naming import VersionSpec
 from .records import _MAX_SOURCE_FAILURES, P, SourcePolicy, U, _Grant, _Holder, _Model, _named
+from .state import TableState
 
 
-class ConversionMixin:
-    """Converted models: their versions, their converters, and the grants those read under.
-    Mixed into :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the
-    state it uses."""
+class ConversionMixin(TableState):
+    """Converted models: their versions, their converters, and the grants those read under. Mixed into
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``rng``, ``term``, ``models``, ``_by_id``,
+    ``stats``."""
 
     def _check_source(self, model: _Model | None, msg: m.OpenShard) -> None:
         """An ``OpenShard`` agrees with what its model is converted from (None: not converted)."""
@@ -92,7 +94,7 @@ class ConversionMixin:
         """The models converted from ``model`` (in the table's order: deterministic)."""
         return [x for x in self.models.values() if x.source == model.name]
 
-    def _resolve_converted(self, model: _Model, spec: VersionSpec, ctx: dict) -> int | None:
+    def _resolve_converted(self, model: _Model, spec: VersionSpec, ctx: dict[str, Any]) -> int | None:
         """:meth:`_resolve` for a converted model: its own versions and its source's."""
         src = self._source_of(model)
         newest = max([*model.available[-1:], *(src.available[-1:] if src is not None else ())], default=None)

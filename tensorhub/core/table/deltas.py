@@ -72,6 +72,8 @@ from ..deltas import DELTAS, DeltaStep, plan_pull
 from ..errors import InBucket, InvalidArgument, LayoutMismatch, TensorHubError, VersionConflict
 from ..naming import DELTA_SUFFIX, MAX_NAME_LEN
 from .records import C, _Holder, _Model, _Session, _Txn
+from .state import TableState
+
 
 #: models whose bucket copies the table remembers once their records are gone (the newest)
 BUCKET_MODELS = 1024
@@ -79,9 +81,10 @@ BUCKET_MODELS = 1024
 BUCKET_VERSIONS = 64
 
 
-class DeltaMixin:
-    """Delta models and the per-reader plan. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+class DeltaMixin(TableState):
+    """Delta models and the per-reader plan. Mixed into :class:`~tensorhub.core.table.ReferenceTable`.
+    State (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``models``,
+    ``bucket_memory``, ``stats``."""
 
     def _check_delta_publish(self, s: _Session, version: int, base: int | None) -> None:
         """A delta model's publish names its base (and its blob's layout is the version's);

@@ -60,11 +60,14 @@ from .records import (
     _seed_name,
     _Session,
 )
+from .state import TableState
 
 
-class GrantMixin:
+class GrantMixin(TableState):
     """Source selection, grants, and the reports readers make under them. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``rng``, ``config``, ``term``,
+    ``grants``, ``_by_id``, ``revoked``, ``_ids``, ``stats``."""
 
     def _downstream(self, h: _Holder) -> dict[int, None]:
         seen: dict[int, None] = {h.id: None}

@@ -28,11 +28,13 @@ from .. import messages as m
 from ..errors import Cancelled, VersionUnavailable
 from ..lifecycle import Event, HolderState, transition
 from .records import SERVING, C, P, U, _Holder, _Model, _Session, _Version
+from .state import TableState
 
 
-class HolderMixin:
+class HolderMixin(TableState):
     """Holder transitions and their accounting. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``sources``, ``_by_id``, ``_ids``."""
 
     def _holder_set(self, model: _Model, version: int, shard_idx: int) -> dict[int, _Holder]:
         ver = model.versions.get(version)

@@ -40,11 +40,12 @@ from __future__ import annotations
 from ..errors import TensorHubError
 from ..naming import parse_version_spec
 from .records import C, P, _Model, _Txn
+from .state import TableState
 
 
-class PinMixin:
-    """Pins and re-decisions. Mixed into :class:`~tensorhub.core.table.ReferenceTable`, whose
-    ``__init__`` sets up the state it uses."""
+class PinMixin(TableState):
+    """Pins and re-decisions. Mixed into :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``stats``."""
 
     def _pin(self, txn: _Txn) -> None:
         """Pin the version ``txn`` decided to move to (for ``pin_timeout`` at most)."""
@@ -61,7 +62,9 @@ class PinMixin:
             return
         txn.pinned_until = None
         model = txn.replica.model
-        pinned = model.pins.get(txn.version) if txn.version is not None else None
+        if txn.version is None:
+            return
+        pinned = model.pins.get(txn.version)
         if pinned is not None:
             pinned.pop(txn, None)
             if not pinned:

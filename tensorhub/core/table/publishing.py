@@ -31,11 +31,14 @@ from .. import messages as m
 from ..errors import ChecksumsRequired, ContractViolation, InvalidArgument, NotRegistered, TensorHubError, VersionConflict
 from ..lifecycle import Event
 from .records import SERVING, C, P, U, _Holder, _Model, _offload_of, _Session
+from .state import TableState
 
 
-class PublishMixin:
+class PublishMixin(TableState):
     """Publish, checksums, unpublish, drain, offload, retention. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``term``,
+    ``sessions``, ``stats``."""
 
     def _on_publish(self, peer: Hashable, msg: m.Publish) -> None:
         s = self._session(peer, msg.session)
@@ -55,7 +58,7 @@ class PublishMixin:
             h = s.holder
             if h is not None and not (h.version == msg.version and h.state is C):
                 raise ContractViolation(
-                    f"publish({msg.version}) while holding version {h.version} ({h.state.value}): unpublish first", **ctx
+                    f"publish({msg.version}) while holding version {h.version} ({h.state.value if h.state is not None else 'gone'}): unpublish first", **ctx
                 )
             if msg.checksums is not None:
                 self._check_checksums(s, msg.version, msg.checksums)

@@ -22,20 +22,22 @@ and is gone.
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Any, Hashable
 
 from .. import messages as m
 from ..errors import InBucket, NotRegistered, TensorHubError, VersionUnavailable
 from ..lifecycle import Event
 from ..naming import VersionSpec, parse_version_spec, seed_owner
 from .records import C, P, _all_done, _Model, _named, _seed_name, _Session, _ShardCall, _Txn
+from .state import TableState
 
 
-class PullMixin:
-    """Replicate and update. Mixed into :class:`~tensorhub.core.table.ReferenceTable`, whose
-    ``__init__`` sets up the state it uses."""
+class PullMixin(TableState):
+    """Replicate and update. Mixed into :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``sessions``,
+    ``stats``."""
 
-    def _resolve(self, model: _Model, spec: VersionSpec, ctx: dict) -> int | None:
+    def _resolve(self, model: _Model, spec: VersionSpec, ctx: dict[str, Any]) -> int | None:
         """The absolute version ``spec`` names now, or None to wait for it.
 
         Raises:
@@ -62,13 +64,13 @@ class PullMixin:
         """``replicate`` and ``update``: one transaction per call number, then each shard pulls."""
         s = self._session(peer, msg.session)
         spec = parse_version_spec(msg.spec)
-        kind = "replicate" if type(msg) is m.Replicate else "update"
+        kind = "replicate" if isinstance(msg, m.Replicate) else "update"
         txn, call = self._join(s, msg.req, msg.call, kind, spec.wire())
-        if kind == "update" and not txn.decided:
+        if isinstance(msg, m.Replicate):
+            call.held = msg.held
+        elif not txn.decided:
             txn.offload_seed = msg.offload_seed
             txn.deltas = msg.deltas
-        elif kind == "replicate":
-            call.held = msg.held
         self._set_deadline(txn, msg.timeout)
         self._advance(txn, call)
 
@@ -238,7 +240,7 @@ class PullMixin:
         if h is not None:
             self._unpublish(h, lambda: self._advance(txn, call))
             return
-        if self._holds_already(s, v, call.held):  # a delta chain applied in place, or a bucket restore (see .deltas)
+        if call.held is not None and self._holds_already(s, v, call.held):  # a delta chain applied in place, or a bucket restore (see .deltas)
             h = s.holder = self._new_holder(s, v, m.KIND_NORMAL, Event.PUBLISH)
             if s.model.versions[v].checksums.get(s.shard_idx) is None:
                 self._set_checksums(h, call.held)  # known from the bucket copy only: the version's again
@@ -257,10 +259,11 @@ class PullMixin:
         self._regrant(h)
 
     def _maybe_answer(self, txn: _Txn) -> None:
-        if txn.error is not None or not _all_done(txn):
+        v = txn.version
+        if txn.error is not None or v is None or not _all_done(txn):
             return
         self._unpin(txn)
         for call in list(txn.shards.values()):
-            reply = m.Replicated(call.req, txn.version) if txn.kind == "replicate" else m.Updated(call.req, True, txn.version)
+            reply = m.Replicated(call.req, v) if txn.kind == "replicate" else m.Updated(call.req, True, v)
             self._finish_call(txn, call, reply)
 

@@ -24,6 +24,7 @@ way), import IO or anything above the core, or hold a hash-ordered set of string
 from __future__ import annotations
 
 import enum
+from collections import deque
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Protocol
@@ -439,6 +440,39 @@ class SourcePolicy(Protocol):
         """The key of the source for a reader at ``reader``, or None."""
 
 
+# --- the pace of a grant, as straggler detection (:mod:`.stragglers`) sees it ---------------
+
+_SAMPLES = 64  # progress reports kept per grant (a window's worth at a report every half second)
+#: Windows a grant may go without its first progress report before it counts as stalled (a
+#: first report comes with the first verified read, which a source whose link is shared by
+#: several readers takes several times longer to move: busy, not slow).
+_FIRST_REPORT = 3
+#: The same for the grant of a reader just moved off a straggler: its reads in flight from the
+#: slow source land before the new grant's begin (they are kept), at the slow source's pace, which
+#: no other source makes faster (a whole read at a few percent of a link: many seconds). Until
+#: then it is not judged, so the readers pipelined behind it stay behind it too; the bound is for
+#: a new source that is itself stalled.
+_FIRST_REPORT_MOVED = 10
+
+
+class _Pace:
+    """A grant's progress as the table saw it: ``(arrival time, reader's verified)`` per
+    report; ``drains``: its reader was moved off a straggler, so what it verified up to its
+    first report under this grant came from the slow source (rates count from that report)."""
+
+    __slots__ = ("drains", "samples")
+
+    def __init__(self, drains: bool = False) -> None:
+        self.samples: deque[tuple[float, int]] = deque(maxlen=_SAMPLES)
+        self.drains = drains
+
+    @property
+    def first(self) -> int:
+        """Windows the grant may go without a first report before it counts as stalled."""
+        return _FIRST_REPORT_MOVED if self.drains else _FIRST_REPORT
+
+
+
 # --- questions asked of the records, by more than one concern ----------------------------------
 
 
@@ -452,7 +486,7 @@ class _AnnouncedArgs:
     def __ne__(self, other: object) -> bool:
         return False
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as equal to everything: typeshed wants a method
 
 
 def _seed_name(replica: str) -> str | None:
@@ -481,7 +515,7 @@ def _all_done(txn: _Txn) -> bool:
             return False
     return True
 
-def _named(spec: VersionSpec, newest: int | None, ctx: dict) -> int | None:
+def _named(spec: VersionSpec, newest: int | None, ctx: dict[str, Any]) -> int | None:
     """The version ``spec`` names when ``newest`` is the latest available (None: a relative spec
     with nothing available yet: wait).
 

@@ -40,12 +40,16 @@ from ..errors import (
 )
 from ..layout import Layout
 from ..lifecycle import Event
+from ..placement import PlacedTensor
 from .records import _FENCED_MEMORY, _Declaration, _Model, _Replica, _Session, _Txn
+from .state import TableState
 
 
-class SessionMixin:
+class SessionMixin(TableState):
     """Sessions, layouts, heartbeats, replica removal. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``term``, ``models``,
+    ``sessions``, ``by_slot``, ``fenced``, ``expiry``, ``bucket_memory``, ``_ids``, ``_out``."""
 
     def _session(self, peer: Hashable, sid: int) -> _Session:
         s = self.sessions.get(sid)
@@ -232,8 +236,7 @@ class SessionMixin:
     def _remove_replica(self, replica: _Replica, error: type[TensorHubError], reason: str) -> None:
         """Remove a replica whole (crash, expiry, fencing): its shards' holdings, partial
         holdings, grants and transactions. Live shards are told."""
-        ctx = {"model": replica.model.name, "replica": replica.name}
-        err = error(f"replica removed: {reason}", **ctx)
+        err = error(f"replica removed: {reason}", model=replica.model.name, replica=replica.name)
         for txn in list(replica.txns.values()):
             self._drop_removed(txn, err)
         replica.model.waits = [w for w in replica.model.waits if w[0].replica is not replica]
@@ -311,7 +314,7 @@ def _layout_diff(known: Layout, got: Layout) -> str:
     return "layout parameters (chunk size, pack threshold) differ from other holders of this shard"
 
 
-def _placement_diff(known: tuple | None, got: tuple | None) -> str:
+def _placement_diff(known: tuple[PlacedTensor, ...] | None, got: tuple[PlacedTensor, ...] | None) -> str:
     """What differs between two registrations' placements (same layout), for LayoutMismatch."""
     if known is None or got is None:
         which = "without" if known is None else "with"

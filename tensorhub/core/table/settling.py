@@ -22,11 +22,13 @@ handler (handlers only mark; settling runs after them).
 from __future__ import annotations
 
 from .records import _GONE_MEMORY, O, P, _Model
+from .state import TableState
 
 
-class SettleMixin:
+class SettleMixin(TableState):
     """What follows from an event, once it is handled. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``models``, ``_dirty_models``."""
 
     def _settle(self) -> None:
         """After every event: fail partial holders whose (version, shard) has nothing left to

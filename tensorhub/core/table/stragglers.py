@@ -53,46 +53,20 @@ from collections.abc import Collection, Hashable, Sequence
 
 from .. import messages as m
 from ..topology import link_class
-from .records import P, _Grant, _Holder
+from .records import _FIRST_REPORT, P, _Grant, _Holder, _Pace
+from .state import TableState
 
-_SAMPLES = 64  # progress reports kept per grant (a window's worth at a report every half second)
 _RECENT = 16  # completed-grant rates kept per (model, link class)
-#: Windows a grant may go without its first progress report before it counts as stalled (a
-#: first report comes with the first verified read, which a source whose link is shared by
-#: several readers takes several times longer to move: busy, not slow).
-_FIRST_REPORT = 3
-#: The same for the grant of a reader just moved off a straggler: its reads in flight from the
-#: slow source land before the new grant's begin (they are kept), at the slow source's pace, which
-#: no other source makes faster (a whole read at a few percent of a link: many seconds). Until
-#: then it is not judged, so the readers pipelined behind it stay behind it too; the bound is for
-#: a new source that is itself stalled.
-_FIRST_REPORT_MOVED = 10
 
 
-class _Pace:
-    """A grant's progress as the table saw it: ``(arrival time, reader's verified)`` per
-    report; ``drains``: its reader was moved off a straggler, so what it verified up to its
-    first report under this grant came from the slow source (rates count from that report)."""
-
-    __slots__ = ("drains", "samples")
-
-    def __init__(self, drains: bool = False) -> None:
-        self.samples: deque[tuple[float, int]] = deque(maxlen=_SAMPLES)
-        self.drains = drains
-
-    @property
-    def first(self) -> int:
-        """Windows the grant may go without a first report before it counts as stalled."""
-        return _FIRST_REPORT_MOVED if self.drains else _FIRST_REPORT
-
-
-class StragglerMixin:
-    """Straggler detection. Mixed into :class:`~tensorhub.core.table.ReferenceTable` ahead of
-    the grant and view mixins (it wraps their ``_on_progress`` and ``_record``); the table's
-    ``__init__`` sets ``pace`` and ``pace_recent``."""
+class StragglerMixin(TableState):
+    """Straggler detection. Mixed into :class:`~tensorhub.core.table.ReferenceTable` ahead of the grant
+    and view mixins (it wraps their ``_on_progress`` and ``_record``). State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``grants``, ``stats``,
+    ``pace``, ``pace_recent``."""
 
     def _on_progress(self, peer: Hashable, msg: m.Progress) -> None:
-        super()._on_progress(peer, msg)  # type: ignore[misc]
+        super()._on_progress(peer, msg)
         g = self.grants.get(msg.grant)
         if g is not None:
             pace = self.pace.get(g.id)
@@ -101,7 +75,7 @@ class StragglerMixin:
             pace.samples.append((self.clock(), g.reader.verified))
 
     def _record(self, g: _Grant, how: str, reached: int | None) -> None:
-        super()._record(g, how, reached)  # type: ignore[misc]
+        super()._record(g, how, reached)
         pace = self.pace.pop(g.id, None)
         if how != "completed":
             return
@@ -217,17 +191,17 @@ class StragglerMixin:
             if caught_up and self._held_back(self.grants[gid], slow, pullers, judged) is not None:
                 behind.append((self._depth(self.grants[gid]), gid))
         for _, gid in sorted((self._depth(self.grants[gid]), gid) for gid in slow):  # upstream first
-            g = self.grants.get(gid)
-            if g is not None:
-                self._move_reader(g, slow[gid], barred=pullers)
+            still = self.grants.get(gid)
+            if still is not None:
+                self._move_reader(still, slow[gid], barred=pullers)
         # Upstream first, judged again as the grants now stand: a reader whose source was only
         # held back and has just moved to a faster source follows it and stays; one still held
         # back (or behind a slow puller, moved or not) avoids the whole slow chain.
         for _, gid in sorted(behind):
-            g = self.grants.get(gid)
-            held = self._held_back(g, slow, pullers, judged) if g is not None else None
-            if g is not None and held is not None:
-                self._move_reader(g, f"its source's own pull is {held[1]}", avoid=held[0], barred=pullers)
+            still = self.grants.get(gid)
+            held = self._held_back(still, slow, pullers, judged) if still is not None else None
+            if still is not None and held is not None:
+                self._move_reader(still, f"its source's own pull is {held[1]}", avoid=held[0], barred=pullers)
 
     def _held_back(self, g: _Grant, slow: dict[int, str], pullers: dict[int, str],
                    judged: dict[int, tuple[float, bool]]) -> tuple[list[_Holder], str] | None:  # fmt: skip

@@ -24,11 +24,13 @@ from typing import Any, Hashable
 from .. import messages as m
 from ..errors import ContractViolation, InBucket, InvalidArgument, TensorHubError, Timeout, UpdateAborted
 from .records import _OFFERS_KEPT, _all_done, _AnnouncedArgs, _Model, _Session, _ShardCall, _Txn
+from .state import TableState
 
 
-class TransactionMixin:
+class TransactionMixin(TableState):
     """Model-parallel calls, and list and wait. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+    :class:`~tensorhub.core.table.ReferenceTable`. State
+    (:class:`~tensorhub.core.table.state.TableState`): ``clock``."""
 
     def _join(self, s: _Session, req: int, n: int, kind: str, args: Any) -> tuple[_Txn, _ShardCall]:
         """Join call ``n`` of the session's replica (opening it if first).
@@ -117,8 +119,8 @@ class TransactionMixin:
         else:
             return
         what = f"version {txn.version}" if txn.version is not None else _describe(txn.kind, txn.args)
-        ctx = {"model": txn.replica.model.name, "replica": txn.replica.name}
-        self._fail_txn(txn, Timeout(f"timed out waiting for {what}", **ctx))
+        err = Timeout(f"timed out waiting for {what}", model=txn.replica.model.name, replica=txn.replica.name)
+        self._fail_txn(txn, err)
 
     def _set_deadline(self, txn: _Txn, timeout: float | None) -> None:
         if timeout is not None and txn.deadline is None:

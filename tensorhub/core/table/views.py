@@ -24,11 +24,13 @@ from .. import messages as m
 from ..naming import seed_replica
 from ..topology import link_class
 from .records import HISTORY_EDGES, HISTORY_VERSIONS, P, _Grant, _Holder, _Model
+from .state import TableState
 
 
-class ViewMixin:
-    """Listing, status, replication history. Mixed into
-    :class:`~tensorhub.core.table.ReferenceTable`, whose ``__init__`` sets up the state it uses."""
+class ViewMixin(TableState):
+    """Listing, status, replication history. Mixed into :class:`~tensorhub.core.table.ReferenceTable`.
+    State (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``term``, ``models``,
+    ``sessions``, ``grants``, ``history``, ``_out``, ``stats``, ``bytes_by_link``."""
 
     def _listing(self, model: _Model) -> tuple[m.VersionEntry, ...]:
         """The available versions and the replicas holding each completely (built lazily)."""
