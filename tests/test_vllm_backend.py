@@ -211,52 +211,73 @@ ENGINE_SCRIPT = r"""
 import json, os, sys
 import vllm
 from tensorhub.integrations.vllm_backend import LLMClient, update
+from tensorhub.tools.admin import cluster_state
 
 def main():
     base, server, model, path = sys.argv[1:5]
     llm = vllm.LLM(model=base, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3,
-                   weight_transfer_config={"backend": "tensorhub"})
+                   weight_transfer_config={"backend": "tensorhub"}, tensor_parallel_size=int(sys.argv[6]),
+                   enforce_eager=sys.argv[7] == "eager")
     params = vllm.SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[5])]
     gen = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     before = gen()
-    llm.init_weight_transfer_engine({"init_info": {"source_model": model, "replica": "rollout-mp", "server": server}})
+    llm.init_weight_transfer_engine({"init_info": {"source_model": model, "replica": f"rollout-tp{sys.argv[6]}", "server": server}})
     # "latest", resolved before the workers load it, so that vLLM's weight version names it
     assert update(LLMClient(llm), "latest", source_model=model, server=server) == 1
     llm.reset_prefix_cache()
     got = gen()
     version = llm.get_weight_version()
+    # the shards of the engine's converted model, as the reference server sees them: one per worker
+    shards = {m.model: [[r.replica, [[sh.shard_idx, sh.version, sh.state] for sh in r.shards]] for r in m.replicas]
+              for m in cluster_state(server, 10).models}
     llm.shutdown_weight_transfer_engine()
     llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
     llm.reset_prefix_cache()
-    print("RESULT " + json.dumps({"before": before, "got": got, "reference": gen(), "version": version}), flush=True)
+    print("RESULT " + json.dumps({"before": before, "got": got, "reference": gen(), "version": version,
+                                  "shards": shards}), flush=True)
 
 if __name__ == "__main__":
     main()
 """
 
 
-def test_dense_multiprocess(tmp_path, server):
-    """vLLM's default multiprocess mode: the engine core and its worker in another process."""
+def _engine_process(tmp_path, server, model: str, tp: int, mode: str) -> dict:
+    """ENGINE_SCRIPT in vLLM's multiprocess mode with ``tp`` workers: a trainer of SHARDS
+    publishes v1, the engine loads "latest"; its result."""
     save(transformers.Qwen3ForCausalLM, dense_config(), 0, str(tmp_path / "v0"))
     w1 = save(transformers.Qwen3ForCausalLM, dense_config(), 1, str(tmp_path / "v1"))
-    trainer = Trainer("qwen-mp", w1, server.address, None, None)
+    trainer = Trainer(model, w1, server.address, None, None)
     try:
         trainer.send(1, w1, drive=False)
         script = tmp_path / "engine.py"
         script.write_text(ENGINE_SCRIPT)
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "v0"), server.address, "qwen-mp",
-                               str(tmp_path / "v1"), json.dumps(PROMPTS)],
-                              capture_output=True, text=True, timeout=480, env=env, check=False)  # fmt: skip
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "v0"), server.address, model,
+                               str(tmp_path / "v1"), json.dumps(PROMPTS), str(tp), mode],
+                              capture_output=True, text=True, timeout=800, env=env, check=False)  # fmt: skip
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, f"the engine process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
         out = json.loads(lines[-1].removeprefix("RESULT "))
         assert out["version"] == "1"
         assert out["got"] != out["before"]
         assert out["got"] == out["reference"]
+        return out
     finally:
         trainer.close()
+
+
+def test_dense_multiprocess(tmp_path, server):
+    """vLLM's default multiprocess mode: the engine core and its worker in another process."""
+    out = _engine_process(tmp_path, server, "qwen-mp", 1, "compiled")
+    assert out["shards"]["qwen-mp:vllm-bfloat16-w1"] == [["rollout-tp1", [[0, 1, "complete"]]]]
+
+
+def test_dense_tensor_parallel_2(tmp_path, server):
+    """Tensor parallelism 2 on the CPU build: two worker processes, two shards of one replica of
+    the converted model, each traced from its own loader (its tensor-parallel slices)."""
+    out = _engine_process(tmp_path, server, "qwen-tp", 2, "eager")
+    assert out["shards"]["qwen-tp:vllm-bfloat16-w2"] == [["rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]]]]
 
 
 class _Recorder:
