@@ -20,10 +20,10 @@ hashes the parameters with vLLM's own digest function. The children join the con
 the replica ``replica`` while they pull, and leave. Nothing is computed from the engine being
 checked.
 
-Where the engine's weight processing is platform-specific (the CPU build repacks every linear
-layer for oneDNN and leaves its ``weight`` parameter empty, so the digest sees the embeddings,
-norms, biases and anything not repacked; a GPU engine keeps its linear weights), the baseline must
-be computed with the same vLLM build on the same kind of device as the engine.
+vLLM's weight processing is platform-specific (on the CPU build a linear layer whose weights go
+to oneDNN or the sgl kernel keeps an empty ``weight`` parameter, which the digest then cannot see;
+quantization rewrites parameters), so compute the baseline with the same vLLM build on the same
+kind of device as the engine.
 
 Child processes (not this one): vLLM keeps its distributed state per process, and a trainer's
 process has its own ``torch.distributed`` world.
