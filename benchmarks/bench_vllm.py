@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -154,6 +155,7 @@ def main() -> int:
         llm.shutdown_weight_transfer_engine()
         trainer.close()
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint per version: gigabytes
     base = statistics.median(pauses["vllm-reload"])
     print(f"\nmedian pause per update ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same engine, same run):")
     for route, xs in pauses.items():
@@ -316,6 +318,7 @@ def serve_main(args: argparse.Namespace) -> int:
         log.close()
         trainer.close()
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint per version: gigabytes
     base = statistics.median(pauses["vllm-reload"])
     print(f"\nmedian pause per update through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run):")
     for route, xs in pauses.items():
