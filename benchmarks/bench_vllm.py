@@ -21,7 +21,18 @@ pause: the time during which the engine cannot generate:
 After each round the engine's greedy tokens must equal the ``vllm-reload`` ones of that version
 (checked). Prints the median pause of each and their ratios to ``vllm-reload`` measured in the
 same run. Run it with the vLLM environment: ``bash scripts/vllm_env.sh python benchmarks/bench_vllm.py``.
-Not ``vllm serve``'s HTTP path: the same worker calls, without the HTTP hop.
+
+``--serve``: the same through vLLM's OpenAI-compatible server (what ``vllm serve`` runs, with
+``VLLM_SERVER_DEV_MODE=1`` for its RL routes), over HTTP from this process, each pause measured
+from ``/pause`` to the end of ``/resume``:
+
+- ``vllm-reload``: ``/pause`` -> ``/collective_rpc`` ``reload_weights`` -> ``/resume``;
+- ``tensorhub``: ``/pause`` -> ``/start_weight_update`` -> ``/update_weights`` ->
+  ``/finish_weight_update`` -> ``/resume``;
+- ``tensorhub-flip``: ``/start_weight_update`` + ``/update_weights {"prefetch": true}`` while
+  the server keeps answering completions (not counted) until the reference server shows the
+  engine's replica holding the version, then ``/pause`` -> ``/update_weights`` (the replay) ->
+  ``/finish_weight_update`` -> ``/resume``.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -51,7 +63,10 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (default: vLLM's compiled mode)")
+    ap.add_argument("--serve", action="store_true", help="through vLLM's HTTP server and its RL routes")
     args = ap.parse_args()
+    if args.serve:
+        return serve_main(args)
 
     import safetensors.torch
     import torch
@@ -146,11 +161,175 @@ def main() -> int:
         llm.shutdown_weight_transfer_engine()
         trainer.close()
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint per version: gigabytes
     base = median(pauses["vllm-reload"])
     print(f"\nmedian pause per update ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same engine, same run):")
     for route, xs in pauses.items():
         m = median(xs)
         print(f"  {route:>19}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:5.2f}")
+    return 0
+
+
+def _model(args: argparse.Namespace, tmp: str) -> dict:
+    """A random-initialized Qwen3 saved in ``tmp``/v0; its tensors (bf16)."""
+    import safetensors.torch
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                                      num_key_value_heads=max(1, args.hidden // 256), head_dim=64,
+                                      max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(os.path.join(tmp, "v0"))
+    (ckpt,) = glob.glob(os.path.join(tmp, "v0", "*.safetensors"))
+    return {n: t.contiguous() for n, t in safetensors.torch.load_file(ckpt).items()}
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """The pauses through vLLM's OpenAI-compatible server, driven over HTTP."""
+    import json
+    import socket
+    import subprocess
+
+    import requests
+    import safetensors.torch
+    import torch
+
+    import tensorhub
+    from tensorhub.core.placement import REPLICATE, TensorPlacement
+    from tensorhub.tools.admin import cluster_state
+    from tests.procs import ServerProcess
+
+    tmp = tempfile.mkdtemp(prefix="bench_vllm-")
+    weights = _model(args, tmp)
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    print(f"model: Qwen3 {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {nbytes / 2**20:.0f} MiB bf16, "
+          f"{len(weights)} tensors; {'eager' if args.eager else 'compiled'}; through vLLM's HTTP server", flush=True)  # fmt: skip
+    server = ServerProcess()
+    trainer = tensorhub.open("bench", "trainer", num_shards=1, shard_idx=0, server=server.address)
+    trainer.register(weights, placements={n: TensorPlacement(n, "bfloat16", tuple(t.shape), (1,), (REPLICATE,))
+                                          for n, t in weights.items()})  # fmt: skip
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    log = open(os.path.join(tmp, "serve.log"), "w+b")  # noqa: SIM115 - closed below
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.join(tmp, "v0"),
+           "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+           "--max-model-len", "128", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "8",
+           "--max-num-batched-tokens", "256", "--weight-transfer-config", json.dumps({"backend": "tensorhub"}),
+           *(["--enforce-eager"] if args.eager else [])]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def post(route: str, body: dict | None = None, **params: object) -> dict:
+        r = requests.post(f"{url}{route}", json=body, params=params or None, timeout=600)
+        if r.status_code != 200:
+            raise RuntimeError(f"POST {route}: {r.status_code} {r.text[:2000]}")
+        return r.json() if r.content else {}
+
+    try:
+        deadline = time.monotonic() + 1800
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                print(f"the vLLM server did not start:\n{log.read().decode(errors='replace')[-4000:]}")
+                return 1
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        print(f"server up in {time.perf_counter() - t0:.1f} s", flush=True)
+        served = requests.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+
+        def generate() -> list[list[int]]:
+            return [requests.post(f"{url}/v1/completions", json={"model": served, "prompt": p, "max_tokens": 8,
+                                                                  "temperature": 0, "ignore_eos": True,
+                                                                  "return_token_ids": True},
+                                  timeout=600).json()["choices"][0]["token_ids"] for p in PROMPTS]  # fmt: skip
+
+        def staged(version: int) -> bool:
+            for mo in cluster_state(server.address, 10).models:
+                if mo.model == "bench:vllm-bfloat16-w1":
+                    return any(r.replica == "rollout-0" and all(sh.version == version and sh.state == "complete"
+                                                                for sh in r.shards) for r in mo.replicas)  # fmt: skip
+            return False
+
+        post("/init_weight_transfer_engine", {"init_info": {"source_model": "bench", "replica": "rollout-0",
+                                                            "server": server.address}})  # fmt: skip
+        pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-flip": []}
+        version = 0
+        for rnd in range(args.rounds):
+            for route in pauses:
+                version += 1
+                if version > 1:
+                    trainer.unpublish()
+                g = torch.Generator().manual_seed(version)
+                for t in weights.values():
+                    t.add_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype), alpha=0.01)
+                trainer.publish(version)
+                path = os.path.join(tmp, f"v{version}")
+                os.makedirs(path, exist_ok=True)
+                safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
+                for f in ("config.json", "generation_config.json"):
+                    if os.path.exists(os.path.join(tmp, "v0", f)):
+                        os.link(os.path.join(tmp, "v0", f), os.path.join(path, f))
+                if route == "tensorhub-flip":
+                    post("/start_weight_update")
+                    post("/update_weights", {"update_info": {"version": version, "prefetch": True}})
+                    deadline = time.monotonic() + 300
+                    while not staged(version) and time.monotonic() < deadline:
+                        generate()  # the server keeps answering while the pull runs
+                    t0 = time.perf_counter()
+                    post("/pause", mode="wait")
+                    post("/update_weights", {"update_info": {"version": version}})
+                    post("/finish_weight_update", {"weight_version": str(version)})
+                    post("/resume")
+                elif route == "tensorhub":
+                    t0 = time.perf_counter()
+                    post("/pause", mode="wait")
+                    post("/start_weight_update")
+                    post("/update_weights", {"update_info": {"version": version}})
+                    post("/finish_weight_update", {"weight_version": str(version)})
+                    post("/resume")
+                else:
+                    t0 = time.perf_counter()
+                    post("/pause", mode="wait")
+                    post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+                    post("/resume")
+                pause = time.perf_counter() - t0
+                post("/reset_prefix_cache")
+                got = generate()
+                if route != "vllm-reload":
+                    post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+                    post("/reset_prefix_cache")
+                    if generate() != got:
+                        print(f"MISMATCH: {route} v{version} differs from vLLM's own load of the same weights")
+                        return 1
+                pauses[route].append(pause)
+                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms", flush=True)
+        post("/shutdown_weight_transfer_engine")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+        log.close()
+        trainer.close()
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint per version: gigabytes
+    base = median(pauses["vllm-reload"])
+    print(f"\nmedian pause per update through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run):")
+    for route, xs in pauses.items():
+        m = median(xs)
+        print(f"  {route:>15}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:5.2f}")
     return 0
 
 

@@ -52,6 +52,7 @@ from tensorhub.integrations.vllm_backend import (  # noqa: E402
 )
 
 from .procs import ServerProcess  # noqa: E402
+from .vllm_support import PROMPTS, SHARDS, Trainer, _local, dense_config, save  # noqa: E402,F401
 
 pytestmark = [
     pytest.mark.integration,
@@ -62,101 +63,11 @@ pytestmark = [
                                "ignore::pytest.PytestUnraisableExceptionWarning"),
 ]  # fmt: skip
 
-PROMPTS = [[1, 2, 3, 4], [100, 7, 300, 9, 11], [42]]
-SHARDS = 3
-
-
-def dense_config() -> transformers.Qwen3Config:
-    return transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                    max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
-
-
 def moe_config() -> transformers.Qwen3MoeConfig:
     return transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                                        max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
-
-
-def save(cls: type, config: object, seed: int, path: str) -> dict[str, torch.Tensor]:
-    """A random-initialized model saved as a bf16 checkpoint; returns the checkpoint's tensors
-    (Hugging Face's checkpoint names: per-expert ``experts.{e}.gate_proj`` where transformers 5
-    holds the experts stacked in memory) as float32: a trainer's master weights holding exactly
-    the checkpoint's values."""
-    torch.manual_seed(seed)
-    cls(config).to(torch.bfloat16).save_pretrained(path)
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        out.update({n: t.float().contiguous() for n, t in safetensors.torch.load_file(f).items()})
-    return out
-
-
-def _dim(shape: tuple[int, ...]) -> int | None:
-    """The first dimension split into SHARDS non-empty chunks (FSDP shards dim 0 where it can)."""
-    return next((d for d, n in enumerate(shape) if chunk_range(n, SHARDS, SHARDS - 1)[1] > chunk_range(n, SHARDS, SHARDS - 1)[0]), None)
-
-
-def _local(t: torch.Tensor, r: int) -> tuple[torch.Tensor, TensorPlacement]:
-    d = _dim(tuple(t.shape))
-    name_less = TensorPlacement("x", "float32", tuple(t.shape), (SHARDS,), (REPLICATE if d is None else d,))
-    if d is None:
-        return t.clone(), name_less
-    a, b = chunk_range(t.shape[d], SHARDS, r)
-    return t.narrow(d, a, b - a).clone().contiguous(), name_less
-
-
-class Trainer:
-    """SHARDS trainer ranks in threads, each a TensorHubTrainerWeightTransferEngine; rank 0 drives
-    the engine through ``client``."""
-
-    def __init__(self, model: str, weights: dict[str, torch.Tensor], server: str, client: object, engine: dict | None) -> None:
-        self.engines: list[TensorHubTrainerWeightTransferEngine] = []
-        try:
-            for r in range(SHARDS):
-                tensors, placements = {}, {}
-                for n, t in weights.items():
-                    local, p = _local(t, r)
-                    tensors[n] = local
-                    placements[n] = TensorPlacement(n, p.dtype, p.shape, p.mesh, p.dims)
-                info = TensorHubTrainerInitInfo(rank=r, model=model, replica="trainer", num_shards=SHARDS, shard_idx=r,
-                                                server=server, engine=engine)  # fmt: skip
-                self.engines.append(TensorHubTrainerWeightTransferEngine.trainer_init(
-                    info, client=client, tensors=tensors, placements=placements))  # fmt: skip
-        except BaseException:
-            self.close()
-            raise
-
-    def send(self, version: int, weights: dict[str, torch.Tensor], drive: bool = True) -> None:
-        """Every rank: unpublish, write its part of ``weights``, publish ``version``; rank 0 then
-        has the engine load it (``drive``)."""
-        errors: list[BaseException] = []
-
-        def rank(r: int) -> None:
-            try:
-                e = self.engines[r]
-                e.unpublish()
-                for n, t in e.tensors.items():
-                    t.copy_(_local(weights[n], r)[0])
-                if drive:
-                    e.send_weights(version)
-                else:
-                    e.publish(version)
-            except BaseException as err:  # noqa: BLE001 - re-raised below
-                errors.append(err)
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(SHARDS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not any(t.is_alive() for t in threads), "a trainer rank did not finish in 300 s"
-        if errors:
-            raise errors[0]
-
-    def close(self) -> None:
-        for e in self.engines:
-            e.shutdown()
 
 
 def generate(llm: vllm.LLM) -> list[list[int]]:
@@ -300,52 +211,73 @@ ENGINE_SCRIPT = r"""
 import json, os, sys
 import vllm
 from tensorhub.integrations.vllm_backend import LLMClient, update
+from tensorhub.tools.admin import cluster_state
 
 def main():
     base, server, model, path = sys.argv[1:5]
     llm = vllm.LLM(model=base, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3,
-                   weight_transfer_config={"backend": "tensorhub"})
+                   weight_transfer_config={"backend": "tensorhub"}, tensor_parallel_size=int(sys.argv[6]),
+                   enforce_eager=sys.argv[7] == "eager")
     params = vllm.SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[5])]
     gen = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     before = gen()
-    llm.init_weight_transfer_engine({"init_info": {"source_model": model, "replica": "rollout-mp", "server": server}})
+    llm.init_weight_transfer_engine({"init_info": {"source_model": model, "replica": f"rollout-tp{sys.argv[6]}", "server": server}})
     # "latest", resolved before the workers load it, so that vLLM's weight version names it
     assert update(LLMClient(llm), "latest", source_model=model, server=server) == 1
     llm.reset_prefix_cache()
     got = gen()
     version = llm.get_weight_version()
+    # the shards of the engine's converted model, as the reference server sees them: one per worker
+    shards = {m.model: [[r.replica, [[sh.shard_idx, sh.version, sh.state] for sh in r.shards]] for r in m.replicas]
+              for m in cluster_state(server, 10).models}
     llm.shutdown_weight_transfer_engine()
     llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
     llm.reset_prefix_cache()
-    print("RESULT " + json.dumps({"before": before, "got": got, "reference": gen(), "version": version}), flush=True)
+    print("RESULT " + json.dumps({"before": before, "got": got, "reference": gen(), "version": version,
+                                  "shards": shards}), flush=True)
 
 if __name__ == "__main__":
     main()
 """
 
 
-def test_dense_multiprocess(tmp_path, server):
-    """vLLM's default multiprocess mode: the engine core and its worker in another process."""
+def _engine_process(tmp_path, server, model: str, tp: int, mode: str) -> dict:
+    """ENGINE_SCRIPT in vLLM's multiprocess mode with ``tp`` workers: a trainer of SHARDS
+    publishes v1, the engine loads "latest"; its result."""
     save(transformers.Qwen3ForCausalLM, dense_config(), 0, str(tmp_path / "v0"))
     w1 = save(transformers.Qwen3ForCausalLM, dense_config(), 1, str(tmp_path / "v1"))
-    trainer = Trainer("qwen-mp", w1, server.address, None, None)
+    trainer = Trainer(model, w1, server.address, None, None)
     try:
         trainer.send(1, w1, drive=False)
         script = tmp_path / "engine.py"
         script.write_text(ENGINE_SCRIPT)
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "v0"), server.address, "qwen-mp",
-                               str(tmp_path / "v1"), json.dumps(PROMPTS)],
-                              capture_output=True, text=True, timeout=480, env=env, check=False)  # fmt: skip
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "v0"), server.address, model,
+                               str(tmp_path / "v1"), json.dumps(PROMPTS), str(tp), mode],
+                              capture_output=True, text=True, timeout=800, env=env, check=False)  # fmt: skip
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, f"the engine process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
         out = json.loads(lines[-1].removeprefix("RESULT "))
         assert out["version"] == "1"
         assert out["got"] != out["before"]
         assert out["got"] == out["reference"]
+        return out
     finally:
         trainer.close()
+
+
+def test_dense_multiprocess(tmp_path, server):
+    """vLLM's default multiprocess mode: the engine core and its worker in another process."""
+    out = _engine_process(tmp_path, server, "qwen-mp", 1, "compiled")
+    assert out["shards"]["qwen-mp:vllm-bfloat16-w1"] == [["rollout-tp1", [[0, 1, "complete"]]]]
+
+
+def test_dense_tensor_parallel_2(tmp_path, server):
+    """Tensor parallelism 2 on the CPU build: two worker processes, two shards of one replica of
+    the converted model, each traced from its own loader (its tensor-parallel slices)."""
+    out = _engine_process(tmp_path, server, "qwen-tp", 2, "eager")
+    assert out["shards"]["qwen-tp:vllm-bfloat16-w2"] == [["rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]]]]
 
 
 class _Recorder:

@@ -1,8 +1,19 @@
-"""What the vLLM test modules share (imported by them; vLLM itself imported only when used)."""
+"""What the vLLM test modules share (imported by them after they skip where vLLM is absent;
+vLLM itself imported only when used): the tiny models, a trainer of SHARDS ranks publishing
+Hugging Face names, and the per-process state fixture."""
 
 from __future__ import annotations
 
+import glob
+import os
+import threading
+from typing import Any
+
 import pytest
+import torch
+
+from tensorhub.core.placement import REPLICATE, TensorPlacement, chunk_range
+from tensorhub.integrations.vllm_backend import TensorHubTrainerInitInfo, TensorHubTrainerWeightTransferEngine
 
 
 @pytest.fixture(autouse=True)
@@ -18,3 +29,97 @@ def _fresh_vllm_process_state():
 
     gc.collect()
     cleanup_dist_env_and_memory()
+
+
+PROMPTS = [[1, 2, 3, 4], [100, 7, 300, 9, 11], [42]]
+SHARDS = 3
+
+
+def dense_config() -> Any:
+    import transformers
+
+    return transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                    max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+
+
+def save(cls: type, config: object, seed: int, path: str) -> dict[str, torch.Tensor]:
+    """A random-initialized model saved as a bf16 checkpoint; returns the checkpoint's tensors
+    (Hugging Face's checkpoint names: per-expert ``experts.{e}.gate_proj`` where transformers 5
+    holds the experts stacked in memory) as float32: a trainer's master weights holding exactly
+    the checkpoint's values."""
+    import safetensors.torch
+
+    torch.manual_seed(seed)
+    cls(config).to(torch.bfloat16).save_pretrained(path)
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update({n: t.float().contiguous() for n, t in safetensors.torch.load_file(f).items()})
+    return out
+
+
+def _dim(shape: tuple[int, ...]) -> int | None:
+    """The first dimension split into SHARDS non-empty chunks (FSDP shards dim 0 where it can)."""
+    return next((d for d, n in enumerate(shape) if chunk_range(n, SHARDS, SHARDS - 1)[1] > chunk_range(n, SHARDS, SHARDS - 1)[0]), None)
+
+
+def _local(t: torch.Tensor, r: int) -> tuple[torch.Tensor, TensorPlacement]:
+    d = _dim(tuple(t.shape))
+    name_less = TensorPlacement("x", "float32", tuple(t.shape), (SHARDS,), (REPLICATE if d is None else d,))
+    if d is None:
+        return t.clone(), name_less
+    a, b = chunk_range(t.shape[d], SHARDS, r)
+    return t.narrow(d, a, b - a).clone().contiguous(), name_less
+
+
+class Trainer:
+    """SHARDS trainer ranks in threads, each a TensorHubTrainerWeightTransferEngine; rank 0 drives
+    the engine through ``client``."""
+
+    def __init__(self, model: str, weights: dict[str, torch.Tensor], server: str, client: object, engine: dict | None) -> None:
+        self.engines: list[TensorHubTrainerWeightTransferEngine] = []
+        try:
+            for r in range(SHARDS):
+                tensors, placements = {}, {}
+                for n, t in weights.items():
+                    local, p = _local(t, r)
+                    tensors[n] = local
+                    placements[n] = TensorPlacement(n, p.dtype, p.shape, p.mesh, p.dims)
+                info = TensorHubTrainerInitInfo(rank=r, model=model, replica="trainer", num_shards=SHARDS, shard_idx=r,
+                                                server=server, engine=engine)  # fmt: skip
+                self.engines.append(TensorHubTrainerWeightTransferEngine.trainer_init(
+                    info, client=client, tensors=tensors, placements=placements))  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, version: int, weights: dict[str, torch.Tensor], drive: bool = True) -> None:
+        """Every rank: unpublish, write its part of ``weights``, publish ``version``; rank 0 then
+        has the engine load it (``drive``)."""
+        errors: list[BaseException] = []
+
+        def rank(r: int) -> None:
+            try:
+                e = self.engines[r]
+                e.unpublish()
+                for n, t in e.tensors.items():
+                    t.copy_(_local(weights[n], r)[0])
+                if drive:
+                    e.send_weights(version)
+                else:
+                    e.publish(version)
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                errors.append(err)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(SHARDS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not any(t.is_alive() for t in threads), "a trainer rank did not finish in 300 s"
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.shutdown()
