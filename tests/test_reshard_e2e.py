@@ -102,11 +102,13 @@ def test_trainer_to_fp8_tensor_parallel_with_a_source_killed(server):
         for side in (r1, r2):
             for j, h in enumerate(side):
                 h.call("register_placed", _placed(DST, j))
-        for h in r1:
-            h.send("replicate", 1, 120.0)
-        # train-a publishes the same version; then a train-b shard dies mid-conversion.
+        # train-a gets the same bytes now, and publishes them once the conversion is under way;
+        # then a train-b shard dies mid-conversion. (Filling train-a after the conversion began
+        # gave it time to finish its reads from the shard about to die, on a loaded machine.)
         for i, h in enumerate(trainer_a):
             h.call("fill_tensors", v1[i])
+        for h in r1:
+            h.send("replicate", 1, 120.0)
         for h in trainer_a:
             h.send("publish", 1)
         for h in trainer_a:
