@@ -320,10 +320,11 @@ class DeltaReader:
         stats = DeltaStats(reply.target, [r.version for r in reply.deltas], sum(r.nbytes for r in reply.deltas))
         stats.full_bytes = owner.buffers.layout.total_bytes
         t0 = loop.time()
-        deltas: list[Delta] | None = []
+        pulled: list[Delta] = []
+        deltas: list[Delta] | None = pulled
         try:
             for ref in reply.deltas:
-                deltas.append(await self._pull(ref, timeout))  # type: ignore[union-attr]
+                pulled.append(await self._pull(ref, timeout))
         except TensorHubError as err:
             stats.error = f"pulling the deltas: {type(err).__name__}: {err.message}"
             deltas = None

@@ -146,6 +146,7 @@ class WorkerExtension:
         if self._th is not None:
             raise UsageError("tensorhub_open: this worker's handle is already open")
         tp, rank = self._th_rank()
+        # model_runner: set by vLLM's worker, which this class extends at run time (mypy cannot see it)
         net = self.model_runner.model  # type: ignore[attr-defined]
         params = dict(net.named_parameters())
         placements = None

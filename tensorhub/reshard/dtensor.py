@@ -85,6 +85,7 @@ def placement_of(
         return TensorPlacement(
             name, dtype_name(tensor.dtype), tuple(tensor.shape), parts=tuple(parts), parts_dim=parts_dim, unit=unit
         ), ()
+    # a DTensor (checked above), typed as a plain Tensor: its mesh and placements are unknown to mypy
     mesh = tensor.device_mesh  # type: ignore[attr-defined]
     shape = tuple(tensor.shape)
     dims = placements_of(name, shape, tensor.placements)  # type: ignore[attr-defined]
