@@ -43,8 +43,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import multiprocessing
+import multiprocessing.connection
 import os
-import queue
+import pickle
 import random
 import signal
 import sys
@@ -123,6 +124,50 @@ def _digest(tensors: dict[str, Any]) -> str:
 # ---- the worker processes ----------------------------------------------------------------------
 
 
+class _Events:
+    """The workers' events, each worker on a pipe of its own to this process. One queue shared
+    by all of them broke under chaos: a worker SIGKILLed while its queue's feeder thread held
+    the queue's write lock left every other worker's events stuck behind that lock, and the run
+    timed out "with the trainer at v0" while the workers were still working. A killed worker
+    now takes only its own pipe with it."""
+
+    SLOT = object()  #: stands for the worker's own pipe in a target's arguments
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.readers: list[Any] = []
+        self._writers: dict[Any, Any] = {}  # process -> the writing end, closed here once it started
+        self._ready: list[Any] = []
+
+    def process(self, target: Any, args: tuple, name: str) -> Any:
+        reader, writer = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=target, args=tuple(writer if x is self.SLOT else x for x in args), name=name)
+        self.readers.append(reader)
+        self._writers[proc] = writer
+        return proc
+
+    def start(self, proc: Any) -> None:
+        proc.start()
+        self._writers.pop(proc).close()  # the worker holds it now: its end (or death) is seen as EOF
+
+    def get(self, timeout: float) -> Any:
+        """The next event from any worker; TimeoutError when none came within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self._ready:
+                self._ready = list(multiprocessing.connection.wait(self.readers, max(0.0, deadline - time.monotonic())))
+                if not self._ready:
+                    raise TimeoutError("no event")
+            conn = self._ready.pop()
+            try:
+                return conn.recv()
+            except (EOFError, OSError, ValueError, TypeError, AttributeError, ImportError, IndexError, KeyError,
+                    pickle.UnpicklingError):  # fmt: skip
+                # the worker is gone (exited, or SIGKILLed mid-message): its pipe is done
+                self.readers.remove(conn)
+                conn.close()
+
+
 def _trainer(shard: int, a: dict, events: Any, sync: dict[str, Any]) -> None:
     """``sync``: ``go`` (every rollout is up), ``together`` (a barrier of the trainer's shards),
     ``allowed`` (the newest version it may publish now) and ``finish`` (every rollout is done)."""
@@ -159,10 +204,10 @@ def _trainer(shard: int, a: dict, events: Any, sync: dict[str, Any]) -> None:
             stall = time.monotonic() - t0
             opt.step()  # mutates the registered tensors in place
             h.publish(step)
-            events.put(("train", shard, step, loss.item(), stall, waited))
+            events.send(("train", shard, step, loss.item(), stall, waited))
         with torch.no_grad():  # the final weights' loss, on a batch no step trained on
-            events.put(("eval", shard, _loss(model, _batch(gen)).item()))
-        events.put(("final", "trainer", 0, shard, a["steps"], _digest(tensors)))
+            events.send(("eval", shard, _loss(model, _batch(gen)).item()))
+        events.send(("final", "trainer", 0, shard, a["steps"], _digest(tensors)))
         sync["finish"].wait(a["timeout"])  # keep serving until every rollout has the last version
 
 
@@ -183,7 +228,7 @@ def _rollout(replica: str, incarnation: int, shard: int, a: dict, events: Any, t
     deadline = time.monotonic() + a["timeout"]
     with tensorhub.open(MODEL, replica, num_shards=a["shards"], shard_idx=shard, server=a["server"]) as h:
         h.register(tensors)
-        events.put(("ready", *me))
+        events.send(("ready", *me))
         for _ in range(100):
             try:
                 h.replicate("latest", timeout=a["timeout"])
@@ -191,11 +236,11 @@ def _rollout(replica: str, incarnation: int, shard: int, a: dict, events: Any, t
             except (VersionUnavailable, TransportError) as err:
                 # The version it decided went away mid-pull, or chaos killed every source it
                 # was granted (a restarted rollout's first pull may come from the other one).
-                events.put(("aborted", *me, f"replicate: {type(err).__name__}: {err}"))
+                events.send(("aborted", *me, f"replicate: {type(err).__name__}: {err}"))
                 if h.empty:
-                    events.put(("empty", *me))
+                    events.send(("empty", *me))
         if not h.empty:
-            events.put(("pulled", *me, h.version, 0.0, h.last_pull.bytes, list(h.last_pull.sources)))
+            events.send(("pulled", *me, h.version, 0.0, h.last_pull.bytes, list(h.last_pull.sources)))
         in_step = True  # with the replica's other shards (see below)
         while (h.version or 0) < a["steps"] and time.monotonic() < deadline:
             if in_step:
@@ -212,23 +257,23 @@ def _rollout(replica: str, incarnation: int, shard: int, a: dict, events: Any, t
             except (UpdateAborted, Timeout) as err:
                 # A real failure (every source died, or it took too long): the handle may be
                 # empty; the next update takes the newest version.
-                events.put(("aborted", *me, f"{type(err).__name__}: {err}"))
+                events.send(("aborted", *me, f"{type(err).__name__}: {err}"))
                 moved = False
             if h.empty:
-                events.put(("empty", *me))
+                events.send(("empty", *me))
                 time.sleep(0.02)
                 continue
             stall = time.monotonic() - t0
             if moved:
                 p = h.last_pull
-                events.put(("pulled", *me, h.version, stall, p.bytes, list(p.sources)))
+                events.send(("pulled", *me, h.version, stall, p.bytes, list(p.sources)))
             with torch.no_grad():  # an "inference" batch on the weights this shard holds
                 for t in list(tensors.values())[:8]:
                     if t.dim() == 2:
                         torch.mm(t, t.t()[:, :64])
             time.sleep(0.02)
         together.abort()  # release a sibling still waiting: this shard makes no more calls
-        events.put(("final", *me, h.version, _digest(tensors)))
+        events.send(("final", *me, h.version, _digest(tensors)))
 
 
 # ---- what the parent knows (no IO) ---------------------------------------------------------------
@@ -587,7 +632,7 @@ def run_demo(args: argparse.Namespace) -> int:
     before = _server_stats(address, 0.5) or {}  # the embedded server may not be up yet: it starts at 0
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tensorhub.handles.api"])
-    events = ctx.Queue()
+    events = _Events(ctx)
     go, finish = ctx.Event(), ctx.Event()
     rollouts = [f"rollout-{j}" for j in range(a["rollouts"])]
     p = _Progress(a["steps"], a["shards"], rollouts)
@@ -595,11 +640,11 @@ def run_demo(args: argparse.Namespace) -> int:
     barriers = {r: ctx.Barrier(a["shards"]) for r in rollouts}  # one per incarnation of a rollout
 
     def rollout_proc(r: str, i: int) -> Any:
-        return ctx.Process(target=_rollout, args=(r, p.incarnation[r], i, a, events, barriers[r]), name=f"{r}/{i}")
+        return events.process(_rollout, (r, p.incarnation[r], i, a, events.SLOT, barriers[r]), f"{r}/{i}")
 
     allowed = ctx.Value("q", MAX_STALENESS)
     sync = {"go": go, "finish": finish, "together": ctx.Barrier(a["shards"]), "allowed": allowed}
-    procs = [ctx.Process(target=_trainer, args=(i, a, events, sync), name=f"trainer/{i}") for i in range(a["shards"])]
+    procs = [events.process(_trainer, (i, a, events.SLOT, sync), f"trainer/{i}") for i in range(a["shards"])]
     procs += [rollout_proc(r, i) for r in rollouts for i in range(a["shards"])]
     print(f"tensorhub demo: trainer x{a['shards']} shards, {a['rollouts']} rollouts x{a['shards']} shards, "
           f"{a['steps']} steps, server {a['server'] or os.environ.get('TENSORHUB_SERVER') or address + ' (embedded default)'}"
@@ -610,7 +655,7 @@ def run_demo(args: argparse.Namespace) -> int:
     next_kill = t_start + rng.uniform(1.0, 3.0) if chaos else float("inf")
     killed_at_step = -1  # the trainer's version at the last kill: the next waits for a newer one
     for proc in procs:
-        proc.start()
+        events.start(proc)
     view = _view(p, quiet, chaos)
     deadline = t_start + a["timeout"]
     failure = None
@@ -635,7 +680,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     for k, proc in enumerate(procs):
                         if proc.name.startswith(f"{victim}/"):
                             procs[k] = rollout_proc(victim, int(proc.name.rsplit("/", 1)[1]))
-                            procs[k].start()
+                            events.start(procs[k])
                     view.note(f"  chaos: SIGKILLed {victim} at {p.killed[-1][0]:.1f} s; restarting it")
             dead = [proc for proc in procs if proc.exitcode not in (None, 0)]  # (a SIGKILLed one is replaced)
             if dead:
@@ -643,7 +688,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 break
             try:
                 ev = events.get(timeout=0.5)
-            except queue.Empty:
+            except TimeoutError:
                 view.refresh([])
                 continue
             p.on_event(ev)
