@@ -44,6 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Any
 
 for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind"}.items():  # fmt: skip
@@ -54,6 +55,27 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.harness import median  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4], [100, 7, 300, 9, 11], [42]]
+
+
+def _next_version(trainer: Any, weights: dict[str, Any], version: int, tmp: str) -> str:
+    """The trainer's next version: new values in its registered tensors, published; the same
+    weights written as a checkpoint (vLLM's reload route reads it). Returns its folder."""
+    import safetensors.torch
+    import torch
+
+    if version > 1:
+        trainer.unpublish()
+    g = torch.Generator().manual_seed(version)
+    for t in weights.values():
+        t.add_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype), alpha=0.01)
+    trainer.publish(version)
+    path = os.path.join(tmp, f"v{version}")
+    os.makedirs(path, exist_ok=True)
+    safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
+    for f in ("config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(tmp, "v0", f)):
+            os.link(os.path.join(tmp, "v0", f), os.path.join(path, f))
+    return path
 
 
 def main() -> int:
@@ -114,19 +136,7 @@ def main() -> int:
         for rnd in range(args.rounds):
             for route in pauses:
                 version += 1
-                # the trainer's next version: new values in its registered tensors, then publish
-                if version > 1:
-                    trainer.unpublish()
-                g = torch.Generator().manual_seed(version)
-                for t in weights.values():
-                    t.add_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype), alpha=0.01)
-                trainer.publish(version)
-                path = os.path.join(tmp, f"v{version}")
-                os.makedirs(path, exist_ok=True)
-                safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
-                for f in ("config.json", "generation_config.json"):
-                    if os.path.exists(os.path.join(tmp, "v0", f)):
-                        os.link(os.path.join(tmp, "v0", f), os.path.join(path, f))
+                path = _next_version(trainer, weights, version, tmp)
                 if route == "tensorhub-prefetch":
                     llm.start_weight_update()
                     llm.update_weights({"update_info": {"version": version, "prefetch": True}})
@@ -267,18 +277,7 @@ def serve_main(args: argparse.Namespace) -> int:
         for rnd in range(args.rounds):
             for route in pauses:
                 version += 1
-                if version > 1:
-                    trainer.unpublish()
-                g = torch.Generator().manual_seed(version)
-                for t in weights.values():
-                    t.add_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype), alpha=0.01)
-                trainer.publish(version)
-                path = os.path.join(tmp, f"v{version}")
-                os.makedirs(path, exist_ok=True)
-                safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
-                for f in ("config.json", "generation_config.json"):
-                    if os.path.exists(os.path.join(tmp, "v0", f)):
-                        os.link(os.path.join(tmp, "v0", f), os.path.join(path, f))
+                path = _next_version(trainer, weights, version, tmp)
                 if route == "tensorhub-flip":
                     post("/start_weight_update")
                     post("/update_weights", {"update_info": {"version": version, "prefetch": True}})
