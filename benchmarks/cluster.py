@@ -625,6 +625,29 @@ class Cluster:
             self._procs.append(proc)
             return proc
 
+    def fork(self, host: str, target: str, argv: Sequence[str], log: str | Path, env: Mapping[str, str] | None = None,
+             cwd: str | Path = ROOT) -> Any:  # fmt: skip
+        """Like :meth:`run` for a Python function, without a Python start and a torch import per
+        process: ``target`` (``"module:function"``, given ``argv``, returning the exit status) runs
+        in a child of a fork server that imported them once (``benchmarks/netns_fork.py``), inside
+        ``host``'s namespace, in a session of its own, stdin and stdout piped, stderr appended to
+        ``log``.
+
+        Returns:
+            a :class:`~benchmarks.netns_fork.ForkedProcess` (``pid``, ``stdin``, ``stdout``,
+            ``poll``, ``wait``); teardown kills it as it kills what :meth:`run` started.
+        """
+        from benchmarks import netns_fork
+
+        ns = self.namespace(host)
+        with self._lock:
+            if not self._active:
+                raise ClusterError(f"cluster {self.prefix} is not active")
+            full_env = {**os.environ, **(env or {}), MARKER: self.prefix}
+            proc = netns_fork.start(ns, target, argv, full_env, str(cwd), str(log))
+            self._procs.append(proc)
+            return proc
+
     # ---- teardown ------------------------------------------------------------------------
 
     def close(self) -> list[str]:

@@ -102,6 +102,7 @@ if TYPE_CHECKING:
     from typing import Self  # Python 3.11+; annotations are not evaluated at run time
 
 ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "benchmarks" / "cluster_jobs.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -645,19 +646,23 @@ class Job:
             ``keep_logs`` or a failure).
         env: environment variables for every worker (``TENSORHUB_CHUNK_BYTES``...).
         keep_logs: keep the directory of logs after close.
+        fork_workers: start each worker as a fork of a server that imported torch once
+            (:meth:`Cluster.fork <benchmarks.cluster.Cluster.fork>`) rather than as ``python
+            cluster_jobs.py worker`` (seconds of CPU each); the same program either way.
 
     :meth:`close` (and leaving the ``with``) stops every process it started: ``exit`` first,
     signals after a bounded wait; the cluster's own teardown kills anything left.
     """
 
     def __init__(self, cluster: Any, workdir: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 keep_logs: bool = False) -> None:  # fmt: skip
+                 keep_logs: bool = False, fork_workers: bool = True) -> None:  # fmt: skip
         self.cluster = cluster
         self._tmp = workdir is None
         self.dir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix=f"{cluster.prefix}-job-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(env or {})
         self.keep_logs = keep_logs
+        self.fork_workers = fork_workers
         self.procs: list[Proc] = []
         self.failed = False
 
@@ -674,9 +679,14 @@ class Job:
     def _spawn(self, cls: type[Proc], name: str, host: str, argv: Sequence[str], env: Mapping[str, str]) -> Proc:
         log = self.dir / f"{name}.log"
         with open(log, "w") as err:
-            popen = self.cluster.run(host, list(argv), env={"PYTHONUNBUFFERED": "1", **env}, cwd=str(ROOT),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                     bufsize=1)  # fmt: skip
+            if self.fork_workers and cls is Proc and list(argv[1:3]) == [str(WORKER), "worker"]:
+                # the same program, forked from a server that imported torch once (netns_fork)
+                popen = self.cluster.fork(host, "benchmarks.cluster_jobs:worker_main", argv[3:], log,
+                                          env={"PYTHONUNBUFFERED": "1", **env}, cwd=ROOT)  # fmt: skip
+            else:
+                popen = self.cluster.run(host, list(argv), env={"PYTHONUNBUFFERED": "1", **env}, cwd=str(ROOT),
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         bufsize=1)  # fmt: skip
         proc = cls(name, host, popen, log)
         self.procs.append(proc)
         return proc
@@ -708,7 +718,7 @@ class Job:
     def worker_argv(self, host: str, role: str, replica: str, server: str, size_bytes: int,
                     open_kw: Mapping[str, Any] | None = None, extra: Sequence[str] = ()) -> list[str]:  # fmt: skip
         c = self.cluster
-        argv = [sys.executable, str(ROOT / "benchmarks" / "cluster_jobs.py"), "worker", "--role", role,
+        argv = [sys.executable, str(WORKER), "worker", "--role", role,
                 "--server", server, "--host", host, "--datacenter", c.datacenter(host), "--addr", c.address(host),
                 "--replica", replica, "--size-bytes", str(size_bytes)]  # fmt: skip
         if open_kw:

@@ -4,11 +4,14 @@ datacenters, the inter-datacenter link is the slow one, and teardown leaves noth
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +67,50 @@ def test_inter_datacenter_link_is_slower(cluster: Cluster) -> None:
     print(f"intra {intra / 1e6:.0f} Mbit/s, inter {inter / 1e6:.0f} / {back / 1e6:.0f} Mbit/s")
     assert inter < 0.6 * intra and back < 0.6 * intra, (intra, inter, back)
     assert inter < 60e6 and back < 60e6  # the 50mbit link shapes both directions
+
+
+def probe(argv: list[str]) -> int:
+    """A forked process's view (``Cluster.fork``): prints what it sees, exits with the status read
+    from stdin."""
+    print(json.dumps({
+        "argv": argv, "netns": os.stat("/proc/self/ns/net").st_ino, "sys": sorted(os.listdir("/sys/class/net")),
+        "links": sorted(name for _, name in socket.if_nameindex()), "env": os.environ.get("PROBE"), "cwd": os.getcwd(),
+        "group": os.getpgid(0) == os.getpid(), "ppid": os.getppid(),
+    }))  # fmt: skip
+    print("to the log", file=sys.stderr)
+    return int(sys.stdin.readline())
+
+
+def test_a_forked_process_runs_in_its_host_namespace_as_a_popen_would(cluster: Cluster, tmp_path: Path) -> None:
+    """``Cluster.fork`` does what ``ip netns exec`` does (network and sysfs of the host, a session
+    of its own, the environment and directory given) and reports its exit like a Popen."""
+    log = tmp_path / "probe.log"
+    proc = cluster.fork("a2", "tests.test_cluster:probe", ["x", "y"], log, env={"PROBE": "yes"}, cwd=tmp_path)
+    assert proc.stdout is not None and proc.stdin is not None
+    seen = json.loads(proc.stdout.readline())
+    ns = cluster.namespace("a2")
+    want = subprocess.run(["ip", "netns", "exec", ns, "ls", "/sys/class/net"], check=True, capture_output=True,
+                          text=True, timeout=10).stdout.split()  # fmt: skip
+    inode = int(subprocess.run(["ip", "netns", "exec", ns, "stat", "-Lc", "%i", "/proc/self/ns/net"], check=True,
+                               capture_output=True, text=True, timeout=10).stdout)  # fmt: skip
+    assert seen["netns"] == inode != os.stat("/proc/self/ns/net").st_ino
+    assert seen["sys"] == sorted(want) == seen["links"]
+    assert (seen["argv"], seen["env"], seen["cwd"], seen["group"]) == (["x", "y"], "yes", str(tmp_path), True)
+    assert proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.1)
+    proc.stdin.write("3\n")
+    proc.stdin.flush()
+    assert proc.wait(30) == 3 == proc.returncode
+    assert "to the log" in log.read_text()
+
+    killed = cluster.fork("a1", "tests.test_cluster:probe", [], tmp_path / "killed.log")
+    assert killed.stdout is not None and json.loads(killed.stdout.readline())["env"] is None
+    os.killpg(killed.pid, signal.SIGKILL)
+    assert killed.wait(30) == -signal.SIGKILL
+
+    with pytest.raises(ValueError, match="TENSORHUB_SPANS is read when tensorhub is imported"):
+        cluster.fork("a1", "tests.test_cluster:probe", [], log, env={"TENSORHUB_SPANS": "0"})
 
 
 def test_processes_killed_and_everything_removed_at_teardown() -> None:
