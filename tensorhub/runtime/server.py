@@ -665,7 +665,7 @@ class ServerActor(Actor):
         if isinstance(request, m.TransferSpan):
             return self._on_span(peer, request)
         if isinstance(request, m.GetTrace):
-            edges = tuple(m.DagEdge(**e) for e in self.table.history.get((request.model, request.version), ()))
+            edges = tuple(m.DagEdge(*e) for e in self.table.history.get((request.model, request.version), ()))
             spans = tuple(self.spans.get((request.model, request.version), ()))
             offset = time.time() - time.monotonic()
             return [(peer, m.Trace(request.req, request.model, request.version, spans, edges, offset))]

@@ -200,7 +200,10 @@ class ReignMixin(TableState):
         return out
 
     def _count_grants(self, out: Outbox, now: float) -> None:
-        n = sum(1 for _, x in out if isinstance(x, m.Grant))
+        n = 0
+        for _, x in out:
+            if type(x) is m.Grant:
+                n += 1
         if n:
             if not self.reign.reigning:
                 self.reign.violations += n  # the rule's own check: the tests want 0

@@ -44,7 +44,6 @@ from ..errors import (
     VersionUnavailable,
 )
 from ..lifecycle import Event
-from ..naming import seed_owner
 from ..tokens import GrantToken
 from .records import (
     _FENCED_MEMORY,
@@ -57,7 +56,6 @@ from .records import (
     _Model,
     _offload_of,
     _Replica,
-    _seed_name,
     _Session,
 )
 from .state import TableState
@@ -182,14 +180,14 @@ class GrantMixin(TableState):
     def _twin(self, replica: _Replica) -> _Replica | None:
         """The replica that shares ``replica``'s host and link: its offload seed replica, or the
         replica a seed replica seeds for."""
-        replicas = replica.model.replicas
-        name = seed_owner(replica.name) or _seed_name(replica.name)
-        return replicas.get(name) if name is not None else None
+        name = replica.twin
+        return replica.model.replicas.get(name) if name is not None else None
 
     def _load(self, replica: _Replica) -> int:
         """A source replica's load for selection: the reader replicas it serves, plus those its
         twin (:meth:`_twin`) serves: they send over the same link."""
-        twin = self._twin(replica)
+        name = replica.twin
+        twin = replica.model.replicas.get(name) if name is not None else None
         return len(replica.serving) + (len(twin.serving) if twin is not None else 0)
 
     def _reindex(self, replica: _Replica) -> None:
@@ -199,10 +197,14 @@ class GrantMixin(TableState):
         for r in (replica, twin) if twin is not None else (replica,):
             load = self._load(r)
             versions = r.model.versions
+            name = r.name
             for s in r.shards.values():
-                for h in (s.holder, *s.offloads.values()):
-                    if h is not None and h.state is not None and h.state is not U:
-                        versions[h.version].index[h.shard_idx].put(h.id, r.name, s.location, load, h.state is not P)
+                h = s.holder
+                if h is not None and h.state is not None and h.state is not U:
+                    versions[h.version].index[h.shard_idx].put(h.id, name, s.location, load, h.state is not P)
+                for h in s.offloads.values():
+                    if h.state is not None and h.state is not U:
+                        versions[h.version].index[h.shard_idx].put(h.id, name, s.location, load, h.state is not P)
 
     def _regrant_waiting(self, model: _Model) -> None:
         for h in list(model.waiting_readers):
@@ -252,7 +254,7 @@ class GrantMixin(TableState):
     def _on_progress(self, peer: Hashable, msg: m.Progress) -> None:
         s = self._session(peer, msg.session)
         g = self._reader_grant(s, msg.grant, msg.term)
-        total = s.layout.total_bytes if s.layout else 0
+        total = s.total_bytes
         if msg.verified > total:
             raise InvalidArgument(f"progress {msg.verified} beyond the shard's {total} bytes", **s.ctx(g.reader.version))
         g.reader.verified = max(g.reader.verified, msg.verified)
@@ -265,7 +267,7 @@ class GrantMixin(TableState):
             raise ContractViolation("a converter reports converted, not complete", **s.ctx(reader.version))
         self._end_grant(g, "completed")
         self._fire(reader, Event.COMPLETE)
-        reader.verified = s.layout.total_bytes if s.layout else 0
+        reader.verified = s.total_bytes
         ver = s.model.versions[reader.version]
         reader.checksums = ver.checksums.get(reader.shard_idx, reader.checksums)
         self._ack(s, msg.req)
