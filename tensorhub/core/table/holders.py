@@ -30,8 +30,6 @@ from ..lifecycle import TRANSITIONS, Event, HolderState, transition
 from .records import SERVING, C, P, U, _Holder, _Model, _Session, _Version
 from .state import TableState
 
-_NO_TRANSITION: object = object()  # TRANSITIONS has no entry (transition() raises, with context)
-
 
 class HolderMixin(TableState):
     """Holder transitions and their accounting. Mixed into
@@ -46,8 +44,9 @@ class HolderMixin(TableState):
 
     def _new_holder(self, s: _Session, version: int, kind: str, event: Event) -> _Holder:
         h = _Holder(next(self._ids), s, version, kind)
-        state = TRANSITIONS.get((None, event), _NO_TRANSITION)
-        if state is _NO_TRANSITION:  # the context is built only for the error
+        try:
+            state = TRANSITIONS[(None, event)]
+        except KeyError:  # transition() raises, with the context (built only for the error)
             state = transition(None, event, **s.ctx(version))
         self._holder_set(s.model, version, s.shard_idx)[h.id] = h
         self._by_id[h.id] = h
@@ -58,8 +57,9 @@ class HolderMixin(TableState):
 
     def _fire(self, h: _Holder, event: Event) -> None:
         """Apply a lifecycle event; removal drops the holder from every index."""
-        state = TRANSITIONS.get((h.state, event), _NO_TRANSITION)
-        if state is _NO_TRANSITION:  # the context is built only for the error
+        try:
+            state = TRANSITIONS[(h.state, event)]
+        except KeyError:  # transition() raises, with the context (built only for the error)
             state = transition(h.state, event, **h.session.ctx(h.version))
         self._account(h, state)
         if state is None:
