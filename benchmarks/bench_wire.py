@@ -15,14 +15,24 @@ Each figure is nanoseconds of CPU per message, the best round and the median. Wh
 - encode: ``wire.encode(msg)``;
 - build: the message's constructor with its own checks (``__post_init__``), as the table and
   the clients make them;
-- msgpack floor: ``msgpack.unpackb`` / ``msgpack.packb`` of the same frames, nothing checked.
+- msgpack floor: ``msgpack.unpackb`` of the same frames and one reused ``msgpack.Packer`` packing
+  their plain data, nothing checked or converted.
 
-Usage: python benchmarks/bench_wire.py [--count N] [--rounds R] [--against DIR] [--json FILE]
+A figure that no other load on the machine moves: ``--instructions OP`` (decode, encode or
+build) runs OP ``--count`` times over the mix inside ``itertools.starmap``, so that valgrind
+counts those instructions alone; divide by the messages it prints::
+
+    valgrind --tool=callgrind --toggle-collect=starmap_next --callgrind-out-file=/dev/null \\
+        python benchmarks/bench_wire.py --instructions decode --count 1600 [--tree DIR]
+
+Usage: python benchmarks/bench_wire.py [--count N] [--rounds R] [--against DIR | --tree DIR]
+[--instructions OP] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -31,13 +41,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if __name__ == "__main__" and "--child" not in sys.argv:
-    sys.path.insert(0, str(ROOT))
+_TREE = sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv[:-1] else None
+if _TREE is not None:  # measure that checkout's tensorhub (first on the path), with this workload
+    sys.path.insert(0, _TREE)
+sys.path.insert(1 if _TREE is not None else 0, str(ROOT))
 
 from benchmarks.harness import median, meets, ratio, write_json  # noqa: E402
 
 GOAL = 2.0  # decode at least this many times cheaper than the old path (when measured)
-OPS = ("decode", "encode", "build", "msgpack unpackb", "msgpack packb")
+OPS = ("decode", "encode", "build", "msgpack unpackb", "msgpack pack")
 
 
 def _messages() -> dict[str, tuple[type, tuple[object, ...]]]:
@@ -88,16 +100,39 @@ def measure(count: int) -> dict[str, float]:
         "decode": _cpu_ns(wire.decode, frames, repeat),
         "encode": _cpu_ns(wire.encode, msgs, repeat),
         "build": _cpu_ns(lambda ca: ca[0](*ca[1]), builds, repeat),
-        "msgpack unpackb": _cpu_ns(lambda f: msgpack.unpackb(f, raw=False), frames, repeat),
-        "msgpack packb": _cpu_ns(lambda p: msgpack.packb(p, use_bin_type=True), plain, repeat),
+        "msgpack unpackb": _cpu_ns(msgpack.unpackb, frames, repeat),
+        "msgpack pack": _cpu_ns(msgpack.Packer(use_bin_type=True).pack, plain, repeat),
     }
+
+
+def instructions(op: str, count: int) -> int:
+    """Run ``op`` over the mix about ``count`` times, inside ``itertools.starmap`` (what
+    callgrind's ``--toggle-collect=starmap_next`` counts); return the messages handled."""
+    from tensorhub.core import wire
+
+    mix = list(_messages().values())
+    msgs = [cls(*args) for cls, args in mix]
+    frames = [wire.encode(x) for x in msgs]
+    for f in frames:
+        wire.decode(f)  # every schema compiled before the count starts
+    repeat = max(1, count // len(msgs))
+    fn, items = {"decode": (wire.decode, frames), "encode": (wire.encode, msgs), "build": (lambda ca: ca[0](*ca[1]), mix)}[op]
+
+    def burst() -> int:
+        for _ in range(repeat):
+            for x in items:
+                fn(x)
+        return repeat * len(items)
+
+    (n,) = itertools.starmap(burst, [()])
+    return n
 
 
 def _child(root: Path, count: int) -> dict[str, float]:
     """One round in a fresh process, importing tensorhub from ``root``."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child", str(root), "--count", str(count)],
+        [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(root), "--count", str(count)],
         check=True, capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     figures: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -109,13 +144,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, default=40_000, help="messages timed per operation per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--against", type=Path, help="another checkout to measure, alternating with this one")
-    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--tree", type=Path, help="measure this checkout's tensorhub instead of this tree's")
+    ap.add_argument("--instructions", choices=("decode", "encode", "build"), help="OP in itertools.starmap, for valgrind")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.count < 8 or args.rounds < 1:
         ap.error("--count must be >= 8 and --rounds >= 1")
-    if args.child is not None:
-        sys.path.insert(0, str(args.child))
+    if args.instructions:
+        n = instructions(args.instructions, args.count)
+        import tensorhub
+
+        print(f"{args.instructions} with {Path(tensorhub.__file__).parents[1]}'s tensorhub: {n} messages (divide callgrind's Collected by it)")
+        return 0
+    if args.child:
         print(json.dumps(measure(args.count)))
         return 0
     if args.against is not None and not (args.against / "tensorhub" / "core" / "wire.py").is_file():
@@ -137,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{op:<18} {cells}")
     new = results["this tree"]
     print(f"this tree against the msgpack floor (best rounds): decode {ratio(min(new['decode']), min(new['msgpack unpackb'])):.2f}x,"
-          f" encode {ratio(min(new['encode']), min(new['msgpack packb'])):.2f}x the floor's cost")  # fmt: skip
+          f" encode {ratio(min(new['encode']), min(new['msgpack pack'])):.2f}x the floor's cost")  # fmt: skip
     if "against" in results:
         old = results["against"]
         speed = {op: ratio(min(old[op]), min(new[op])) for op in ("decode", "encode", "build")}

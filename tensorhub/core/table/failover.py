@@ -186,14 +186,14 @@ class ReignMixin(TableState):
             elif isinstance(msg, m.Heartbeat):
                 stamp = msg.stamp if msg.stamp_term == self.term and msg.stamp > 0 else None
                 voting, self._voting = self._voting, ()
+                sessions = self.sessions
                 for sid in voting:
-                    s = self.sessions.get(sid)
+                    s = sessions.get(sid)
                     if s is not None:
-                        reign.vote(sid, f"{s.model.name}/{s.replica.name}/{s.shard_idx}", now, stamp)
-            lease = reign.lease
+                        reign.vote(sid, s.slot, now, stamp)
+            lease, reigning, term = reign.lease, reign.reigning, self.term
             out = [
-                (p, dataclasses.replace(x, term=self.term, stamp=now, lease=lease, reigning=reign.reigning))
-                if isinstance(x, m.HeartbeatAck) else (p, x)
+                (p, m.HeartbeatAck(x.req, x.unknown, term, now, lease, reigning)) if type(x) is m.HeartbeatAck else (p, x)
                 for p, x in out
             ]  # fmt: skip
         self._count_grants(out, now)

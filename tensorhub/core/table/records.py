@@ -159,7 +159,7 @@ class _Holder:
 class _Session:
     __slots__ = (
         "id", "peer", "model", "replica", "shard_idx", "incarnation", "location", "spot", "retain",
-        "last_seen", "opened", "layout", "total_bytes", "endpoint", "grant_key", "holder", "offloads", "announced", "answered",
+        "last_seen", "opened", "layout", "total_bytes", "endpoint", "slot", "grant_key", "holder", "offloads", "announced", "answered",
     )  # fmt: skip
 
     def __init__(self, sid: int, peer: Hashable, model: "_Model", replica: "_Replica", msg: m.OpenShard, now: float):
@@ -168,6 +168,7 @@ class _Session:
         self.model = model
         self.replica = replica
         self.shard_idx = msg.shard_idx
+        self.slot = f"{model.name}/{replica.name}/{msg.shard_idx}"  # as the reign's membership names it
         self.incarnation = msg.incarnation
         self.location: Location = msg.location
         self.spot = msg.spot
