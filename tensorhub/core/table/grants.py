@@ -57,6 +57,7 @@ from .records import (
     _offload_of,
     _Replica,
     _Session,
+    _Txn,
 )
 from .state import TableState
 
@@ -115,28 +116,7 @@ class GrantMixin(TableState):
             self._convert(reader)  # nobody holds this converted shard: convert it, or wait for its converter
             return
         if pick is None:
-            ctx = reader.session.ctx(reader.version)
-            holders = self._holder_set(reader.session.model, reader.version, reader.shard_idx)
-            serving_excluded = [reader.excluded[h.id] for h in holders.values() if h.state in SERVING and h.id in reader.excluded]
-            checking = [h for h in holders.values() if h.state in SERVING and reader.excluded.get(h.id) and h.verify_pending]
-            if checking:
-                # A source this reader found a mismatch on is re-hashing its copy: wait for the
-                # verdict (a pass re-admits it: the bytes were damaged on the way).
-                reader.waiting = True
-                reader.session.model.waiting_readers[reader] = None
-                return
-            if any(serving_excluded) or reader.blamed_bad:
-                err: TensorHubError = ChecksumMismatch("every remaining holder of this shard failed verification", **ctx)
-            elif serving_excluded:
-                last = f"; the last said: {reader.last_failure}" if reader.last_failure else ""
-                err = TransportError(f"every remaining source failed this reader ({reader.failures} failures){last}", **ctx)
-            elif self.in_grace:
-                reader.waiting = True
-                reader.session.model.waiting_readers[reader] = None
-                return
-            else:
-                err = VersionUnavailable(f"no holder can serve version {reader.version} any more", **ctx)
-            self._fail_txn(txn, self._in_bucket(reader, err))
+            self._no_source(reader, txn)
             return
         source = pick
         if txn.source_replica is None:
@@ -147,6 +127,32 @@ class GrantMixin(TableState):
         reader.upstream = g
         s = reader.session
         self._send(s, m.Grant(g.req, s.id, g.id, self.term, reader.version, reader.shard_idx, info, reader.checksums, token))
+
+    def _no_source(self, reader: _Holder, txn: _Txn) -> None:
+        """No eligible source for ``reader``: wait (grace period, or a blamed source checking
+        itself), or fail its call with the reason."""
+        ctx = reader.session.ctx(reader.version)
+        holders = self._holder_set(reader.session.model, reader.version, reader.shard_idx)
+        serving_excluded = [reader.excluded[h.id] for h in holders.values() if h.state in SERVING and h.id in reader.excluded]
+        checking = [h for h in holders.values() if h.state in SERVING and reader.excluded.get(h.id) and h.verify_pending]
+        if checking:
+            # A source this reader found a mismatch on is re-hashing its copy: wait for the
+            # verdict (a pass re-admits it: the bytes were damaged on the way).
+            reader.waiting = True
+            reader.session.model.waiting_readers[reader] = None
+            return
+        if any(serving_excluded) or reader.blamed_bad:
+            err: TensorHubError = ChecksumMismatch("every remaining holder of this shard failed verification", **ctx)
+        elif serving_excluded:
+            last = f"; the last said: {reader.last_failure}" if reader.last_failure else ""
+            err = TransportError(f"every remaining source failed this reader ({reader.failures} failures){last}", **ctx)
+        elif self.in_grace:
+            reader.waiting = True
+            reader.session.model.waiting_readers[reader] = None
+            return
+        else:
+            err = VersionUnavailable(f"no holder can serve version {reader.version} any more", **ctx)
+        self._fail_txn(txn, self._in_bucket(reader, err))
 
     def _open_grant(self, reader: _Holder, source: _Holder) -> tuple[_Grant, m.SourceInfo, bytes | None]:
         """Make a grant of ``source`` to ``reader`` (counted on the source), with what the reader
