@@ -506,9 +506,13 @@ def _compile_encoder(tp: Any) -> Callable[[Any], Any]:
         return lambda v: _schema(tp).encode(v)
     if origin is tuple:
         inner = _compile_encoder(typing.get_args(tp)[0])
+        if inner is _identity:
+            return list  # ints, strings...: the same items, no call per item
         return lambda v: [inner(x) for x in v]
     if origin is dict:
         inner = _compile_encoder(typing.get_args(tp)[1])
+        if inner is _identity:
+            return dict
         return lambda v: {k: inner(x) for k, x in v.items()}
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in typing.get_args(tp) if a is not type(None)]

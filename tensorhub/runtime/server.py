@@ -139,7 +139,7 @@ class ServerConfig:
             raise InvalidArgument(f"lease must be in (0, heartbeat_timeout={self.table.heartbeat_timeout:g}) seconds")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per frame read, and a frozen one builds slowly
 class _Frames:
     peer: bytes
     frames: list[bytes]
