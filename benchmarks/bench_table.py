@@ -2,11 +2,13 @@
 
 Workload: the reference table alone (no IO) with ``--clients`` sessions open: heartbeats,
 listings, no-op updates, a burst of grants and completes, unpublishes, ``--rounds`` rounds.
-Baseline: decoding the same number of frames (``wire decode``), in the same run.
-Goal: >= 50,000 simple operations per second (heartbeat, list, grant + complete).
+Baseline: decoding the same number of frames (``wire decode``), in the same run; with
+``--against DIR`` also another checkout's table, its rounds alternating with this tree's.
+Goal: >= 50,000 simple operations per second of CPU time (heartbeat, list, grant + complete).
 
 The table is the server's logic; this measures whether it could ever be the server's
-bottleneck. With ``--clients`` sessions open (default 1,024: one 2-shard trainer replica and
+bottleneck. Rates are per second of the process's CPU time (``time.process_time``: one core,
+whatever else the machine runs); the wall-clock rate is printed beside it. With ``--clients`` sessions open (default 1,024: one 2-shard trainer replica and
 511 2-shard rollout replicas), it times, on one core:
 
 - heartbeat: one ``Heartbeat`` per session;
@@ -17,19 +19,39 @@ bottleneck. With ``--clients`` sessions open (default 1,024: one 2-shard trainer
   counts as one operation;
 - unpublish: every rollout unpublishes (drain bookkeeping, retention checks).
 
-Usage: python benchmarks/bench_table.py [--clients N] [--rounds R] [--json FILE]
+``--against DIR`` runs each round in a fresh process, alternating between this tree and the
+checkout at ``DIR`` (e.g. ``git worktree add /tmp/base main``), this script's workload against
+each tree's ``tensorhub``, and prints the ratio of their grant + complete rates. ``--tree DIR``
+measures DIR's ``tensorhub`` in this process.
+
+A figure that no other load on the machine moves: ``--instructions`` runs one grant + complete
+burst (after a first one) inside ``itertools.starmap``, so that valgrind counts the instructions
+of that burst alone; divide by the messages it prints::
+
+    valgrind --tool=callgrind --toggle-collect=starmap_next --callgrind-out-file=/dev/null \\
+        python benchmarks/bench_table.py --instructions [--tree DIR]
+
+Usage: python benchmarks/bench_table.py [--clients N] [--rounds R] [--against DIR | --tree DIR] [--instructions] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from collections import deque
+import json
+import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+_TREE = sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv[:-1] else None
+if _TREE is not None:  # measure that checkout's tensorhub (first on the path), with this workload
+    sys.path.insert(0, _TREE)
+sys.path.insert(1 if _TREE is not None else 0, str(ROOT))
 
 from benchmarks.harness import median, meets, ratio, write_json  # noqa: E402
 from tensorhub.core import messages as m  # noqa: E402
@@ -41,6 +63,9 @@ from tensorhub.core.topology import Location  # noqa: E402
 from tensorhub.scheduling.selection import SourceIndex
 
 GOAL = 50_000
+
+#: (operation, messages handled, CPU seconds, wall seconds)
+Row = tuple[str, int, float, float]
 
 
 class Clock:
@@ -77,21 +102,20 @@ class Bench:
         self.calls[sid] += 1
         return self.calls[sid]
 
-    def timed(self, label: str, msgs: list[tuple[str, object]]) -> tuple[str, int, float]:
+    def timed(self, label: str, msgs: list[tuple[str, object]]) -> Row:
         handle = self.table.handle
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for peer, msg in msgs:
             handle(peer, msg)
-        dt = time.perf_counter() - t0
-        return label, len(msgs), dt
+        return label, len(msgs), time.process_time() - c0, time.perf_counter() - t0
 
-    def heartbeat(self) -> tuple[str, int, float]:
+    def heartbeat(self) -> Row:
         return self.timed("heartbeat", [(f"{n}/{i}", m.Heartbeat(next(self.req), (sid,))) for n, i, sid in self.shards])
 
-    def listing(self) -> tuple[str, int, float]:
+    def listing(self) -> Row:
         return self.timed("list", [(f"{n}/{i}", m.ListVersions(next(self.req), sid, None)) for n, i, sid in self.shards])
 
-    def noop_update(self) -> tuple[str, int, float]:
+    def noop_update(self) -> Row:
         msgs = [(f"{n}/{i}", m.Update(next(self.req), sid, self.call(sid), "latest", None)) for n, i, sid in self.shards if n != "trainer"]
         return self.timed("no-op update", msgs)
 
@@ -107,7 +131,7 @@ class Bench:
                         elif isinstance(out, m.Failed):
                             raise out.error()
 
-    def grant_complete(self, version: int) -> tuple[str, int, float]:
+    def grant_complete(self, version: int) -> Row:
         """Every rollout shard replicates ``version``; grants are completed in the order they
         were made (pipelining chains), each Complete possibly unblocking answers."""
         handle = self.table.handle
@@ -117,8 +141,8 @@ class Bench:
             for n, i, sid in self.shards
             if n != "trainer"
         ]
-        t0 = time.perf_counter()
-        pending: list[tuple[str, int, m.Grant]] = []
+        t0, c0 = time.perf_counter(), time.process_time()
+        pending: deque[tuple[str, int, m.Grant]] = deque()
         for peer, request in requests:
             sid = request.session
             for _, msg in handle(peer, request):
@@ -126,15 +150,14 @@ class Bench:
                     pending.append((peer, sid, msg))
             ops += 1
         while pending:
-            peer, sid, g = pending.pop(0)
+            peer, sid, g = pending.popleft()
             for p, msg in handle(peer, m.Complete(next(self.req), sid, g.grant, g.term)):
                 if isinstance(msg, m.Grant):
                     pending.append((p, msg.session, msg))
             ops += 1
-        dt = time.perf_counter() - t0
-        return "grant + complete", ops, dt
+        return "grant + complete", ops, time.process_time() - c0, time.perf_counter() - t0
 
-    def decode_baseline(self) -> tuple[str, int, float]:
+    def decode_baseline(self) -> Row:
         """The same run's baseline: decoding and validating one frame per rollout of the kinds
         above (what the server pays per message before the table sees it)."""
         frames = []
@@ -143,14 +166,45 @@ class Bench:
             frames.append(wire.encode(m.Complete(2, sid, 7, 1)))
             frames.append(wire.encode(m.Heartbeat(3, (sid,))))
         decode = wire.decode
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for f in frames:
             decode(f)
-        return "wire decode", len(frames), time.perf_counter() - t0
+        return "wire decode", len(frames), time.process_time() - c0, time.perf_counter() - t0
 
-    def unpublish_all(self) -> tuple[str, int, float]:
+    def unpublish_all(self) -> Row:
         msgs = [(f"{n}/{i}", m.Unpublish(next(self.req), sid, self.call(sid))) for n, i, sid in self.shards if n != "trainer"]
         return self.timed("unpublish", msgs)
+
+
+def run(clients: int, rounds: int, seed: int) -> dict[str, dict[str, list[float]]]:
+    """``rounds`` rounds in this process: operation -> {"cpu": rates, "wall": rates} (ops/s)."""
+    bench = Bench(clients, seed)
+    results: dict[str, dict[str, list[float]]] = {}
+    version = 0
+    for _ in range(rounds):
+        version += 1
+        bench.publish(version)
+        rows = [
+            bench.grant_complete(version), bench.heartbeat(), bench.listing(), bench.noop_update(), bench.unpublish_all(),
+            bench.decode_baseline(),
+        ]
+        for label, ops, cpu, wall in rows:
+            r = results.setdefault(label, {"cpu": [], "wall": []})
+            r["cpu"].append(ops / cpu if cpu > 0 else float("nan"))
+            r["wall"].append(ops / wall)
+    bad = check_invariants(bench.table)
+    if bad:
+        raise SystemExit("invariants violated:\n  " + "\n  ".join(bad))
+    return results
+
+
+def _child(root: Path, args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """Two rounds in a fresh process, this script's workload against ``root``'s tensorhub."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(root), "--clients", str(args.clients),
+           "--rounds", "2", "--seed", str(args.seed)]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    figures: dict[str, dict[str, list[float]]] = json.loads(out.stdout.strip().splitlines()[-1])
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,39 +212,64 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--against", type=Path, help="another checkout to measure, alternating with this one")
+    ap.add_argument("--tree", type=Path, help="measure this checkout's tensorhub instead of this tree's")
+    ap.add_argument("--instructions", action="store_true", help="one burst in itertools.starmap, for valgrind")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.clients < 4 or args.rounds < 1:
+        ap.error("--clients must be >= 4 and --rounds >= 1")
+    if args.instructions:
+        bench = Bench(args.clients, args.seed)
+        bench.publish(1)
+        bench.grant_complete(1)
+        bench.unpublish_all()
+        bench.publish(2)
+        ((_, ops, _, _),) = itertools.starmap(bench.grant_complete, [(2,)])  # what callgrind counts
+        where = Path(sys.modules[ReferenceTable.__module__].__file__ or "?").parents[3]
+        print(f"one grant + complete burst of {where}'s table: {ops} messages handled (divide callgrind's Collected by it)")
+        return 0
+    if args.child:
+        print(json.dumps(run(args.clients, args.rounds, args.seed)))
+        return 0
+    if args.against is not None and not (args.against / "tensorhub" / "core" / "table").is_dir():
+        ap.error(f"--against {args.against}: not a checkout of this project (no tensorhub/core/table)")
 
-    bench = Bench(args.clients, args.seed)
-    results: dict[str, list[float]] = {}
-    version = 0
-    for _ in range(args.rounds):
-        version += 1
-        bench.publish(version)
-        rows = [
-            bench.grant_complete(version), bench.heartbeat(), bench.listing(), bench.noop_update(), bench.unpublish_all(),
-            bench.decode_baseline(),
-        ]
-        for label, ops, dt in rows:
-            results.setdefault(label, []).append(ops / dt)
-    bad = check_invariants(bench.table)
-    if bad:
-        print("invariants violated:", *bad, sep="\n  ")
-        return 1
+    if args.against is None:
+        trees = {"this tree": run(args.clients, args.rounds, args.seed)}
+    else:
+        trees = {"this tree": {}, "against": {}}
+        for _ in range(args.rounds):  # alternating, so that a busy spell hits both alike
+            for tree, root in (("this tree", ROOT), ("against", args.against.resolve())):
+                for label, r in _child(root, args).items():
+                    into = trees[tree].setdefault(label, {"cpu": [], "wall": []})
+                    into["cpu"] += r["cpu"]
+                    into["wall"] += r["wall"]
 
-    print(f"reference table, {args.clients} clients ({args.clients // 2} replicas of 2 shards), {args.rounds} rounds, one core")
-    print(f"{'operation':<18} {'ops/s (median)':>15} {'min':>12} {'max':>12}")
-    for label, rates in results.items():
-        rates.sort()
-        print(f"{label:<18} {median(rates):>15,.0f} {rates[0]:>12,.0f} {rates[-1]:>12,.0f}")
-    medians = {label: median(results[label]) for label in ("grant + complete", "heartbeat", "list")}
-    slowest = min(medians, key=medians.get)
+    load = os.getloadavg()[0]
+    print(f"reference table, {args.clients} clients ({args.clients // 2} replicas of 2 shards), {args.rounds} rounds, "
+          f"one core; rates per CPU second (load average {load:.1f})")  # fmt: skip
+    for tree, results in trees.items():
+        if len(trees) > 1:
+            print(f"-- {tree}{'' if tree == 'this tree' else ' ' + str(args.against)}")
+        print(f"{'operation':<18} {'ops/s (median)':>15} {'min':>12} {'max':>12} {'wall ops/s':>12}")
+        for label, r in results.items():
+            cpu = sorted(r["cpu"])
+            print(f"{label:<18} {median(cpu):>15,.0f} {cpu[0]:>12,.0f} {cpu[-1]:>12,.0f} {median(r['wall']):>12,.0f}")
+    results = trees["this tree"]
+    medians = {label: median(results[label]["cpu"]) for label in ("grant + complete", "heartbeat", "list")}
+    slowest = min(medians, key=lambda k: medians[k])
     floor = medians[slowest]
     print(f"slowest simple operation: {slowest}, median {floor:,.0f} ops/s; goal >= {GOAL:,} -> {'met' if meets(floor, GOAL) else 'NOT met'}")
-    base = median(results["wire decode"])
+    base = median(results["wire decode"]["cpu"])
     print(f"against decoding the frames alone in the same run ({base:,.0f} frames/s): {slowest} runs at {ratio(floor, base):.2f}x")
+    if "against" in trees:
+        old = median(trees["against"]["grant + complete"]["cpu"])
+        new = median(results["grant + complete"]["cpu"])
+        print(f"grant + complete against {args.against}: {new:,.0f} vs {old:,.0f} ops/s -> {ratio(new, old):.2f}x")
     if args.json:
-        write_json(args.json, {k: sorted(v) for k, v in results.items()})
+        write_json(args.json, {"load": load, "trees": trees})
     return 0
 
 

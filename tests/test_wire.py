@@ -1345,3 +1345,74 @@ def plain_bodies(draw) -> tuple[str, dict]:
 def test_junk_field_values_never_escape_the_error_tree(kind_body):
     kind, body = kind_body
     _decode_or_protocol_error(frame(body, kind))
+
+
+# --- the generated constructors, decoders and encoders (issue 34: the server's CPU per message) ---
+
+
+def test_every_message_class_is_built_by_its_generated_init_and_stays_frozen():
+    for kind, cls in wire.message_kinds().items():
+        assert cls.__init__.__code__.co_filename == f"<fast __init__ of {cls.__qualname__}>", kind
+    g = BY_KIND["grant"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        g.req = 1  # type: ignore[misc]
+    # keywords, defaults and the class's own checks, as the dataclass's __init__ had them
+    assert m.Failed(req=3, code="x") == m.Failed(3, "x", "", None, None, None, None, None)
+    with pytest.raises(ValueError, match="timeout"):
+        m.Replicate(1, 2, 3, "latest", -1.0)
+    with pytest.raises(TypeError):
+        m.Ack()  # type: ignore[call-arg]
+
+
+def test_a_struct_with_a_default_factory_keeps_the_dataclass_init():
+    @wire.struct
+    class Bag:
+        n: int
+        items: tuple[int, ...] = field(default_factory=tuple)
+
+    assert not Bag.__init__.__code__.co_filename.startswith("<fast")
+    assert Bag(1) == Bag(1, ()) and wire.from_plain(Bag, {"n": 2, "items": [3]}) == Bag(2, (3,))
+    with pytest.raises(MalformedMessage, match="items"):
+        wire.from_plain(Bag, {"n": 2, "items": ["x"]})
+
+
+def test_a_frame_that_failed_to_pack_leaves_nothing_in_the_threads_packer():
+    bad = dataclasses.replace(BY_KIND["register"], endpoint={"x": object()})  # not msgpack data
+    good = BY_KIND["grant"]
+    before = wire.encode(good)
+    with pytest.raises(TypeError):
+        wire.encode(bad)
+    assert wire.encode(good) == before == msgpack.packb([WIRE_VERSION, "grant", wire.to_plain(good)], use_bin_type=True)
+
+
+def test_threads_encode_the_same_frames_with_a_packer_each():
+    import threading
+
+    want = {kind: wire.encode(s) for kind, s in BY_KIND.items()}
+    got: list[dict[str, bytes]] = []
+    errors_seen: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(50):
+                frames = {kind: wire.encode(s) for kind, s in BY_KIND.items()}
+            got.append(frames)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors_seen.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors_seen and len(got) == 4 and all(frames == want for frames in got)
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, "1.0", True])
+def test_a_float_field_refuses_what_is_not_a_finite_number(value):
+    with pytest.raises(MalformedMessage, match="stamp"):
+        wire.decode(changed(BY_KIND["heartbeat"], stamp=value))
+
+
+def test_a_float_field_takes_an_int():
+    assert wire.decode(changed(BY_KIND["heartbeat"], stamp=3)).stamp == 3.0

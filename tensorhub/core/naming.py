@@ -178,6 +178,8 @@ class VersionSpec:
 
 LATEST = VersionSpec(back=0)
 _SPEC_CACHE: dict[str, VersionSpec] = {}  # relative specs seen so far (a handful in practice)
+_INT_SPECS: dict[int, VersionSpec] = {}  # absolute specs seen lately (emptied when full)
+_INT_SPECS_KEPT = 4096
 
 
 def parse_version_spec(spec: object, **ctx: Any) -> VersionSpec:
@@ -189,7 +191,12 @@ def parse_version_spec(spec: object, **ctx: Any) -> VersionSpec:
     if isinstance(spec, VersionSpec):
         return spec
     if type(spec) is int and 0 <= spec <= MAX_VERSION:
-        return VersionSpec(version=spec)
+        found = _INT_SPECS.get(spec)
+        if found is None:  # a frozen dataclass is slow to build: the table parses a spec per call
+            if len(_INT_SPECS) >= _INT_SPECS_KEPT:
+                _INT_SPECS.clear()
+            found = _INT_SPECS[spec] = VersionSpec(version=spec)
+        return found
     if type(spec) is str and not ctx:
         cached = _SPEC_CACHE.get(spec)
         if cached is not None:

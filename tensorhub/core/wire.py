@@ -13,7 +13,10 @@ building anything:
 
 Nothing here ever unpickles: msgpack with ext types disabled, and a schema per kind.
 
-Schemas are the messages' type annotations, compiled once per class into converter functions.
+Schemas are the messages' type annotations, compiled once per class (on its first use) into a
+generated decoder, which checks every field in one function and builds the message as its
+``__init__`` would, and a generated encoder; :func:`struct` also gives each class a generated
+``__init__`` that sets its slots directly (see ``benchmarks/bench_wire.py`` for what each saves).
 Supported annotations: ``int``, ``float``, ``bool``, ``str``, ``bytes``, ``X | None``,
 ``int | str``, ``tuple[X, ...]``, ``dict[str, X]``, another :func:`struct` class, and
 :data:`Opaque` (nested plain msgpack data: transport descriptors). A field may narrow its
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
+import threading
 import types
 import typing
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
@@ -79,7 +82,11 @@ else:
 
 
 class _Schema:
-    __slots__ = ("cls", "kind", "names", "decoders", "encoders", "nameset", "getter", "converted")
+    """A struct's compiled schema: ``build(body, path)`` checks a decoded map against the
+    struct's fields and builds it; ``encode(value)`` makes the map. Both are generated for the
+    class (:func:`_compile_build`, :func:`_compile_encode`)."""
+
+    __slots__ = ("cls", "kind", "names", "decoders", "nameset", "build", "encode")
 
     def __init__(self, cls: type, kind: str | None) -> None:
         self.cls = cls
@@ -89,29 +96,69 @@ class _Schema:
         self.names = tuple(f.name for f in fields)
         self.nameset = frozenset(self.names)
         self.decoders: dict[str, _Conv] = {}
-        self.encoders: dict[str, Callable[[Any], Any]] = {}
+        encoders: dict[str, Callable[[Any], Any]] = {}
         for f in fields:
             max_len = f.metadata.get("max_len")
             self.decoders[f.name] = _compile_decoder(hints[f.name], max_len)
-            self.encoders[f.name] = _compile_encoder(hints[f.name])
-        # encoding reads every field at once (in C) and converts only the fields that need it
-        self.getter: Callable[[Any], tuple[Any, ...]] | None = None
-        if len(self.names) == 1:
-            one = operator.attrgetter(self.names[0])
-            self.getter = lambda v: (one(v),)
-        elif self.names:
-            self.getter = operator.attrgetter(*self.names)
-        self.converted = tuple((i, enc) for i, enc in enumerate(self.encoders.values()) if enc is not _identity)
+            encoders[f.name] = _compile_encoder(hints[f.name])
+        self.build: Callable[[Any, str], Any] = _compile_build(self, [(f.name, hints[f.name], f.metadata.get("max_len")) for f in fields])
+        self.encode: Callable[[Any], dict[str, Any]] = _compile_encode(self, encoders)
 
 
 def _dataclass(cls: type[T]) -> type[T]:
     return dataclasses.dataclass(frozen=True, slots=True)(cls)
 
 
+def _slot_setters(cls: type) -> list[Callable[[Any, Any], None]] | None:
+    """The ``__set__`` of each field's slot (its member descriptor), in field order; None where
+    a field is not a plain slot set by ``__init__`` (then the dataclass's own ``__init__`` is kept)."""
+    setters = []
+    for f in dataclasses.fields(cls):
+        slot = next((k.__dict__[f.name] for k in cls.__mro__ if f.name in k.__dict__), None)
+        if (
+            not f.init or f.kw_only or f.default_factory is not dataclasses.MISSING
+            or not isinstance(slot, types.MemberDescriptorType) or not f.name.isidentifier()
+        ):  # fmt: skip
+            return None
+        setters.append(slot.__set__)
+    return setters
+
+
+def _install_init(cls: type) -> None:
+    """Give a frozen, slotted dataclass a cheaper ``__init__`` of the same signature: it sets
+    each slot through its member descriptor directly, where the dataclass's own goes through
+    ``object.__setattr__`` per field (a type lookup each); then ``__post_init__``, as before.
+    The instances are the same (frozen: ``__setattr__`` still refuses); about twice as fast to
+    build. A class with a default factory, an ``init=False`` or keyword-only field, or a field
+    that is not a slot of its own keeps the dataclass's ``__init__``."""
+    setters = _slot_setters(cls)
+    if setters is None:
+        return
+    env: dict[str, Any] = {}
+    params, sets = [], []
+    for i, f in enumerate(dataclasses.fields(cls)):
+        env[f"_s{i}"] = setters[i]
+        if f.default is dataclasses.MISSING:
+            params.append(f.name)
+        else:
+            env[f"_d{i}"] = f.default
+            params.append(f"{f.name}=_d{i}")
+        sets.append(f"    _s{i}(self, {f.name})")
+    if hasattr(cls, "__post_init__"):
+        sets.append("    self.__post_init__()")
+    src = f"def __init__(self, {', '.join(params)}):\n" + ("\n".join(sets) or "    pass")
+    exec(compile(src, f"<fast __init__ of {cls.__qualname__}>", "exec"), env)
+    init = env["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__module__ = cls.__module__
+    cls.__init__ = init  # type: ignore[misc]  # replaced on the class, with the same signature
+
+
 @dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
 def struct(cls: type[T]) -> type[T]:
     """Make ``cls`` a frozen, slotted dataclass usable as a nested wire value."""
     cls = _dataclass(cls)
+    _install_init(cls)
     # compiled lazily: annotations may name classes defined later
     cls.__wire_schema__ = None  # type: ignore[attr-defined]  # set on the class here, not declared by it
     return cls
@@ -195,7 +242,8 @@ def _compile_decoder(tp: Any, max_len: int | None = None) -> _Conv:
 
         return dec_strbytes
     if tp is Opaque:
-        return lambda v, path: _check_opaque(v, path, 0)
+        # checked without building paths; only a value that fails is walked again for its path
+        return lambda v, path: v if _opaque_ok(v, 0) else _check_opaque(v, path, 0)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         optional = type(None) in args
@@ -223,6 +271,19 @@ def _compile_decoder(tp: Any, max_len: int | None = None) -> _Conv:
             raise TypeError(f"only tuple[X, ...] is supported on the wire, not {tp!r}")
         inner = _compile_decoder(args[0])
         limit = max_len or MAX_COLLECTION
+        if args[0] is int:  # checksums, session ids: checked in one loop, no call per item
+
+            def dec_int_tuple(v: Any, path: str) -> tuple[Any, ...]:
+                if type(v) is not list:
+                    raise _bad(path, "array", v)
+                if len(v) > limit:
+                    raise OversizeMessage(f"field {path!r}: {len(v)} items > {limit}")
+                for x in v:
+                    if type(x) is not int:
+                        raise _bad(path, "int", x)
+                return tuple(v)
+
+            return dec_int_tuple
 
         def dec_tuple(v: Any, path: str) -> tuple[Any, ...]:
             if type(v) is not list:
@@ -256,11 +317,35 @@ def _compile_decoder(tp: Any, max_len: int | None = None) -> _Conv:
         return dec_dict
     if isinstance(tp, type) and hasattr(tp, "__wire_schema__"):
 
+        built: list[Callable[[Any, str], Any]] = []  # its schema's build, once compiled (lazily)
+
         def dec_struct(v: Any, path: str) -> Any:
-            return _decode_body(_schema(tp), v, path)
+            if not built:
+                built.append(_schema(tp).build)
+            return built[0](v, path)
 
         return dec_struct
     raise TypeError(f"unsupported wire annotation {tp!r}")
+
+
+def _opaque_ok(v: Any, depth: int) -> bool:
+    """Whether :func:`_check_opaque` accepts ``v`` (as it is: nothing is copied)."""
+    if depth > MAX_OPAQUE_DEPTH:
+        return False
+    t = type(v)
+    if v is None or t in (bool, int, float, str, bytes):
+        return True
+    if t is list:
+        for x in v:
+            if not _opaque_ok(x, depth + 1):
+                return False
+        return True
+    if t is dict:
+        for k, x in v.items():
+            if type(k) is not str or not _opaque_ok(x, depth + 1):
+                return False
+        return True
+    return False
 
 
 def _check_opaque(v: Any, path: str, depth: int) -> Any:
@@ -280,27 +365,100 @@ def _check_opaque(v: Any, path: str, depth: int) -> Any:
 
 
 def _decode_body(schema: _Schema, body: Any, path: str) -> Any:
-    if type(body) is not dict:
-        raise _bad(path or "body", "map", body)
+    return schema.build(body, path)
+
+
+def _fields_error(schema: _Schema, body: dict[Any, Any], path: str) -> MalformedMessage:
+    """The map's keys are not the struct's fields: say which are missing and which unknown."""
     keys = body.keys()
-    if keys != schema.nameset:
-        missing = sorted(schema.nameset - set(keys))
-        unknown = sorted(str(k)[:64] for k in set(keys) - schema.nameset)[:16]
-        where = f" in {path!r}" if path else ""
-        raise MalformedMessage(
-            f"{schema.cls.__name__}{where}: "
-            + "; ".join(
-                p for p in (f"missing fields {missing}" if missing else "", f"unknown fields {unknown}" if unknown else "") if p
-            )
+    missing = sorted(schema.nameset - set(keys))
+    unknown = sorted(str(k)[:64] for k in set(keys) - schema.nameset)[:16]
+    where = f" in {path!r}" if path else ""
+    return MalformedMessage(
+        f"{schema.cls.__name__}{where}: "
+        + "; ".join(
+            p for p in (f"missing fields {missing}" if missing else "", f"unknown fields {unknown}" if unknown else "") if p
         )
-    prefix = f"{path}." if path else ""
-    kwargs = {name: dec(body[name], prefix + name) for name, dec in schema.decoders.items()}
-    try:
-        return schema.cls(**kwargs)
-    except ProtocolError:
-        raise
-    except (ValueError, TypeError) as e:  # the message's own validation
-        raise MalformedMessage(f"{schema.cls.__name__}: {e}") from e
+    )
+
+
+def _at(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _too_long(path: str, v: Any, limit: int) -> OversizeMessage:
+    return OversizeMessage(f"field {path!r}: {len(v)} > {limit} {'characters' if type(v) is str else 'bytes'}")
+
+
+def _compile_build(schema: _Schema, fields: list[tuple[str, Any, int | None]]) -> Callable[[Any, str], Any]:
+    """Generate the struct's decoder: one function with each field's check written out (no call
+    per field for ints, bools, strings, bytes and their optionals; the other fields call their
+    compiled converter), the struct then built positionally. The same checks, in field order,
+    and the same errors as the converters of :func:`_compile_decoder`."""
+    env: dict[str, Any] = {
+        "_schema": schema, "_cls": schema.cls, "_bad": _bad, "_fields_error": _fields_error, "_at": _at,
+        "_too_long": _too_long, "ProtocolError": ProtocolError, "MalformedMessage": MalformedMessage,
+    }  # fmt: skip
+    loads, checks = [], []
+    for i, (name, tp, max_len) in enumerate(fields):
+        x = f"x{i}"
+        loads.append(f"        {x} = body[{name!r}]")
+        optional = False
+        inner = tp
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            rest = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(rest) == 1 and len(typing.get_args(tp)) == 2:
+                optional, inner = True, rest[0]
+        at = f"_at(path, {name!r})"
+        guard = f"{x} is not None and " if optional else ""
+        if inner is int or inner is bool:
+            checks.append(f"    if {guard}type({x}) is not {inner.__name__}:\n        raise _bad({at}, {inner.__name__!r}, {x})")
+        elif inner is str or inner is bytes:
+            limit = max_len or (MAX_STR if inner is str else MAX_BYTES)
+            checks.append(f"    if {guard}type({x}) is not {inner.__name__}:\n        raise _bad({at}, {inner.__name__!r}, {x})")
+            checks.append(f"    if {guard}len({x}) > {limit}:\n        raise _too_long({at}, {x}, {limit})")
+        elif inner is float and not optional:
+            # a finite float passes as is (x - x is nan for inf and nan); the rest goes to the converter
+            env[f"_c{i}"] = schema.decoders[name]
+            checks.append(f"    if type({x}) is not float or {x} - {x} != 0.0:\n        {x} = _c{i}({x}, {at})")
+        else:
+            env[f"_c{i}"] = schema.decoders[name]
+            checks.append(f"    {x} = _c{i}({x}, path + {'.' + name!r} if path else {name!r})")
+    n = len(fields)
+    values = "".join(f"x{i}, " for i in range(n))
+    setters = _slot_setters(schema.cls)
+    if setters is not None:  # built as its __init__ would: each slot set, then __post_init__
+        env["_new"] = object.__new__
+        env.update({f"_s{i}": fn for i, fn in enumerate(setters)})
+        make = ["        v = _new(_cls)", *(f"        _s{i}(v, x{i})" for i in range(n))]
+        if hasattr(schema.cls, "__post_init__"):
+            make.append("        v.__post_init__()")
+        make.append("        return v")
+    else:
+        make = [f"        return _cls({values})"]
+    src = "\n".join([
+        "def build(body, path):",
+        "    if type(body) is not dict:",
+        "        raise _bad(path or 'body', 'map', body)",
+        f"    if len(body) != {n}:",
+        "        raise _fields_error(_schema, body, path)",
+        *(["    try:", *loads, "    except KeyError:", "        raise _fields_error(_schema, body, path) from None"] if n else []),
+        *checks,
+        "    try:",
+        *make,
+        "    except ProtocolError:",
+        "        raise",
+        "    except (ValueError, TypeError) as e:  # the message's own validation",
+        "        raise MalformedMessage(f'{_cls.__name__}: {e}') from e",
+    ])  # fmt: skip
+    exec(compile(src, f"<wire decoder of {schema.cls.__qualname__}>", "exec"), env)
+    build: Callable[[Any, str], Any] = env["build"]
+    return build
+
+
+_unpackb = msgpack.unpackb
+#: message kind -> its schema's build: filled on a kind's first frame
+_BUILDERS: dict[str, Callable[[Any, str], Any]] = {}
 
 
 def decode(frame: bytes) -> Any:
@@ -314,17 +472,10 @@ def decode(frame: bytes) -> Any:
     if len(frame) > MAX_FRAME_BYTES:
         raise OversizeMessage(f"frame of {len(frame)} bytes > {MAX_FRAME_BYTES}")
     try:
-        obj = msgpack.unpackb(
-            frame,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_str_len=MAX_FRAME_BYTES,
-            max_bin_len=MAX_FRAME_BYTES,
-            max_array_len=MAX_COLLECTION,
-            max_map_len=MAX_COLLECTION,
-            max_ext_len=0,
-        )
+        # msgpack >= 1.0's defaults: raw=False, use_list=True, strict_map_key=True, and strings
+        # and bytes at most the frame's length (<= MAX_FRAME_BYTES, checked above); each keyword
+        # passed costs (a tenth of decoding a small frame for all of them)
+        obj = _unpackb(frame, max_array_len=MAX_COLLECTION, max_map_len=MAX_COLLECTION, max_ext_len=0)
     except Exception as e:  # msgpack raises several unrelated types for bad input
         # msgpack enforces the collection limits itself, as a plain ValueError naming the limit.
         if isinstance(e, ValueError) and ("max_array_len" in str(e) or "max_map_len" in str(e)):
@@ -337,10 +488,13 @@ def decode(frame: bytes) -> Any:
         raise WireVersionMismatch(f"peer speaks wire version {version!r}, this side speaks {WIRE_VERSION}")
     if type(kind) is not str:
         raise MalformedMessage(f"message kind must be a str, got {type(kind).__name__}")
-    cls = _KINDS.get(kind)
-    if cls is None:
-        raise UnknownMessageKind(f"unknown message kind {kind[:64]!r}")
-    return _decode_body(_schema(cls), body, "")
+    build = _BUILDERS.get(kind)
+    if build is None:
+        cls = _KINDS.get(kind)
+        if cls is None:
+            raise UnknownMessageKind(f"unknown message kind {kind[:64]!r}")
+        build = _BUILDERS[kind] = _schema(cls).build
+    return build(body, "")
 
 
 # --- encoding ---------------------------------------------------------------------------------
@@ -349,12 +503,16 @@ def decode(frame: bytes) -> Any:
 def _compile_encoder(tp: Any) -> Callable[[Any], Any]:
     origin = typing.get_origin(tp)
     if isinstance(tp, type) and hasattr(tp, "__wire_schema__"):
-        return lambda v: _encode_body(_schema(tp), v)
+        return lambda v: _schema(tp).encode(v)
     if origin is tuple:
         inner = _compile_encoder(typing.get_args(tp)[0])
+        if inner is _identity:
+            return list  # ints, strings...: the same items, no call per item
         return lambda v: [inner(x) for x in v]
     if origin is dict:
         inner = _compile_encoder(typing.get_args(tp)[1])
+        if inner is _identity:
+            return dict
         return lambda v: {k: inner(x) for k, x in v.items()}
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -368,34 +526,58 @@ def _identity(v: Any) -> Any:
     return v
 
 
-def _encode_body(schema: _Schema, msg: Any) -> dict[str, Any]:
-    if schema.getter is None:
-        return {}
-    values = schema.getter(msg)
-    if not schema.converted:
-        return dict(zip(schema.names, values))
-    out = list(values)
-    for i, enc in schema.converted:
-        v = out[i]
-        if v is not None:
-            out[i] = enc(v)
-    return dict(zip(schema.names, out))
+def _compile_encode(schema: _Schema, encoders: dict[str, Callable[[Any], Any]]) -> Callable[[Any], dict[str, Any]]:
+    """Generate the struct's encoder: one dict display of its fields, converting only those
+    that need it (nested structs, and tuples or maps of them); None stays None."""
+    env: dict[str, Any] = {}
+    items = []
+    for i, (name, enc) in enumerate(encoders.items()):
+        if enc is _identity:
+            items.append(f"{name!r}: v.{name}")
+        else:
+            env[f"_e{i}"] = enc
+            items.append(f"{name!r}: None if v.{name} is None else _e{i}(v.{name})")
+    src = "def encode(v):\n    return {" + ", ".join(items) + "}"
+    exec(compile(src, f"<wire encoder of {schema.cls.__qualname__}>", "exec"), env)
+    encode: Callable[[Any], dict[str, Any]] = env["encode"]
+    return encode
+
+
+_THREAD = threading.local()  # each thread's msgpack Packer (a Packer is not thread-safe)
+
+
+def _pack(obj: Any) -> bytes:
+    """``msgpack.packb(obj, use_bin_type=True)`` through this thread's Packer: ``packb`` makes
+    (and allocates the buffer of) a new Packer for every frame."""
+    try:
+        packer = _THREAD.packer
+    except AttributeError:
+        packer = _THREAD.packer = msgpack.Packer(use_bin_type=True)
+    frame: bytes = packer.pack(obj)  # autoreset: the buffer is emptied after each frame, or error
+    return frame
+
+
+#: message class -> (its kind, its schema's encoder): filled on a class's first frame
+_ENCODERS: dict[type, tuple[str, Callable[[Any], dict[str, Any]]]] = {}
 
 
 def encode(msg: Any) -> bytes:
     """Encode a message into one frame."""
     cls = type(msg)
-    kind = getattr(cls, "KIND", None)
-    if kind is None or _KINDS.get(kind) is not cls:
-        raise TypeError(f"{cls.__name__} is not a registered wire message")
-    frame: bytes = msgpack.packb([WIRE_VERSION, kind, _encode_body(_schema(cls), msg)], use_bin_type=True)
-    return frame
+    found = _ENCODERS.get(cls)
+    if found is None:
+        kind = getattr(cls, "KIND", None)
+        if kind is None or _KINDS.get(kind) is not cls:
+            raise TypeError(f"{cls.__name__} is not a registered wire message")
+        found = _ENCODERS[cls] = (kind, _schema(cls).encode)
+    kind, body = found
+    return _pack([WIRE_VERSION, kind, body(msg)])
 
 
 def to_plain(value: Any) -> Any:
     """A struct (or message) as plain msgpack-able data (for JSON dumps and tests)."""
     if hasattr(type(value), "__wire_schema__"):
-        return _encode_body(_schema(type(value)), value)
+        return _schema(type(value)).encode(value)
     return value
 
 

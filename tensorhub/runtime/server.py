@@ -139,7 +139,7 @@ class ServerConfig:
             raise InvalidArgument(f"lease must be in (0, heartbeat_timeout={self.table.heartbeat_timeout:g}) seconds")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per frame read, and a frozen one builds slowly
 class _Frames:
     peer: bytes
     frames: list[bytes]
@@ -665,7 +665,7 @@ class ServerActor(Actor):
         if isinstance(request, m.TransferSpan):
             return self._on_span(peer, request)
         if isinstance(request, m.GetTrace):
-            edges = tuple(m.DagEdge(**e) for e in self.table.history.get((request.model, request.version), ()))
+            edges = tuple(m.DagEdge(*e) for e in self.table.history.get((request.model, request.version), ()))
             spans = tuple(self.spans.get((request.model, request.version), ()))
             offset = time.time() - time.monotonic()
             return [(peer, m.Trace(request.req, request.model, request.version, spans, edges, offset))]

@@ -241,7 +241,7 @@ class ConversionMixin(TableState):
             self._end_grant(g, "completed", read[i] if read is not None and i < len(read) else share)
         h.converting = None
         self._fire(h, Event.COMPLETE)
-        h.verified = s.layout.total_bytes if s.layout else 0
+        h.verified = s.total_bytes
         self._set_checksums(h, msg.checksums)
         self._published(s.model, msg.version)
         self._ack(s, msg.req)

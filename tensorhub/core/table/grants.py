@@ -44,7 +44,6 @@ from ..errors import (
     VersionUnavailable,
 )
 from ..lifecycle import Event
-from ..naming import seed_owner
 from ..tokens import GrantToken
 from .records import (
     _FENCED_MEMORY,
@@ -57,8 +56,8 @@ from .records import (
     _Model,
     _offload_of,
     _Replica,
-    _seed_name,
     _Session,
+    _Txn,
 )
 from .state import TableState
 
@@ -117,28 +116,7 @@ class GrantMixin(TableState):
             self._convert(reader)  # nobody holds this converted shard: convert it, or wait for its converter
             return
         if pick is None:
-            ctx = reader.session.ctx(reader.version)
-            holders = self._holder_set(reader.session.model, reader.version, reader.shard_idx)
-            serving_excluded = [reader.excluded[h.id] for h in holders.values() if h.state in SERVING and h.id in reader.excluded]
-            checking = [h for h in holders.values() if h.state in SERVING and reader.excluded.get(h.id) and h.verify_pending]
-            if checking:
-                # A source this reader found a mismatch on is re-hashing its copy: wait for the
-                # verdict (a pass re-admits it: the bytes were damaged on the way).
-                reader.waiting = True
-                reader.session.model.waiting_readers[reader] = None
-                return
-            if any(serving_excluded) or reader.blamed_bad:
-                err: TensorHubError = ChecksumMismatch("every remaining holder of this shard failed verification", **ctx)
-            elif serving_excluded:
-                last = f"; the last said: {reader.last_failure}" if reader.last_failure else ""
-                err = TransportError(f"every remaining source failed this reader ({reader.failures} failures){last}", **ctx)
-            elif self.in_grace:
-                reader.waiting = True
-                reader.session.model.waiting_readers[reader] = None
-                return
-            else:
-                err = VersionUnavailable(f"no holder can serve version {reader.version} any more", **ctx)
-            self._fail_txn(txn, self._in_bucket(reader, err))
+            self._no_source(reader, txn)
             return
         source = pick
         if txn.source_replica is None:
@@ -149,6 +127,32 @@ class GrantMixin(TableState):
         reader.upstream = g
         s = reader.session
         self._send(s, m.Grant(g.req, s.id, g.id, self.term, reader.version, reader.shard_idx, info, reader.checksums, token))
+
+    def _no_source(self, reader: _Holder, txn: _Txn) -> None:
+        """No eligible source for ``reader``: wait (grace period, or a blamed source checking
+        itself), or fail its call with the reason."""
+        ctx = reader.session.ctx(reader.version)
+        holders = self._holder_set(reader.session.model, reader.version, reader.shard_idx)
+        serving_excluded = [reader.excluded[h.id] for h in holders.values() if h.state in SERVING and h.id in reader.excluded]
+        checking = [h for h in holders.values() if h.state in SERVING and reader.excluded.get(h.id) and h.verify_pending]
+        if checking:
+            # A source this reader found a mismatch on is re-hashing its copy: wait for the
+            # verdict (a pass re-admits it: the bytes were damaged on the way).
+            reader.waiting = True
+            reader.session.model.waiting_readers[reader] = None
+            return
+        if any(serving_excluded) or reader.blamed_bad:
+            err: TensorHubError = ChecksumMismatch("every remaining holder of this shard failed verification", **ctx)
+        elif serving_excluded:
+            last = f"; the last said: {reader.last_failure}" if reader.last_failure else ""
+            err = TransportError(f"every remaining source failed this reader ({reader.failures} failures){last}", **ctx)
+        elif self.in_grace:
+            reader.waiting = True
+            reader.session.model.waiting_readers[reader] = None
+            return
+        else:
+            err = VersionUnavailable(f"no holder can serve version {reader.version} any more", **ctx)
+        self._fail_txn(txn, self._in_bucket(reader, err))
 
     def _open_grant(self, reader: _Holder, source: _Holder) -> tuple[_Grant, m.SourceInfo, bytes | None]:
         """Make a grant of ``source`` to ``reader`` (counted on the source), with what the reader
@@ -182,14 +186,14 @@ class GrantMixin(TableState):
     def _twin(self, replica: _Replica) -> _Replica | None:
         """The replica that shares ``replica``'s host and link: its offload seed replica, or the
         replica a seed replica seeds for."""
-        replicas = replica.model.replicas
-        name = seed_owner(replica.name) or _seed_name(replica.name)
-        return replicas.get(name) if name is not None else None
+        name = replica.twin
+        return replica.model.replicas.get(name) if name is not None else None
 
     def _load(self, replica: _Replica) -> int:
         """A source replica's load for selection: the reader replicas it serves, plus those its
         twin (:meth:`_twin`) serves: they send over the same link."""
-        twin = self._twin(replica)
+        name = replica.twin
+        twin = replica.model.replicas.get(name) if name is not None else None
         return len(replica.serving) + (len(twin.serving) if twin is not None else 0)
 
     def _reindex(self, replica: _Replica) -> None:
@@ -199,10 +203,14 @@ class GrantMixin(TableState):
         for r in (replica, twin) if twin is not None else (replica,):
             load = self._load(r)
             versions = r.model.versions
+            name = r.name
             for s in r.shards.values():
-                for h in (s.holder, *s.offloads.values()):
-                    if h is not None and h.state is not None and h.state is not U:
-                        versions[h.version].index[h.shard_idx].put(h.id, r.name, s.location, load, h.state is not P)
+                h = s.holder
+                if h is not None and h.state is not None and h.state is not U:
+                    versions[h.version].index[h.shard_idx].put(h.id, name, s.location, load, h.state is not P)
+                for h in s.offloads.values():
+                    if h.state is not None and h.state is not U:
+                        versions[h.version].index[h.shard_idx].put(h.id, name, s.location, load, h.state is not P)
 
     def _regrant_waiting(self, model: _Model) -> None:
         for h in list(model.waiting_readers):
@@ -252,7 +260,7 @@ class GrantMixin(TableState):
     def _on_progress(self, peer: Hashable, msg: m.Progress) -> None:
         s = self._session(peer, msg.session)
         g = self._reader_grant(s, msg.grant, msg.term)
-        total = s.layout.total_bytes if s.layout else 0
+        total = s.total_bytes
         if msg.verified > total:
             raise InvalidArgument(f"progress {msg.verified} beyond the shard's {total} bytes", **s.ctx(g.reader.version))
         g.reader.verified = max(g.reader.verified, msg.verified)
@@ -265,7 +273,7 @@ class GrantMixin(TableState):
             raise ContractViolation("a converter reports converted, not complete", **s.ctx(reader.version))
         self._end_grant(g, "completed")
         self._fire(reader, Event.COMPLETE)
-        reader.verified = s.layout.total_bytes if s.layout else 0
+        reader.verified = s.total_bytes
         ver = s.model.versions[reader.version]
         reader.checksums = ver.checksums.get(reader.shard_idx, reader.checksums)
         self._ack(s, msg.req)

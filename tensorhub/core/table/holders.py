@@ -26,7 +26,7 @@ import bisect
 
 from .. import messages as m
 from ..errors import Cancelled, VersionUnavailable
-from ..lifecycle import Event, HolderState, transition
+from ..lifecycle import TRANSITIONS, Event, HolderState, transition
 from .records import SERVING, C, P, U, _Holder, _Model, _Session, _Version
 from .state import TableState
 
@@ -44,7 +44,10 @@ class HolderMixin(TableState):
 
     def _new_holder(self, s: _Session, version: int, kind: str, event: Event) -> _Holder:
         h = _Holder(next(self._ids), s, version, kind)
-        state = transition(None, event, **s.ctx(version))
+        try:
+            state = TRANSITIONS[(None, event)]
+        except KeyError:  # transition() raises, with the context (built only for the error)
+            state = transition(None, event, **s.ctx(version))
         self._holder_set(s.model, version, s.shard_idx)[h.id] = h
         self._by_id[h.id] = h
         if kind == m.KIND_OFFLOAD:
@@ -54,7 +57,10 @@ class HolderMixin(TableState):
 
     def _fire(self, h: _Holder, event: Event) -> None:
         """Apply a lifecycle event; removal drops the holder from every index."""
-        state = transition(h.state, event, **h.session.ctx(h.version))
+        try:
+            state = TRANSITIONS[(h.state, event)]
+        except KeyError:  # transition() raises, with the context (built only for the error)
+            state = transition(h.state, event, **h.session.ctx(h.version))
         self._account(h, state)
         if state is None:
             model = h.session.model

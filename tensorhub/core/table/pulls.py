@@ -22,7 +22,7 @@ and is gone.
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from .. import messages as m
 from ..errors import InBucket, NotRegistered, TensorHubError, VersionUnavailable
@@ -30,6 +30,12 @@ from ..lifecycle import Event
 from ..naming import VersionSpec, parse_version_spec, seed_owner
 from .records import C, P, _all_done, _Model, _named, _seed_name, _Session, _ShardCall, _Txn
 from .state import TableState
+
+
+def _then(step: Callable[[_Txn, _ShardCall], None], txn: _Txn, call: _ShardCall) -> Callable[[], None]:
+    """``step(txn, call)``, later. A closure made here, not in the hot caller: a lambda in a
+    method makes cells of the variables it captures on every call of that method."""
+    return lambda: step(txn, call)
 
 
 class PullMixin(TableState):
@@ -238,7 +244,7 @@ class PullMixin(TableState):
                 self._regrant(h)
             return
         if h is not None:
-            self._unpublish(h, lambda: self._advance(txn, call))
+            self._unpublish(h, _then(self._advance, txn, call))
             return
         if call.held is not None and self._holds_already(s, v, call.held):  # a delta chain applied in place, or a bucket restore (see .deltas)
             h = s.holder = self._new_holder(s, v, m.KIND_NORMAL, Event.PUBLISH)

@@ -33,7 +33,7 @@ from .. import messages as m
 from ..errors import InvalidArgument, InvalidTransition, TensorHubError, VersionUnavailable
 from ..layout import Layout
 from ..lifecycle import HolderState
-from ..naming import MAX_NAME_LEN, SEED_SUFFIX, VersionSpec, delta_owner, seed_replica
+from ..naming import MAX_NAME_LEN, SEED_SUFFIX, VersionSpec, delta_owner, seed_owner, seed_replica
 from ..placement import PlacedTensor
 from ..topology import Location
 
@@ -116,7 +116,7 @@ class _Grant:
 
 class _Holder:
     __slots__ = (
-        "id", "session", "version", "shard_idx", "state", "kind", "grants", "upstream", "excluded", "failures",
+        "id", "session", "replica", "version", "shard_idx", "state", "kind", "grants", "upstream", "excluded", "failures",
         "verified", "checksums", "reporters", "readmitted", "blamed_bad", "verify_pending", "offload_pending", "drain_deadline",
         "on_drained", "on_offloaded", "call", "waiting", "whole", "last_failure", "converting",
     )  # fmt: skip
@@ -124,6 +124,7 @@ class _Holder:
     def __init__(self, hid: int, session: "_Session", version: int, kind: str) -> None:
         self.id = hid
         self.session = session
+        self.replica = session.replica  # a session's replica never changes: kept here, read on every grant
         self.version = version
         self.shard_idx = session.shard_idx
         self.state: HolderState | None = None
@@ -151,10 +152,6 @@ class _Holder:
         self.converting: dict[int, _Grant] | None = None
 
     @property
-    def replica(self) -> "_Replica":
-        return self.session.replica
-
-    @property
     def spot(self) -> bool:
         return self.session.spot
 
@@ -162,7 +159,7 @@ class _Holder:
 class _Session:
     __slots__ = (
         "id", "peer", "model", "replica", "shard_idx", "incarnation", "location", "spot", "retain",
-        "last_seen", "opened", "layout", "endpoint", "grant_key", "holder", "offloads", "announced", "answered",
+        "last_seen", "opened", "layout", "total_bytes", "endpoint", "slot", "grant_key", "holder", "offloads", "announced", "answered",
     )  # fmt: skip
 
     def __init__(self, sid: int, peer: Hashable, model: "_Model", replica: "_Replica", msg: m.OpenShard, now: float):
@@ -171,6 +168,7 @@ class _Session:
         self.model = model
         self.replica = replica
         self.shard_idx = msg.shard_idx
+        self.slot = f"{model.name}/{replica.name}/{msg.shard_idx}"  # as the reign's membership names it
         self.incarnation = msg.incarnation
         self.location: Location = msg.location
         self.spot = msg.spot
@@ -178,12 +176,18 @@ class _Session:
         self.last_seen = now
         self.opened = now  # when it opened (a fencing keeps the replica's shards opened after the fenced one went silent)
         self.layout: Layout | None = None
+        self.total_bytes = 0  # the registered layout's bytes (0: none), kept by set_layout
         self.endpoint: Any = None
         self.grant_key: bytes | None = None  # signs the tokens of grants from this session (never sent out)
         self.holder: _Holder | None = None  # the holding in the registered buffers
         self.offloads: dict[int, _Holder] = {}  # holder id -> offload holder (CPU copies, draining ones too)
         self.announced = False  # re-announced its state after a failover
         self.answered = 0  # the last call it had an answer for, as it announced
+
+    def set_layout(self, layout: Layout | None) -> None:
+        """Register ``layout`` (None: unregister), and its size with it."""
+        self.layout = layout
+        self.total_bytes = layout.total_bytes if layout is not None else 0
 
     def ctx(self, version: int | None = None) -> dict[str, Any]:
         return {"model": self.model.name, "replica": self.replica.name, "shard": self.shard_idx, "version": version}
@@ -301,10 +305,13 @@ class _Txn:
 
 
 class _Replica:
-    __slots__ = ("name", "model", "num_shards", "spot", "shards", "txns", "serving", "announce_until")
+    __slots__ = ("name", "model", "num_shards", "spot", "shards", "txns", "serving", "announce_until", "twin")
 
     def __init__(self, name: str, model: "_Model", num_shards: int, spot: bool) -> None:
         self.name = name
+        #: the name of the replica that shares this one's host and link: the replica an offload
+        #: seed replica seeds for, or this replica's seed (None: its name is too long for one)
+        self.twin = seed_owner(name) or _seed_name(name)
         self.model = model
         self.num_shards = num_shards
         self.spot = spot

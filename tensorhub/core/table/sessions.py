@@ -137,7 +137,7 @@ class SessionMixin(TableState):
             raise ContractViolation("already registered: unregister first", **s.ctx())
         model = s.model
         if model.delta_of is not None:  # a delta model's layouts are per version (see .deltas)
-            s.layout = msg.layout
+            s.set_layout(msg.layout)
             s.endpoint = msg.endpoint
             s.grant_key = msg.grant_key
             self._ack(s, msg.req)
@@ -154,7 +154,7 @@ class SessionMixin(TableState):
             raise LayoutMismatch(_placement_diff(placed, msg.placements), **s.ctx())
         model.layouts[s.shard_idx] = (msg.layout, (known[1] if known else 0) + 1)
         model.placements[s.shard_idx] = msg.placements
-        s.layout = msg.layout
+        s.set_layout(msg.layout)
         s.endpoint = msg.endpoint
         s.grant_key = msg.grant_key
         self._ack(s, msg.req)
@@ -179,7 +179,7 @@ class SessionMixin(TableState):
             return
         model = s.model
         if model.delta_of is not None:
-            s.layout = None
+            s.set_layout(None)
             return
         layout, users = model.layouts[s.shard_idx]
         if users <= 1:
@@ -187,7 +187,7 @@ class SessionMixin(TableState):
             model.placements.pop(s.shard_idx, None)
         else:
             model.layouts[s.shard_idx] = (layout, users - 1)
-        s.layout = None
+        s.set_layout(None)
 
     def _ack(self, s: _Session, req: int) -> None:
         self._send(s, m.Ack(req))

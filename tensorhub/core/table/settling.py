@@ -49,15 +49,30 @@ class SettleMixin(TableState):
             if ver is None:
                 continue
             holders = ver.holders[i]
+            # loops, not comprehensions: those would make v and i cells on every call
             if not ver.serving[i] and not self.in_grace:
-                for h in [h for h in holders.values() if h.state is P and not self._viable(h)]:
+                gone = []
+                for h in holders.values():
+                    if h.state is P and not self._viable(h):
+                        gone.append(h)
+                for h in gone:
                     if h.state is P:
                         self._source_gone(h)
-            for h in [h for h in model.waiting_readers if h.version == v and h.shard_idx == i]:
-                self._regrant(h)
-            for h in [h for h in model.offload_holders.values() if h.version == v and h.shard_idx == i]:
-                if h.state is O:
-                    self._maybe_release(h, holders)
+            if model.waiting_readers:
+                found = []
+                for h in model.waiting_readers:
+                    if h.version == v and h.shard_idx == i:
+                        found.append(h)
+                for h in found:
+                    self._regrant(h)
+            if model.offload_holders:
+                found = []
+                for h in model.offload_holders.values():
+                    if h.version == v and h.shard_idx == i:
+                        found.append(h)
+                for h in found:
+                    if h.state is O:
+                        self._maybe_release(h, holders)
         if model.retention_changed:
             model.retention_changed = False
             for h in list(model.offload_holders.values()):

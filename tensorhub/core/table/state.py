@@ -85,8 +85,9 @@ class TableState:
         self.revoked: OrderedDict[int, None] = OrderedDict()  # recently revoked grant ids
         #: the failover grace period's end (None: over; see :mod:`.failover`)
         self.grace_until: float | None = clock() + self.config.heartbeat_timeout
-        #: (model, version) -> its ended grants, oldest first (see ``replication_dag``)
-        self.history: OrderedDict[tuple[str, int], list[dict[str, Any]]] = OrderedDict()
+        #: (model, version) -> its ended grants, oldest first, each a tuple of the fields of
+        #: :class:`~tensorhub.core.messages.DagEdge` in order (see ``replication_dag``)
+        self.history: OrderedDict[tuple[str, int], list[tuple[Any, ...]]] = OrderedDict()
         self._ids = itertools.count(first_id)  # session, holder and grant ids
         #: (when, sequence, what, its record): "drain" a holder, "txn"/"pin" a call, "announce" a replica
         self._timers: list[tuple[float, int, str, Any]] = []

@@ -79,9 +79,8 @@ class StragglerMixin(TableState):
         pace = self.pace.pop(g.id, None)
         if how != "completed":
             return
-        layout = g.reader.session.layout
         took = self.clock() - g.created
-        moved = (layout.total_bytes if layout is not None else 0) - g.start
+        moved = g.reader.session.total_bytes - g.start
         if pace is not None and pace.drains and pace.samples:  # from its first report (see _Pace)
             took, moved = self.clock() - pace.samples[0][0], moved - (pace.samples[0][1] - g.start)
         if took > 0 and moved > 0:

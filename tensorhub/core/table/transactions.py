@@ -39,9 +39,8 @@ class TransactionMixin(TableState):
             ContractViolation: the call diverges from the one recorded for ``n``, or this shard
                 already made it (nothing changes).
         """
-        ctx = s.ctx()
         if n < 1:
-            raise InvalidArgument(f"call numbers start at 1, got {n}", **ctx)
+            raise InvalidArgument(f"call numbers start at 1, got {n}", **s.ctx())
         replica = s.replica
         txn = replica.txns.get(n)
         if txn is None:
@@ -49,13 +48,13 @@ class TransactionMixin(TableState):
         elif txn.kind != kind or txn.args != args:
             raise ContractViolation(
                 f"call {n} is {_describe(txn.kind, txn.args)} on another shard; this shard calls {_describe(kind, args)}",
-                **ctx,
+                **s.ctx(),
             )
         if s.shard_idx in txn.consumed:
-            raise ContractViolation(f"call {n} was already answered for this shard", **ctx)
+            raise ContractViolation(f"call {n} was already answered for this shard", **s.ctx())
         prev = txn.shards.get(s.shard_idx)
         if prev is not None and not prev.done and kind != "wait":
-            raise ContractViolation(f"call {n} is already in flight for this shard", **ctx)
+            raise ContractViolation(f"call {n} is already in flight for this shard", **s.ctx())
         call = txn.shards[s.shard_idx] = _ShardCall(s, req)
         return txn, call
 

@@ -18,6 +18,7 @@ when a grant ends.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Hashable, Iterable
 
 from .. import messages as m
@@ -25,6 +26,9 @@ from ..naming import seed_replica
 from ..topology import link_class
 from .records import HISTORY_EDGES, HISTORY_VERSIONS, P, _Grant, _Holder, _Model
 from .state import TableState
+
+#: the fields of a replication history edge, in the order ``_record`` keeps them (those of DagEdge)
+EDGE_FIELDS = tuple(f.name for f in dataclasses.fields(m.DagEdge))
 
 
 class ViewMixin(TableState):
@@ -59,8 +63,7 @@ class ViewMixin(TableState):
             edges = self.history[key] = []
             while len(self.history) > HISTORY_VERSIONS:
                 self.history.popitem(last=False)
-        layout = r.session.layout
-        total = layout.total_bytes if layout is not None else 0
+        total = r.session.total_bytes
         if r.converting is not None and g in r.converting.values():
             # One of a converter's grants (one per source shard): the bytes it read from that
             # source (as it said, else a share of its shard), never the whole shard per edge.
@@ -71,19 +74,22 @@ class ViewMixin(TableState):
         self.bytes_by_link[link_class(r.session.location, src.session.location)] += nbytes
         if len(edges) >= HISTORY_EDGES:
             return
-        edges.append({
-            "reader": r.replica.name, "reader_shard": r.shard_idx, "reader_dc": r.session.location.datacenter,
-            "reader_host": r.session.location.host, "source": src.replica.name, "source_shard": src.shard_idx,
-            "source_kind": src.kind, "source_complete": src.state is not P, "source_dc": src.session.location.datacenter,
-            "source_host": src.session.location.host, "bytes": nbytes, "start": g.created,
-            "end": self.clock(), "outcome": how,
-        })  # fmt: skip
+        rloc, sloc = r.session.location, src.session.location
+        edges.append((
+            r.replica.name, r.shard_idx, rloc.datacenter, rloc.host, src.replica.name, src.shard_idx,
+            src.kind, src.state is not P, sloc.datacenter, sloc.host, nbytes, g.created, self.clock(), how,
+        ))  # fmt: skip  # in EDGE_FIELDS order: a dict per edge only when one is asked for
 
     def replication_dag(self, model: str, version: int) -> dict[str, Any]:
         """Who served whom for ``version`` of ``model``: every ended grant (reader, source,
         their locations, bytes moved under it, start, end, outcome), oldest first. See
         :mod:`tensorhub.scheduling.dag` to summarise, export and draw it."""
-        return {"model": model, "version": version, "edges": [dict(e) for e in self.history.get((model, version), [])]}
+        return {"model": model, "version": version, "edges": self.dag_edges(model, version)}
+
+    def dag_edges(self, model: str, version: int) -> list[dict[str, Any]]:
+        """The ended grants of ``version`` of ``model``, oldest first, each a dict of
+        :data:`EDGE_FIELDS` (the fields of :class:`~tensorhub.core.messages.DagEdge`)."""
+        return [dict(zip(EDGE_FIELDS, e)) for e in self.history.get((model, version), ())]
 
     def _on_status(self, peer: Hashable, msg: m.GetStatus) -> None:
         self._out.append((peer, m.ServerStatus(
@@ -91,7 +97,7 @@ class ViewMixin(TableState):
         )))  # fmt: skip
 
     def _on_dag(self, peer: Hashable, msg: m.GetDag) -> None:
-        edges = tuple(m.DagEdge(**e) for e in self.history.get((msg.model, msg.version), ()))
+        edges = tuple(m.DagEdge(*e) for e in self.history.get((msg.model, msg.version), ()))
         self._out.append((peer, m.Dag(msg.req, msg.model, msg.version, edges)))
 
     def seeding(self) -> Iterable[m.Seeding]:

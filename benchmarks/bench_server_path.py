@@ -1,0 +1,126 @@
+"""CPU time per heartbeat through the server actor's message path, without the socket.
+
+Workload: ``--sessions`` sessions (one shard each, each on its own connection) open in a
+``ServerActor``; each round hands it one batch of one heartbeat frame per session, as its socket
+reader does, and times the batch: decode, metrics, the table, encoding and sending the ack (to a
+socket that takes the bytes and does nothing). ``--rounds`` rounds, one core, CPU time.
+Baseline: with ``--against DIR``, the same workload on another checkout (e.g. the previous
+commit's ``git worktree``), its rounds alternating with this tree's, each in a fresh process;
+without it, decoding the same frames alone in the same run.
+Goal: none fixed: issue 34's budget is the server's whole message mix in one core at 4,096
+sessions, which ``benchmarks/server_load.py`` measures; this isolates the heartbeat's share.
+
+Usage: python benchmarks/bench_server_path.py [--sessions N] [--rounds R] [--against DIR | --tree DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_TREE = sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv[:-1] else None
+if _TREE is not None:  # measure that checkout's tensorhub (first on the path), with this workload
+    sys.path.insert(0, _TREE)
+sys.path.insert(1 if _TREE is not None else 0, str(ROOT))
+
+from benchmarks.harness import median, ratio  # noqa: E402
+
+
+class _Socket:
+    """Takes what the server sends and drops it (the socket is not what is measured)."""
+
+    def send(self, data: object, flags: int = 0) -> None:
+        pass
+
+    def getsockopt(self, option: int) -> int:
+        return 0  # nothing waiting to be read
+
+
+def measure(sessions: int, rounds: int) -> dict[str, list[float]]:
+    """``rounds`` batches in this process: CPU microseconds per heartbeat, and per decode alone."""
+    from tensorhub.core import messages as m
+    from tensorhub.core import wire
+    from tensorhub.core.topology import Location
+    from tensorhub.runtime.server import ServerActor, ServerConfig, _Batch, _Frames
+
+    server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0"))
+    server._raw = _Socket()  # type: ignore[assignment]  # a stand-in that only takes bytes
+    loop = asyncio.new_event_loop()
+    server.loop = loop
+    peers = [b"peer-%d" % i for i in range(sessions)]
+    sids = []
+    for i, peer in enumerate(peers):
+        opened = m.OpenShard(1, "actor", f"rollout-{i}", 1, 0, "n1", Location("dc0", f"host-{i // 8}", ""), False, None)
+        out = server.table.handle(peer, opened)
+        sids.append(out[0][1].session)
+    frames = [wire.encode(m.Heartbeat(7, (sid,), 0.0, 0)) for sid in sids]
+    batch = [_Frames(peer, [f], None, 0.0) for peer, f in zip(peers, frames)]
+    server.on__Batch(_Batch(batch))  # warm: every schema compiled, every session seen
+    out: dict[str, list[float]] = {"heartbeat": [], "decode alone": []}
+    for _ in range(rounds):
+        c0 = time.process_time()
+        server.on__Batch(_Batch(batch))
+        out["heartbeat"].append((time.process_time() - c0) / sessions * 1e6)
+        c0 = time.process_time()
+        for f in frames:
+            wire.decode(f)
+        out["decode alone"].append((time.process_time() - c0) / sessions * 1e6)
+    if server.table.stats["expired"] or len(server.table.sessions) != sessions:
+        raise SystemExit("sessions were lost while measuring")
+    loop.close()
+    return out
+
+
+def _child(root: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(root),
+           "--sessions", str(args.sessions), "--rounds", "3"]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    figures: dict[str, list[float]] = json.loads(out.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sessions", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--against", type=Path, help="another checkout to measure, alternating with this one")
+    ap.add_argument("--tree", type=Path, help="measure this checkout's tensorhub instead of this tree's")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.sessions < 1 or args.rounds < 1:
+        ap.error("--sessions and --rounds must be >= 1")
+    if args.child:
+        print(json.dumps(measure(args.sessions, args.rounds)))
+        return 0
+    if args.against is not None and not (args.against / "tensorhub" / "runtime" / "server.py").is_file():
+        ap.error(f"--against {args.against}: not a checkout of this project (no tensorhub/runtime/server.py)")
+    if args.against is None:
+        trees = {"this tree": measure(args.sessions, args.rounds)}
+    else:
+        trees = {"this tree": {}, "against": {}}
+        for _ in range(args.rounds):  # alternating, so that a busy spell hits both alike
+            for tree, root in (("this tree", ROOT), ("against", args.against.resolve())):
+                for label, xs in _child(root, args).items():
+                    trees[tree].setdefault(label, []).extend(xs)
+    print(f"server actor, {args.sessions} sessions, one heartbeat frame each per batch, CPU us per message "
+          f"(load average {os.getloadavg()[0]:.1f})")  # fmt: skip
+    for tree, figures in trees.items():
+        for label, xs in figures.items():
+            print(f"{tree:<10} {label:<14} best {min(xs):6.1f}  median {median(xs):6.1f}")
+    new = trees["this tree"]
+    print(f"a heartbeat costs {ratio(min(new['heartbeat']), min(new['decode alone'])):.1f}x decoding its frame alone")
+    if "against" in trees:
+        old = trees["against"]
+        print(f"this tree against {args.against} (best rounds): a heartbeat {ratio(min(old['heartbeat']), min(new['heartbeat'])):.2f}x cheaper")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
