@@ -166,7 +166,9 @@ def main() -> int:
                         print(f"MISMATCH: {route} v{version} differs from vLLM's own load of the same weights")
                         return 1
                 pauses[route].append(pause)
-                print(f"round {rnd} {route:>19} v{version}: pause {pause * 1000:8.1f} ms", flush=True)
+                phases = "" if route == "vllm-reload" else "  (" + ", ".join(
+                    f"{k.removesuffix('_s')} {v * 1000:.1f}" for k, v in _backend(llm).last.items()) + " ms)"
+                print(f"round {rnd} {route:>19} v{version}: pause {pause * 1000:8.1f} ms{phases}", flush=True)
     finally:
         llm.shutdown_weight_transfer_engine()
         trainer.close()
@@ -332,10 +334,14 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _backend(llm: object) -> Any:
+    """The in-process worker's tensorhub weight-transfer engine."""
+    return llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine  # type: ignore[attr-defined]
+
+
 def _staged(llm: object) -> int | None:
     """The version the in-process worker's staging set holds (None: none, or still pulling)."""
-    worker = llm.llm_engine.model_executor.driver_worker.worker  # type: ignore[attr-defined]
-    return worker.weight_transfer_engine.staged
+    return _backend(llm).staged
 
 
 if __name__ == "__main__":
