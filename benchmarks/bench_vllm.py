@@ -30,8 +30,9 @@ from ``/pause`` to the end of ``/resume``:
 - ``tensorhub``: ``/pause`` -> ``/start_weight_update`` -> ``/update_weights`` ->
   ``/finish_weight_update`` -> ``/resume``;
 - ``tensorhub-flip``: ``/start_weight_update`` + ``/update_weights {"prefetch": true}`` while
-  the server keeps answering completions (not counted) until the reference server shows the
-  engine's replica holding the version, then ``/pause`` -> ``/update_weights`` (the replay) ->
+  the server keeps answering completions (not counted) until every worker says (through
+  ``/collective_rpc`` ``tensorhub_backend``) that the version is staged and its processed layers
+  built, then ``/pause`` -> ``/update_weights`` (the replay) ->
   ``/finish_weight_update`` -> ``/resume``.
 """
 
@@ -166,8 +167,7 @@ def main() -> int:
                         print(f"MISMATCH: {route} v{version} differs from vLLM's own load of the same weights")
                         return 1
                 pauses[route].append(pause)
-                phases = "" if route == "vllm-reload" else "  (" + ", ".join(
-                    f"{k.removesuffix('_s')} {v * 1000:.1f}" for k, v in _backend(llm).last.items()) + " ms)"
+                phases = "" if route == "vllm-reload" else _phases(_backend(llm).last)
                 print(f"round {rnd} {route:>19} v{version}: pause {pause * 1000:8.1f} ms{phases}", flush=True)
     finally:
         llm.shutdown_weight_transfer_engine()
@@ -211,7 +211,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     import tensorhub
     from tensorhub.core.placement import REPLICATE, TensorPlacement
-    from tensorhub.tools.admin import cluster_state
+    from tensorhub.integrations.vllm import EXTENSION
     from tests.procs import ServerProcess
 
     tmp = tempfile.mkdtemp(prefix="bench_vllm-")
@@ -233,6 +233,7 @@ def serve_main(args: argparse.Namespace) -> int:
            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
            "--max-model-len", "128", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "8",
            "--max-num-batched-tokens", "256", "--weight-transfer-config", json.dumps({"backend": "tensorhub"}),
+           "--worker-extension-cls", EXTENSION,  # tensorhub_backend: the workers' state, read before a pause
            *(["--enforce-eager"] if args.eager else [])]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -265,12 +266,12 @@ def serve_main(args: argparse.Namespace) -> int:
                                                                   "return_token_ids": True},
                                   timeout=600).json()["choices"][0]["token_ids"] for p in PROMPTS]  # fmt: skip
 
+        def backends() -> list[dict]:
+            return post("/collective_rpc", {"method": "tensorhub_backend"})["results"]
+
         def staged(version: int) -> bool:
-            for mo in cluster_state(server.address, 10).models:
-                if mo.model == "bench:vllm-bfloat16-w1":
-                    return any(r.replica == "rollout-0" and all(sh.version == version and sh.state == "complete"
-                                                                for sh in r.shards) for r in mo.replicas)  # fmt: skip
-            return False
+            """Every worker holds ``version`` in staging and its processed layers are built."""
+            return all(b["staged"] == version for b in backends())
 
         post("/init_weight_transfer_engine", {"init_info": {"source_model": "bench", "replica": "rollout-0",
                                                             "server": server.address}})  # fmt: skip
@@ -313,7 +314,8 @@ def serve_main(args: argparse.Namespace) -> int:
                         print(f"MISMATCH: {route} v{version} differs from vLLM's own load of the same weights")
                         return 1
                 pauses[route].append(pause)
-                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms", flush=True)
+                phases = "" if route == "vllm-reload" else _phases(backends()[0]["last"])
+                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms{phases}", flush=True)
         post("/shutdown_weight_transfer_engine")
     finally:
         proc.terminate()
@@ -332,6 +334,12 @@ def serve_main(args: argparse.Namespace) -> int:
         m = median(xs)
         print(f"  {route:>15}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:5.2f}")
     return 0
+
+
+def _phases(last: dict[str, float]) -> str:
+    """A worker's last update, per phase: seconds (``*_s``) as ms, the rest as they are."""
+    return "  (" + ", ".join(f"{k.removesuffix('_s')} {v * 1000:.1f} ms" if k.endswith("_s") else f"{k} {v:g}"
+                             for k, v in last.items()) + ")"  # fmt: skip
 
 
 def _backend(llm: object) -> Any:

@@ -393,6 +393,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         #: (False: a prefetch only pulls, and the update replays and processes, as vLLM's reload does)
         self.flip = True
         self._shadow: _Shadow | None = None
+        self._retired: list[torch.Tensor] = []  # the storages a swap replaced (freed outside the pause)
 
     # rank and shard count of this worker in its engine (tensor x pipeline parallel)
     def _shard(self) -> tuple[int, int]:
@@ -500,6 +501,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             def run() -> None:
                 try:
                     with self._lock:
+                        self._retired.clear()  # the version before the last swap's storages, freed while serving
                         version = self._pull(update_info.version)
                         if self.flip:
                             self._shadow = None  # the one before, first: one shadow at a time in memory
@@ -519,6 +521,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             if shadow is not None and shadow.version == version:
                 self._swap(shadow)
             else:
+                self._retired.clear()
                 self._replay_all()
             self.loaded = version
             self.last["replay_s"] = time.perf_counter() - t1
@@ -674,6 +677,9 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             for new, live in ((params, live_params), (buffers, live_buffers)):
                 for n, src in new.items():
                     if rebind:
+                        # freeing the old storage here would cost the pause ~0.1 ms per MiB: kept
+                        # until the next prefetch (or update) releases it, outside the pause
+                        self._retired.append(live[n].data)
                         live[n].data = src.data
                     else:
                         live[n].data.copy_(src)
@@ -687,8 +693,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         for layer in self.model.modules():
             if is_deferred_attention_layer(layer):
                 layer.process_weights_after_loading(self.model_config.dtype)
-        self.last.update(swap_s=t1 - t, pending_s=t2 - t1, attention_s=clock() - t2, shadow_build_s=shadow.seconds,
-                         shadow_mib=shadow.nbytes / 2**20, pending=float(len(shadow.pending)))  # fmt: skip
+        self.last.update(swap_s=t1 - t, in_pause_s=t2 - t1, attention_s=clock() - t2, shadow_build_s=shadow.seconds,
+                         shadow_mib=shadow.nbytes / 2**20, in_pause_modules=float(len(shadow.pending)))  # fmt: skip
 
     def _rebind_storage(self) -> bool:
         """Whether a live parameter may take a new storage: nothing captured the old one (the CPU
@@ -711,6 +717,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         except BaseException:  # noqa: BLE001 - shutting down: the error was the prefetch's
             pass
         self._shadow = None
+        self._retired.clear()
         h, self.handle = self.handle, None
         if h is not None:
             h.close()
@@ -760,7 +767,7 @@ def _shadowable(mod: torch.nn.Module) -> bool:
     return not isinstance(quant, QuantizeMethodBase) or type(quant) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
 
 
-def _copy_module(mod: torch.nn.Module) -> torch.nn.Module:
+def _copy_module(mod: torch.nn.Module) -> Any:
     """A copy of ``mod`` sharing its attributes and children, with no tensors of its own yet
     (what processing assigns lands on the copy)."""
     copy = mod.__class__.__new__(mod.__class__)
