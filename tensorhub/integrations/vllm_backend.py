@@ -698,12 +698,15 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             live_params, live_buffers = get_layer_params_buffers(mod)
             for new, live in ((params, live_params), (buffers, live_buffers)):
                 for n, src in new.items():
-                    if rebind:
+                    old = live[n].data
+                    # a storage that views share keeps its data (copied into), as vLLM's reload does
+                    if rebind and _unshared(old, known=1):
                         # not freed here (~0.1 ms per MiB in the pause): the next build's buffer
-                        self._spare[(id(mod), "p" if new is params else "b", n)] = live[n].data
+                        self._spare[(id(mod), "p" if new is params else "b", n)] = old
                         live[n].data = src.data
                     else:
-                        live[n].data.copy_(src)
+                        old.copy_(src)
+                    del old
             mod.__dict__.update(attrs)
             for k in removed:
                 mod.__dict__.pop(k, None)
@@ -801,14 +804,14 @@ def _materialize(meta: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor
     return spare
 
 
-def _unshared(t: torch.Tensor) -> bool:
-    """Whether nothing but ``t`` holds its storage: no view of it lives on (MLA's processing
-    keeps views of ``kv_b_proj``'s weight, which the live attention layer may still use).
-    Unknown (a torch without the counter): no."""
+def _unshared(t: torch.Tensor, known: int = 0) -> bool:
+    """Whether nothing but ``t`` (and ``known`` other tensors: the parameter whose ``.data`` it
+    is) holds its storage: no view of it lives on (MLA's processing keeps views of
+    ``kv_b_proj``'s weight in the attention layer). Unknown (a torch without the counter): no."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
         return False
-    return bool(count(t.untyped_storage()._cdata) <= 2)  # t, and the storage object asked here
+    return bool(count(t.untyped_storage()._cdata) <= 2 + known)  # t, the storage object asked here
 
 
 def _copy_module(mod: torch.nn.Module) -> Any:
