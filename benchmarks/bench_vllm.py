@@ -16,7 +16,8 @@ pause: the time during which the engine cannot generate:
 - ``tensorhub``: ``start_weight_update`` + ``update_weights({"version": v})`` +
   ``finish_weight_update`` through the ``tensorhub`` backend (pull from the trainer + load);
 - ``tensorhub-prefetch``: the pull started by ``update_weights({"version": v, "prefetch": true})``
-  while the engine keeps generating (not counted), then the same three calls: the pause is the load.
+  while the engine keeps generating (not counted; the prefetch also builds the version's processed
+  layers), then the same three calls: the pause is the swap.
 
 After each round the engine's greedy tokens must equal the ``vllm-reload`` ones of that version
 (checked). Prints the median pause of each and their ratios to ``vllm-reload`` measured in the
@@ -32,7 +33,7 @@ from ``/pause`` to the end of ``/resume``:
 - ``tensorhub-flip``: ``/start_weight_update`` + ``/update_weights {"prefetch": true}`` while
   the server keeps answering completions (not counted) until every worker says (through
   ``/collective_rpc`` ``tensorhub_backend``) that the version is staged and its processed layers
-  built, then ``/pause`` -> ``/update_weights`` (the replay) ->
+  built, then ``/pause`` -> ``/update_weights`` (the swap) ->
   ``/finish_weight_update`` -> ``/resume``.
 """
 
@@ -178,7 +179,7 @@ def main() -> int:
     print(f"\nmedian pause per update ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same engine, same run):")
     for route, xs in pauses.items():
         m = median(xs)
-        print(f"  {route:>19}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:5.2f}")
+        print(f"  {route:>19}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:6.3f}")
     return 0
 
 
@@ -332,7 +333,7 @@ def serve_main(args: argparse.Namespace) -> int:
     print(f"\nmedian pause per update through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run):")
     for route, xs in pauses.items():
         m = median(xs)
-        print(f"  {route:>15}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:5.2f}")
+        print(f"  {route:>15}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:6.3f}")
     return 0
 
 
