@@ -34,7 +34,9 @@ from ``/pause`` to the end of ``/resume``:
   the server keeps answering completions (not counted) until every worker says (through
   ``/collective_rpc`` ``tensorhub_backend``) that the version is staged and its processed layers
   built, then ``/pause`` -> ``/update_weights`` (the swap) ->
-  ``/finish_weight_update`` -> ``/resume``.
+  ``/finish_weight_update`` -> ``/resume``;
+- ``pause-resume``: ``/pause`` -> ``/resume``, nothing between: what the HTTP calls and the
+  engine's own pause cost, the floor of every route.
 """
 
 from __future__ import annotations
@@ -276,10 +278,17 @@ def serve_main(args: argparse.Namespace) -> int:
 
         post("/init_weight_transfer_engine", {"init_info": {"source_model": "bench", "replica": "rollout-0",
                                                             "server": server.address}})  # fmt: skip
-        pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-flip": []}
+        pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-flip": [], "pause-resume": []}
         version = 0
         for rnd in range(args.rounds):
             for route in pauses:
+                if route == "pause-resume":  # the floor: two of the calls every route makes, nothing between
+                    t0 = time.perf_counter()
+                    post("/pause", mode="wait")
+                    post("/resume")
+                    pauses[route].append(time.perf_counter() - t0)
+                    print(f"round {rnd} {route:>15}: pause {pauses[route][-1] * 1000:8.1f} ms", flush=True)
+                    continue
                 version += 1
                 path = _next_version(trainer, weights, version, tmp)
                 if route == "tensorhub-flip":
