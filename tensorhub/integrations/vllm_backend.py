@@ -388,7 +388,8 @@ def _casts(staged: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[Cast
 
 class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInfo]):
     """The worker side: one TensorHub handle per vLLM worker (its rank in the engine is the
-    shard), a staging set in checkpoint names, and the loader trace replayed into the model."""
+    shard), a staging set in checkpoint names, and the loader trace replayed from it into
+    processed copies of the model's modules, swapped in at the update."""
 
     init_info_cls = TensorHubInitInfo
     update_info_cls = TensorHubUpdateInfo
@@ -400,9 +401,9 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         self.trace: LoaderTrace | None = None
         self.staging: dict[str, torch.Tensor] = {}
         self.loaded: int | None = None  #: the version the model's parameters hold
-        self.last: dict[str, float] = {}  #: seconds of the last update's pull and replay
+        self.last: dict[str, float] = {}  #: the last update's phases (``*_s``: seconds): pull, build, swap...
         self._timeout: float | None = None
-        self._lock = threading.Lock()  # one pull or replay at a time (the handle takes one call)
+        self._lock = threading.Lock()  # one pull, build or swap at a time (the handle takes one call)
         self._prefetch: threading.Thread | None = None
         self._prefetch_error: BaseException | None = None
         #: build a version's processed layers beside the live ones (during a prefetch, or in the
@@ -457,7 +458,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         self.handle, self.trace, self.staging, self._timeout = h, trace, staging, info.timeout
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the parameters are only touched by ``update_weights``' replay."""
+        """Nothing to prepare: the parameters are only touched by ``update_weights``' swap."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -731,7 +732,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         return mode is not None and str(getattr(mode, "name", mode)) == "NONE"
 
     def finish_weight_update(self) -> None:
-        """Nothing left: ``update_weights`` replayed the whole model. (The version vLLM reports
+        """Nothing left: ``update_weights`` loaded the whole model. (The version vLLM reports
         is the frontend's: ``finish_weight_update(weight_version=...)``.)"""
 
     def shutdown(self) -> None:
