@@ -16,7 +16,8 @@ pause: the time during which the engine cannot generate:
 - ``tensorhub``: ``start_weight_update`` + ``update_weights({"version": v})`` +
   ``finish_weight_update`` through the ``tensorhub`` backend (pull from the trainer + load);
 - ``tensorhub-prefetch``: the pull started by ``update_weights({"version": v, "prefetch": true})``
-  while the engine keeps generating (not counted), then the same three calls: the pause is the load.
+  while the engine keeps generating (not counted; the prefetch also builds the version's processed
+  layers), then the same three calls: the pause is the swap.
 
 After each round the engine's greedy tokens must equal the ``vllm-reload`` ones of that version
 (checked). Prints the median pause of each and their ratios to ``vllm-reload`` measured in the
@@ -30,9 +31,12 @@ from ``/pause`` to the end of ``/resume``:
 - ``tensorhub``: ``/pause`` -> ``/start_weight_update`` -> ``/update_weights`` ->
   ``/finish_weight_update`` -> ``/resume``;
 - ``tensorhub-flip``: ``/start_weight_update`` + ``/update_weights {"prefetch": true}`` while
-  the server keeps answering completions (not counted) until the reference server shows the
-  engine's replica holding the version, then ``/pause`` -> ``/update_weights`` (the replay) ->
-  ``/finish_weight_update`` -> ``/resume``.
+  the server keeps answering completions (not counted) until every worker says (through
+  ``/collective_rpc`` ``tensorhub_backend``) that the version is staged and its processed layers
+  built, then ``/pause`` -> ``/update_weights`` (the swap) ->
+  ``/finish_weight_update`` -> ``/resume``;
+- ``pause-resume``: ``/pause`` -> ``/resume``, nothing between: what the HTTP calls and the
+  engine's own pause cost, the floor of every route.
 """
 
 from __future__ import annotations
@@ -166,7 +170,8 @@ def main() -> int:
                         print(f"MISMATCH: {route} v{version} differs from vLLM's own load of the same weights")
                         return 1
                 pauses[route].append(pause)
-                print(f"round {rnd} {route:>19} v{version}: pause {pause * 1000:8.1f} ms", flush=True)
+                phases = "" if route == "vllm-reload" else _phases(_backend(llm).last)
+                print(f"round {rnd} {route:>19} v{version}: pause {pause * 1000:8.1f} ms{phases}", flush=True)
     finally:
         llm.shutdown_weight_transfer_engine()
         trainer.close()
@@ -176,7 +181,7 @@ def main() -> int:
     print(f"\nmedian pause per update ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same engine, same run):")
     for route, xs in pauses.items():
         m = median(xs)
-        print(f"  {route:>19}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:5.2f}")
+        print(f"  {route:>19}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:6.3f}")
     return 0
 
 
@@ -209,7 +214,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     import tensorhub
     from tensorhub.core.placement import REPLICATE, TensorPlacement
-    from tensorhub.tools.admin import cluster_state
+    from tensorhub.integrations.vllm import EXTENSION
     from tests.procs import ServerProcess
 
     tmp = tempfile.mkdtemp(prefix="bench_vllm-")
@@ -231,6 +236,7 @@ def serve_main(args: argparse.Namespace) -> int:
            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
            "--max-model-len", "128", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "8",
            "--max-num-batched-tokens", "256", "--weight-transfer-config", json.dumps({"backend": "tensorhub"}),
+           "--worker-extension-cls", EXTENSION,  # tensorhub_backend: the workers' state, read before a pause
            *(["--enforce-eager"] if args.eager else [])]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -263,19 +269,26 @@ def serve_main(args: argparse.Namespace) -> int:
                                                                   "return_token_ids": True},
                                   timeout=600).json()["choices"][0]["token_ids"] for p in PROMPTS]  # fmt: skip
 
+        def backends() -> list[dict]:
+            return post("/collective_rpc", {"method": "tensorhub_backend"})["results"]
+
         def staged(version: int) -> bool:
-            for mo in cluster_state(server.address, 10).models:
-                if mo.model == "bench:vllm-bfloat16-w1":
-                    return any(r.replica == "rollout-0" and all(sh.version == version and sh.state == "complete"
-                                                                for sh in r.shards) for r in mo.replicas)  # fmt: skip
-            return False
+            """Every worker holds ``version`` in staging and its processed layers are built."""
+            return all(b["staged"] == version for b in backends())
 
         post("/init_weight_transfer_engine", {"init_info": {"source_model": "bench", "replica": "rollout-0",
                                                             "server": server.address}})  # fmt: skip
-        pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-flip": []}
+        pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-flip": [], "pause-resume": []}
         version = 0
         for rnd in range(args.rounds):
             for route in pauses:
+                if route == "pause-resume":  # the floor: two of the calls every route makes, nothing between
+                    t0 = time.perf_counter()
+                    post("/pause", mode="wait")
+                    post("/resume")
+                    pauses[route].append(time.perf_counter() - t0)
+                    print(f"round {rnd} {route:>15}: pause {pauses[route][-1] * 1000:8.1f} ms", flush=True)
+                    continue
                 version += 1
                 path = _next_version(trainer, weights, version, tmp)
                 if route == "tensorhub-flip":
@@ -311,7 +324,8 @@ def serve_main(args: argparse.Namespace) -> int:
                         print(f"MISMATCH: {route} v{version} differs from vLLM's own load of the same weights")
                         return 1
                 pauses[route].append(pause)
-                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms", flush=True)
+                phases = "" if route == "vllm-reload" else _phases(backends()[0]["last"])
+                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms{phases}", flush=True)
         post("/shutdown_weight_transfer_engine")
     finally:
         proc.terminate()
@@ -328,14 +342,24 @@ def serve_main(args: argparse.Namespace) -> int:
     print(f"\nmedian pause per update through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run):")
     for route, xs in pauses.items():
         m = median(xs)
-        print(f"  {route:>15}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:5.2f}")
+        print(f"  {route:>15}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:6.3f}")
     return 0
+
+
+def _phases(last: dict[str, float]) -> str:
+    """A worker's last update, per phase: seconds (``*_s``) as ms, the rest as they are."""
+    return "  (" + ", ".join(f"{k.removesuffix('_s')} {v * 1000:.1f} ms" if k.endswith("_s") else f"{k} {v:g}"
+                             for k, v in last.items()) + ")"  # fmt: skip
+
+
+def _backend(llm: object) -> Any:
+    """The in-process worker's tensorhub weight-transfer engine."""
+    return llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine  # type: ignore[attr-defined]
 
 
 def _staged(llm: object) -> int | None:
     """The version the in-process worker's staging set holds (None: none, or still pulling)."""
-    worker = llm.llm_engine.model_executor.driver_worker.worker  # type: ignore[attr-defined]
-    return worker.weight_transfer_engine.staged
+    return _backend(llm).staged
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -99,8 +100,9 @@ def server():
     s.stop()
 
 
-def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: object, after_init=lambda: None) -> None:
-    """v1 and v2 from a trainer of SHARDS shards; each equals the engine loaded from its checkpoint."""
+def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: object, after_init=lambda: None) -> dict:
+    """v1 and v2 from a trainer of SHARDS shards; each equals the engine loaded from its checkpoint.
+    v2 is prefetched and swapped in; returns that update's phases (the backend's ``last``)."""
     w1, w2 = save(cls, config, 1, str(tmp_path / "v1")), save(cls, config, 2, str(tmp_path / "v2"))
     before = generate(llm)
     trainer = Trainer(model, w1, server.address, LLMClient(llm), {"replica": f"rollout-{model}", "timeout": 120})
@@ -117,16 +119,29 @@ def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: 
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": 2, "prefetch": True}})  # returns at once
         assert generate(llm) == got1
-        llm.update_weights({"update_info": {"version": 2}})  # waits for the pull, then loads
+        # the prefetch pulls v2 and builds its processed layers beside the live ones: still v1 served
+        deadline = time.monotonic() + 300
+        while backend(llm).staged != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert backend(llm).staged == 2
+        assert generate(llm) == got1
+        llm.update_weights({"update_info": {"version": 2}})  # the swap (and what is processed in the pause)
         llm.finish_weight_update(weight_version="2")
+        last = dict(backend(llm).last)
+        assert "swap_s" in last, last  # swapped in, not replayed
         llm.reset_prefix_cache()
         got2 = generate(llm)
         assert llm.get_weight_version() == "2"
         assert got2 != got1
         assert got2 == reference(llm, str(tmp_path / "v2"))
+        return last
     finally:
         llm.shutdown_weight_transfer_engine()
         trainer.close()
+
+
+def backend(llm: vllm.LLM):  # noqa: ANN201 - the in-process worker's TensorHubWeightTransferEngine
+    return llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine
 
 
 def test_dense_compiled_in_process(tmp_path, server):
@@ -155,7 +170,11 @@ def test_dense_compiled_in_process(tmp_path, server):
                                                           "convert_from": "qwen", "server": server.address})  # fmt: skip
         assert generate(llm)  # still serving
         del base
-        _round_trip(llm, tmp_path, server, "qwen", transformers.Qwen3ForCausalLM, dense_config())
+        last = _round_trip(llm, tmp_path, server, "qwen", transformers.Qwen3ForCausalLM, dense_config())
+        assert last["in_pause_modules"] == 0  # every module of a dense model processed during the prefetch
+        # the tensorhub backend's state, as an HTTP client reads it through /collective_rpc (shut down: nothing staged)
+        (state,) = llm.collective_rpc("tensorhub_backend")
+        assert state["loaded"] == 2 and state["staged"] is None and "swap_s" in state["last"]
         with pytest.raises(InvalidArgument, match="version"):
             llm.start_weight_update()
             llm.update_weights({"update_info": {"version": -1}})
@@ -176,8 +195,9 @@ def test_moe_compiled_in_process(tmp_path, server):
     llm = engine(str(tmp_path / "v0"))
     try:
         seen: set[str] = set()
-        _round_trip(llm, tmp_path, server, "qwen-moe", transformers.Qwen3MoeForCausalLM, moe_config(),
-                    lambda: seen.update(traced(llm)))  # fmt: skip
+        last = _round_trip(llm, tmp_path, server, "qwen-moe", transformers.Qwen3MoeForCausalLM, moe_config(),
+                           lambda: seen.update(traced(llm)))  # fmt: skip
+        assert last["in_pause_modules"] == 2  # the fused-MoE method keeps a kernel of its own: its experts processed in the pause
         # the experts, stacked: gate and up of every expert in w13, down in w2
         assert {p for p in seen if p.endswith(("w13_weight", "w2_weight"))} >= {
             f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in range(2) for w in ("w13_weight", "w2_weight")}

@@ -221,6 +221,21 @@ class WorkerExtension:
         """The version the parameters hold (None: none)."""
         return self._th_handle().version
 
+    def tensorhub_backend(self) -> dict[str, Any]:
+        """This worker's ``tensorhub`` weight-transfer backend (``weight_transfer_config``), not
+        this extension's handle: ``staged``, the version a prefetch made ready to swap in (None:
+        none, or still pulling and processing), ``loaded``, the version its parameters hold,
+        ``last``, the last update's seconds per phase. What an HTTP client asks through
+        ``/collective_rpc`` before it pauses the server for the update.
+
+        Raises:
+            UsageError: the engine has no tensorhub weight-transfer engine.
+        """
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "staged"):
+            raise UsageError('this engine has no tensorhub weight-transfer engine: weight_transfer_config={"backend": "tensorhub"}')
+        return {"staged": engine.staged, "loaded": engine.loaded, "last": dict(engine.last)}
+
     def tensorhub_close(self) -> None:
         """Close this worker's handle (the parameters keep what they hold)."""
         h, self._th = self._th, None
