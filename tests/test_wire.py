@@ -1376,7 +1376,7 @@ def test_a_struct_with_a_default_factory_keeps_the_dataclass_init():
         wire.from_plain(Bag, {"n": 2, "items": ["x"]})
 
 
-def test_a_frame_that_failed_to_pack_leaves_nothing_in_the_threads_packer():
+def test_a_frame_that_failed_to_pack_leaves_nothing_in_the_reused_packer():
     bad = dataclasses.replace(BY_KIND["register"], endpoint={"x": object()})  # not msgpack data
     good = BY_KIND["grant"]
     before = wire.encode(good)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import types
 import typing
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
@@ -543,17 +542,22 @@ def _compile_encode(schema: _Schema, encoders: dict[str, Callable[[Any], Any]]) 
     return encode
 
 
-_THREAD = threading.local()  # each thread's msgpack Packer (a Packer is not thread-safe)
+_PACKERS: list[msgpack.Packer] = []  # idle Packers (one is not thread-safe): a frame takes one and puts it back
 
 
 def _pack(obj: Any) -> bytes:
-    """``msgpack.packb(obj, use_bin_type=True)`` through this thread's Packer: ``packb`` makes
-    (and allocates the buffer of) a new Packer for every frame."""
+    """``msgpack.packb(obj, use_bin_type=True)`` through a reused Packer: ``packb`` makes (and
+    allocates the buffer of) a new Packer for every frame. ``list.pop`` and ``append`` are atomic,
+    so threads packing at once each hold a Packer of their own (no lock, no thread-local: the
+    core imports no threading)."""
     try:
-        packer = _THREAD.packer
-    except AttributeError:
-        packer = _THREAD.packer = msgpack.Packer(use_bin_type=True)
-    frame: bytes = packer.pack(obj)  # autoreset: the buffer is emptied after each frame, or error
+        packer = _PACKERS.pop()
+    except IndexError:
+        packer = msgpack.Packer(use_bin_type=True)
+    try:
+        frame: bytes = packer.pack(obj)  # autoreset: the buffer is emptied after each frame, or error
+    finally:
+        _PACKERS.append(packer)
     return frame
 
 

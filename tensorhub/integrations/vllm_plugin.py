@@ -15,6 +15,7 @@ __all__ = ["BACKEND", "register"]
 #: The name of the backend in vLLM's weight-transfer factories.
 BACKEND = "tensorhub"
 _MODULE = "tensorhub.integrations.vllm_backend"
+_TRAINER_MODULE = "tensorhub.integrations.vllm_trainer"
 
 
 def register() -> None:
@@ -25,4 +26,4 @@ def register() -> None:
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, _MODULE, "TensorHubWeightTransferEngine")
     if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, _MODULE, "TensorHubTrainerWeightTransferEngine")
+        WeightTransferTrainerFactory.register_engine(BACKEND, _TRAINER_MODULE, "TensorHubTrainerWeightTransferEngine")

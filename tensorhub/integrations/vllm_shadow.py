@@ -1,0 +1,100 @@
+"""The shadow of a vLLM worker's model: the next version's processed layers, built beside the
+live ones while the engine serves (:mod:`tensorhub.integrations.vllm_backend`'s BUILD and SWAP).
+
+What is here decides which modules may be built beside the live ones (:func:`_shadowable`), makes
+their tensors real in the storages a previous swap retired (:func:`_materialize`, never one that a
+view still shares: :func:`_unshared`), copies a module without its tensors (:func:`_copy_module`)
+and compares layouts (:func:`_same_layout`). The engine does the building and the swapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: what a module's ``__dict__`` holds of its tensors and children (not attributes processing set)
+_MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+_MISSING = object()
+
+__all__ = ["_MISSING", "_MODULE_STATE", "_Shadow", "_copy_module", "_materialize", "_same_layout", "_shadowable", "_unshared"]
+
+
+@dataclass
+class _Shadow:
+    """The processed layers of one staged version, waiting to be swapped in.
+
+    Attributes:
+        swaps: per module, (module, its processed parameters, buffers, the attributes its
+            processing set, the attributes it removed).
+        pending: modules of kinds processed in the pause instead (:func:`_shadowable`).
+        nbytes: the shadow's tensors (what the CPU kernels pack, e.g. oneDNN's copy of a
+            weight, is not counted: it lives in the kernel's handle).
+    """
+
+    version: int
+    swaps: list[tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any], set[str]]] = field(default_factory=list)  # fmt: skip
+    pending: list[Any] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def _shadowable(mod: torch.nn.Module) -> bool:
+    """Whether ``mod``'s weight processing may run on a copy of it while it serves: no
+    processing at all (norms), or vLLM's unquantized linear and embedding methods, whose
+    ``process_weights_after_loading`` (vLLM 0.32) reads the layer's own tensors and sets the
+    layer's own attributes only (CPU: ``dispatch_cpu_unquantized_gemm``). Other methods keep
+    state of their own (the fused-MoE method's kernel) or read other layers (attention): those
+    modules are processed in the pause."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES
+
+    if is_deferred_attention_layer(mod) or type(mod).__name__ in SKIP_MODULES:
+        return False
+    quant = getattr(mod, "quant_method", None)
+    return not isinstance(quant, QuantizeMethodBase) or type(quant) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+
+
+def _materialize(meta: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
+    """``meta`` (a parameter or buffer in the checkpoint layout, on the meta device) made real:
+    in ``spare``'s storage when it has that layout (the tensor a swap retired), else new."""
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+
+    if (spare is None or spare.shape != meta.shape or spare.stride() != meta.stride() or spare.dtype != meta.dtype
+            or not _unshared(spare)):  # fmt: skip
+        return materialize_meta_tensor(meta)
+    spare.__class__ = meta.__class__
+    spare.__dict__ = meta.__dict__.copy()
+    return spare
+
+
+def _unshared(t: torch.Tensor, known: int = 0) -> bool:
+    """Whether nothing but ``t`` (and ``known`` other tensors: the parameter whose ``.data`` it
+    is) holds its storage: no view of it lives on (MLA's processing keeps views of
+    ``kv_b_proj``'s weight in the attention layer). Unknown (a torch without the counter): no."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return False
+    return bool(count(t.untyped_storage()._cdata) <= 2 + known)  # t, the storage object asked here
+
+
+def _copy_module(mod: torch.nn.Module) -> Any:
+    """A copy of ``mod`` sharing its attributes and children, with no tensors of its own yet
+    (what processing assigns lands on the copy)."""
+    copy = mod.__class__.__new__(mod.__class__)
+    copy.__dict__.update(vars(mod))
+    copy.__dict__.update(_parameters={}, _buffers={}, _modules=dict(mod._modules),
+                         _non_persistent_buffers_set=set(mod._non_persistent_buffers_set))  # fmt: skip
+    return copy
+
+
+def _same_layout(new: dict[str, torch.Tensor], live: dict[str, torch.Tensor], exact: bool) -> bool:
+    """Whether every tensor of ``new`` has its live counterpart's shape and dtype (and, with
+    ``exact``, the same names)."""
+    if exact and set(new) != set(live):
+        return False
+    return all(n in live and live[n].shape == t.shape and live[n].dtype == t.dtype for n, t in new.items())
