@@ -342,6 +342,15 @@ def test_info_and_trainer_bad_input_and_calls(tmp_path, server):
         update(_Recorder(), "latest")
     with pytest.raises(InvalidArgument, match="model="):
         TensorHubTrainerWeightTransferEngine.trainer_init(TensorHubTrainerInitInfo(rank=0), tensors={})
+    # vLLM's factories find both sides by the backend's name (the plugin registers module paths)
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from tensorhub.integrations.vllm_backend import TensorHubWeightTransferEngine
+    from tensorhub.integrations.vllm_plugin import register
+
+    register()
+    assert WeightTransferEngineFactory._registry["tensorhub"]() is TensorHubWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["tensorhub"]() is TensorHubTrainerWeightTransferEngine
 
     # a one-shard trainer: it sends the engine its tensors' names and shapes, publishes a
     # reference, and drives start / update / finish with the version as vLLM's weight version
