@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,10 +78,10 @@ def measure(sessions: int, rounds: int) -> dict[str, list[float]]:
 
 
 def _child(root: Path, args: argparse.Namespace) -> dict[str, list[float]]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(root),
-           "--sessions", str(args.sessions), "--rounds", "3"]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
-    figures: dict[str, list[float]] = json.loads(out.stdout.strip().splitlines()[-1])
+    from benchmarks.harness.processes import in_checkout  # here: the child imports the other tree's harness
+
+    figures: dict[str, list[float]] = in_checkout(Path(__file__).resolve(), root, [
+        "--sessions", str(args.sessions), "--rounds", "3"], timeout=600)  # fmt: skip
     return figures
 
 

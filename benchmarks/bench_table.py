@@ -42,7 +42,6 @@ from collections import deque
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -200,10 +199,10 @@ def run(clients: int, rounds: int, seed: int) -> dict[str, dict[str, list[float]
 
 def _child(root: Path, args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     """Two rounds in a fresh process, this script's workload against ``root``'s tensorhub."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(root), "--clients", str(args.clients),
-           "--rounds", "2", "--seed", str(args.seed)]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
-    figures: dict[str, dict[str, list[float]]] = json.loads(out.stdout.strip().splitlines()[-1])
+    from benchmarks.harness.processes import in_checkout  # here: the child imports the other tree's harness
+
+    figures: dict[str, dict[str, list[float]]] = in_checkout(Path(__file__).resolve(), root, [
+        "--clients", str(args.clients), "--rounds", "2", "--seed", str(args.seed)], timeout=600)  # fmt: skip
     return figures
 
 

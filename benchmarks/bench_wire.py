@@ -35,7 +35,6 @@ import argparse
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -130,12 +129,9 @@ def instructions(op: str, count: int) -> int:
 
 def _child(root: Path, count: int) -> dict[str, float]:
     """One round in a fresh process, importing tensorhub from ``root``."""
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(root), "--count", str(count)],
-        check=True, capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    figures: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    from benchmarks.harness.processes import in_checkout  # here: the child imports the other tree's harness
+
+    figures: dict[str, float] = in_checkout(Path(__file__).resolve(), root, ["--count", str(count)], timeout=300)
     return figures
 
 

@@ -35,7 +35,7 @@ from benchmarks.harness.measure import (
     timings,
     verdict,
 )
-from benchmarks.harness.processes import BenchmarkError, Child, fork_server, free_port, start_server, stop_process
+from benchmarks.harness.processes import BenchmarkError, Child, fork_server, free_port, in_checkout, start_server, stop_process
 from benchmarks.harness.report import git_head, pyplot, write_json
 
 __all__ = [

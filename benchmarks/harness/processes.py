@@ -4,6 +4,7 @@ the error every benchmark raises when it cannot measure honestly."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import select
@@ -14,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["BenchmarkError", "Child", "fork_server", "free_port", "start_server", "stop_process"]
+__all__ = ["BenchmarkError", "Child", "fork_server", "free_port", "in_checkout", "start_server", "stop_process"]
 
 
 class BenchmarkError(RuntimeError):
@@ -73,6 +74,26 @@ def stop_process(proc: subprocess.Popen) -> None:
             proc.wait(5)
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+def in_checkout(script: str | os.PathLike[str], root: str | os.PathLike[str], args: list[str], timeout: float) -> Any:
+    """Run ``script --child --tree ROOT *args`` in a fresh process that imports tensorhub from
+    ``root`` (the checkout ``--against`` names, or this one) and return the JSON its last line of
+    output holds: how the ``--against`` benchmarks measure two trees alternately.
+
+    Raises:
+        BenchmarkError: the process failed or printed no JSON (its stderr's tail is in the message).
+    """
+    cmd = [sys.executable, str(script), "--child", "--tree", str(root), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(root)},
+                         check=False)  # fmt: skip
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        raise BenchmarkError(f"{' '.join(cmd)} exited {out.returncode}: {out.stderr[-2000:]}")
+    try:
+        return json.loads(lines[-1])
+    except ValueError as err:
+        raise BenchmarkError(f"{' '.join(cmd)} printed no JSON last: {lines[-1][:200]!r}") from err
 
 
 def fork_server(*preload: str) -> Any:
