@@ -82,6 +82,15 @@ def _next_version(trainer: Any, weights: dict[str, Any], version: int, tmp: str)
     return path
 
 
+def _print_medians(pauses: dict[str, list[float]], how: str, width: int) -> None:
+    """Each route's median pause and its ratio to vLLM's own reload (the baseline, same run)."""
+    base = median(pauses["vllm-reload"])
+    print(f"\nmedian pause per update {how}:")
+    for route, xs in pauses.items():
+        m = median(xs)
+        print(f"  {route:>{width}}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:6.3f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -177,11 +186,7 @@ def main() -> int:
         trainer.close()
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint per version: gigabytes
-    base = median(pauses["vllm-reload"])
-    print(f"\nmedian pause per update ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same engine, same run):")
-    for route, xs in pauses.items():
-        m = median(xs)
-        print(f"  {route:>19}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:6.3f}")
+    _print_medians(pauses, f"({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same engine, same run)", 19)
     return 0
 
 
@@ -338,11 +343,7 @@ def serve_main(args: argparse.Namespace) -> int:
         trainer.close()
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint per version: gigabytes
-    base = median(pauses["vllm-reload"])
-    print(f"\nmedian pause per update through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run):")
-    for route, xs in pauses.items():
-        m = median(xs)
-        print(f"  {route:>15}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:6.3f}")
+    _print_medians(pauses, f"through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run)", 15)
     return 0
 
 
