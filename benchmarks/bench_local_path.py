@@ -124,6 +124,79 @@ def _summary(stats: pstats.Stats, title: str) -> str:
     return out.getvalue()
 
 
+# ---- a timeline of one round ----------------------------------------------------------------------
+
+
+_HOLDER_MARKS = (("tensorhub.runtime.engine", "EngineActor", "_publish_job", "publish job"),
+                 ("tensorhub.runtime.checksum", None, "compute", "holder hash"))  # fmt: skip
+_READER_MARKS = (("tensorhub.runtime.engine", "EngineActor", "on_Grant", "grant"),
+                 ("tensorhub.runtime.engine", "EngineActor", "_read", "read"),
+                 ("tensorhub.runtime.engine", "EngineActor", "_learn_checksums", "checksums learned"),
+                 ("tensorhub.runtime.engine", "EngineActor", "on__Verified", "verified"),
+                 ("tensorhub.runtime.engine", "EngineActor", "on__Unpacked", "complete sent"))  # fmt: skip
+
+
+class _Marks:
+    """When marked calls began and ended in this process (monotonic: one clock for every process
+    of the host), first and last of each, from ``--timeline``: where a round's wall time goes
+    between the processes (the publisher's hashing, the grant, the reads, the checksums' arrival,
+    the verification and the completion)."""
+
+    def __init__(self, marks: tuple) -> None:
+        import importlib
+        import inspect
+
+        self.seen: dict[str, list[float]] = {}
+        for module, cls, attr, name in marks:
+            owner = importlib.import_module(module)
+            if cls is not None:
+                owner = getattr(owner, cls)
+            original = getattr(owner, attr)
+            wrapper = self._wrap_async(original, name) if inspect.iscoroutinefunction(original) else self._wrap(original, name)
+            setattr(owner, attr, wrapper)
+
+    def _note(self, name: str, t: float) -> None:
+        got = self.seen.setdefault(name, [t, t])
+        got[0], got[1] = min(got[0], t), max(got[1], t)
+
+    def _wrap(self, original: Any, name: str) -> Any:
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            self._note(name + " >", time.monotonic())
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._note(name + " <", time.monotonic())
+
+        return marked
+
+    def _wrap_async(self, original: Any, name: str) -> Any:
+        async def marked(*args: Any, **kwargs: Any) -> Any:
+            self._note(name + " >", time.monotonic())
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                self._note(name + " <", time.monotonic())
+
+        return marked
+
+    def take(self, start: float) -> dict[str, tuple[float, float]]:
+        """Each mark's first and last time since ``start``, in ms; the marks start over."""
+        out = {k: (1e3 * (a - start), 1e3 * (b - start)) for k, (a, b) in self.seen.items()}
+        self.seen.clear()
+        return out
+
+
+def _timeline(rows: list[dict[str, tuple[float, float]]]) -> list[str]:
+    """Median first and last ms of each mark over the rounds, in time order."""
+    names = sorted({k for r in rows for k in r}, key=lambda k: median([r[k][0] for r in rows if k in r]))
+    out = []
+    for k in names:
+        first = median([r[k][0] for r in rows if k in r])
+        last = median([r[k][1] for r in rows if k in r])
+        out.append(f"    {k:<24} first {first:8.1f} ms   last {last:8.1f} ms")
+    return out
+
+
 # ---- the processes ----------------------------------------------------------------------------------
 
 
@@ -192,12 +265,14 @@ def _pieces(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> list
     return out
 
 
-def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, local: dict) -> None:
+def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, local: dict, timeline: bool = False) -> None:
     try:
         profiles = _ThreadProfiles()
         if profile:
             profiles.install()
         import tensorhub
+
+        marks = _Marks(_HOLDER_MARKS) if timeline else None
 
         tensors = allocate(spec)
         fill_seeded(tensors, seed)
@@ -222,7 +297,7 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
                 handle.publish(version)
                 conn.send(("published", c0))
             elif msg[0] == "cpu":
-                conn.send(("cpu", _cpu(), _diff(_thread_cpu(), t0)))
+                conn.send(("cpu", _cpu(), _diff(_thread_cpu(), t0), marks.take(start) if marks is not None else None))
             elif msg[0] == "profile":
                 stats = profiles.snapshot()
                 text = ""
@@ -236,7 +311,7 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
 
 
 def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holder: tuple, threads: int,
-                profile: bool, local: dict) -> None:  # fmt: skip
+                profile: bool, local: dict, timeline: bool = False) -> None:  # fmt: skip
     try:
         profiles = _ThreadProfiles()
         if profile:
@@ -245,6 +320,8 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
         import xxhash
 
         import tensorhub
+
+        marks = _Marks(_READER_MARKS) if timeline else None
         from tensorhub.transports.local import _vm_read
 
         pid, remote, expected = holder
@@ -308,6 +385,9 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                 if stats is not None:
                     extra = {"reads": stats.reads, "verify_s": stats.verify_s, "hashed_on_landing": stats.hashed_on_landing}
                 extra["threads"] = _diff(t1, t0)
+                if marks is not None:
+                    extra["marks"] = marks.take(start)
+                    extra["marks"]["replicate returned"] = (1e3 * (end - start),) * 2
                 conn.send(("done", end - start, c1 - c0, ok, extra))
             elif msg[0] == "profile":
                 stats = profiles.snapshot()
@@ -329,13 +409,14 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
     """One holder and ``n`` readers; every kind in ``kinds`` for ``args.repeats`` rounds, the
     kinds interleaved round by round; then, with ``--profile``, one profiled TensorHub round."""
     profile = args.profile is not None
-    holder = Child("holder", holder_main, (spec, args.seed, server, profile, args.local_options), args.timeout)
+    holder = Child("holder", holder_main, (spec, args.seed, server, profile, args.local_options, args.timeline), args.timeout)
     readers: list[Child] = []
     try:
         _, pid, remote, expected = holder.expect("ready")
         for i in range(n):
             readers.append(Child(f"reader{i}", reader_main, (spec, args.seed, server, i, (pid, remote, expected),
-                                                              args.threads, profile, args.local_options), args.timeout))  # fmt: skip
+                                                              args.threads, profile, args.local_options, args.timeline),
+                                 args.timeout))  # fmt: skip
         for r in readers:
             r.expect("ready")
         results: dict[str, list[dict]] = {k: [] for k in kinds}
@@ -359,11 +440,13 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
                 r.send("run", kind, version, start)
             done = [r.expect("done") for r in readers]
             hold_cpu = 0.0
+            holder_marks = None
             if kind == "tensorhub":
                 c0 = holder.expect("published")[1]
                 holder.send("cpu")
                 got = holder.expect("cpu")
                 hold_cpu = got[1] - c0
+                holder_marks = got[3]
                 if args.threads_cpu:
                     print(f"  {kind} {n}r holder threads: {got[2]}")
             if args.threads_cpu:
@@ -387,6 +470,7 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
                 "reader_cpu_s": sum(d[2] for d in done),
                 "holder_cpu_s": hold_cpu,
                 "extra": [d[4] for d in done],
+                "holder_marks": holder_marks,
             })  # fmt: skip
         return results
     finally:
@@ -406,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default="tensorhub,memcpy,vm1,vmT,vm1+xxh3,vmT+xxh3")
     ap.add_argument("--profile", type=Path, help="folder for the cProfile output of one extra round")
     ap.add_argument("--threads-cpu", action="store_true", help="print each round's CPU seconds by thread kind")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print when the holder's and the first and last reader's steps happened (median ms after the start)")  # fmt: skip
     ap.add_argument("--local-options", type=json.loads, default={},
                     help='options of the local transport, as JSON (e.g. \'{"piece_bytes": 4194304}\')')  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
@@ -439,6 +525,12 @@ def main(argv: list[str] | None = None) -> int:
                 rc = median([r["reader_cpu_s"] for r in rows]) / (gb * n)
                 hc = median([r["holder_cpu_s"] for r in rows]) / (gb * n)
                 print(f"{k:<22} {n:>7} {wall:>8.3f} {gb / wall:>12.2f} {rc + hc:>9.3f} {rc:>7.3f} {hc:>7.3f}")
+                if args.timeline and k == "tensorhub":
+                    print("  holder")
+                    print("\n".join(_timeline([r["holder_marks"] for r in rows if r["holder_marks"]])))
+                    for i in sorted({0, n - 1}):
+                        print(f"  reader {i}")
+                        print("\n".join(_timeline([r["extra"][i]["marks"] for r in rows])))
             sys.stdout.flush()
     finally:
         stop_process(proc)

@@ -179,3 +179,44 @@ def test_units_are_placed_in_the_segments_that_hold_them_whole(unit_sizes, seg_s
         assert (u_src[at], u_dst[at], lengths[at]) == (src[j] + rel, dst[j] + rel, u_len[k])
         covered[j] += u_len[k]
     assert rest.tolist() == [j for j in range(len(cuts)) if covered[j] < s_len[j]]
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_a_large_hash_split_over_threads_gives_the_serial_checksums_in_order(
+    threads: int, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tensorhub.runtime import checksum
+
+    rng = random.Random(seed)
+    b = shard([rng.randrange(0, 40000) for _ in range(9)], seed)
+    serial = [checksum.digest(v) for u in b.plan.units for v in (b.views(u.offset, u.length) or [b""])]
+    monkeypatch.setenv("TENSORHUB_HASH_THREADS", str(threads))
+    monkeypatch.setattr(checksum, "_PARALLEL_BYTES", 1)
+    monkeypatch.setattr(checksum, "_GROUP_MIN", 4096)
+    split = []
+    real = checksum._unit_checksum
+
+    def seen(buffers: ShardBuffers, u: object) -> int:
+        split.append(threading.current_thread().name)
+        return real(buffers, u)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checksum, "_unit_checksum", seen)
+    assert compute(b) == serial
+    assert any(name.startswith("tensorhub-hash") for name in split), "nothing was hashed on another thread"
+    # A byte flipped in the last unit shows in that unit's checksum only.
+    last = b.plan.units[-1]
+    (view,) = b.views(last.offset + last.length - 1, 1)
+    view[0] ^= 0xFF
+    got = compute(b)
+    assert got[:-1] == serial[:-1] and got[-1] != serial[-1]
+
+
+def test_a_bad_hash_thread_count_is_refused_with_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorhub.runtime import checksum
+
+    b = shard([5000, 7000], 0)
+    monkeypatch.setattr(checksum, "_PARALLEL_BYTES", 1)
+    for bad in ("two", "0", "1000"):
+        monkeypatch.setenv("TENSORHUB_HASH_THREADS", bad)
+        with pytest.raises(InvalidArgument, match="TENSORHUB_HASH_THREADS"):
+            compute(b)

@@ -28,6 +28,7 @@ import bisect
 import os
 import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -117,9 +118,81 @@ def _address_table(buffers: ShardBuffers) -> tuple[np.ndarray, np.ndarray] | Non
     return addrs, sizes
 
 
+def _hash_threads() -> int:
+    """Threads a large CPU hash is split over: the cores this process may run on, up to 8
+    (``$TENSORHUB_HASH_THREADS`` overrides it; 1 hashes in the calling thread)."""
+    raw = os.environ.get("TENSORHUB_HASH_THREADS")
+    if raw is not None:
+        try:
+            n = int(raw)
+        except ValueError:
+            raise InvalidArgument(f"TENSORHUB_HASH_THREADS must be a whole number, got {raw!r}") from None
+        if not 1 <= n <= 256:
+            raise InvalidArgument(f"TENSORHUB_HASH_THREADS must be in [1, 256], got {n}")
+        return n
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+_PARALLEL_BYTES = 64 << 20  # a CPU hash of at least this many bytes is split over threads
+_GROUP_MIN = 16 << 20  # ... in groups of at least this many bytes each
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _hash_pool(threads: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < threads:
+            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tensorhub-hash")
+        return _pool
+
+
+def _groups(units: Sequence[Unit], k: int) -> list[Sequence[Unit]]:
+    """``units`` cut into at most ``k`` runs of consecutive units of about equal bytes."""
+    total = sum(u.length for u in units)
+    out: list[Sequence[Unit]] = []
+    start, acc = 0, 0
+    for i, u in enumerate(units):
+        acc += u.length
+        if acc * k >= total * (len(out) + 1) and len(out) < k - 1:
+            out.append(units[start : i + 1])
+            start = i + 1
+    out.append(units[start:])
+    return [g for g in out if g]
+
+
+def _xxh3_sums(buffers: ShardBuffers, units: Sequence[Unit]) -> list[int]:
+    """``xxh3-64`` of CPU units, split over :func:`_hash_threads` threads when they are large
+    (the hash releases the GIL): a publisher's checksums gate every partial holder's serving,
+    so a big shard's hash must not wait on one core. Same values, in the same order."""
+    threads = 1 if buffers.on_cuda else _hash_threads()
+    total = sum(u.length for u in units) if threads > 1 else 0
+    k = min(threads, total // _GROUP_MIN)
+    if threads == 1 or total < _PARALLEL_BYTES or k < 2:
+        return [_unit_checksum(buffers, u) for u in units]
+    groups = _groups(units, k)
+
+    def run(group: Sequence[Unit]) -> list[int]:
+        return [_unit_checksum(buffers, u) for u in group]
+
+    futures = [_hash_pool(threads).submit(run, g) for g in groups[1:]]
+    out = run(groups[0])  # this thread takes the first group
+    for f in futures:
+        out += f.result()
+    return out
+
+
 def _checksums(buffers: ShardBuffers, units: Sequence[Unit]) -> list[int]:
     if buffers.layout.checksum != wordmix.NAME:
-        return [_unit_checksum(buffers, u) for u in units]
+        return _xxh3_sums(buffers, units)
     if buffers.on_cuda and wordmix.backend(buffers.cuda_device) == "triton":
         table = buffers.__dict__.get("_wordmix_table", False)
         if table is False:  # built once per buffers: a 1 TB model's units cost no tensor each
