@@ -12,7 +12,13 @@ applied to whole **global** tensors (placements are the planner's business, not 
    gives its name in the destination's scheme (no match: the name is kept).
 2. :class:`Fuse` ``(target, parts, dim)``: renamed tensors matching the parts' patterns with the
    same captures are concatenated along ``dim``, in the parts' order, into ``target``. Parts may
-   differ in size along ``dim`` (grouped-query attention's ``q`` vs ``k``/``v``).
+   differ in size along ``dim`` (grouped-query attention's ``q`` vs ``k``/``v``). With ``stack``
+   (the name of a capture, e.g. ``"e"``), the tensors of every index ``0, 1, ...`` of that capture
+   go into the one ``target``, index after index, each index's parts in the parts' order: a
+   mixture of experts' per-expert ``gate_proj``/``up_proj`` become vLLM's stacked ``w13_weight``
+   (described flattened to two dimensions, ``[experts x rows, columns]``: the same bytes as vLLM's
+   ``[experts, rows, columns]`` parameter, so a packed placement's ``parts`` say where each
+   expert's gate and up rows are).
 3. :class:`Quantize` ``(target, scale)``: a destination weight matching ``target`` is FP8 e4m3
    with 128x128 blocks; each block's inverse scale (``amax / 448``, float32) lands in the
    destination tensor named by the ``scale`` template: the two are derived together, as a
@@ -153,11 +159,14 @@ class Rename:
 @struct
 class Fuse:
     """Renamed tensors matching ``parts`` (patterns capturing the same names) are concatenated
-    along ``dim``, in the parts' order, into ``target`` (a template)."""
+    along ``dim``, in the parts' order, into ``target`` (a template). With ``stack`` (a capture
+    of the parts that the target does not use), every index ``0..n-1`` of that capture goes into
+    the one target, in index order (see the module's docstring)."""
 
     target: str
     parts: tuple[str, ...]
     dim: int = 0
+    stack: str = ""
 
     def __post_init__(self) -> None:
         what = f"Fuse({self.target!r})"
@@ -170,7 +179,16 @@ class Fuse:
             raise InvalidArgument(f"{what}: a part is named twice")
         if type(self.dim) is not int or self.dim < 0:
             raise InvalidArgument(f"{what}: dim must be >= 0, got {self.dim!r}")
-        _template(self.target, names.pop(), what)
+        captured = names.pop()
+        if type(self.stack) is not str:
+            raise InvalidArgument(f"{what}: stack must be the name of a capture, got {self.stack!r}")
+        if self.stack:
+            if self.stack not in captured:
+                raise InvalidArgument(f"{what}: stack {self.stack!r} is not captured by its parts {list(self.parts)}")
+            if any(m.group(1) == self.stack for m in _CAPTURE.finditer(self.target)):
+                raise InvalidArgument(f"{what}: the target may not use the stacked capture {{{self.stack}}}")
+            captured = captured - {self.stack}
+        _template(self.target, captured, what)
 
 
 @struct
@@ -342,15 +360,16 @@ def resolve(mapping: Mapping, sources: TMapping[str, Any], targets: TMapping[str
                 new = _fill(r.target, caps)
                 break
         renamed.append((src, new))
-    # 2. fusions: group parts by (rule, captures)
-    groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, list[str]]] = {}
+    # 2. fusions: group parts by (rule, captures), each by (stacked index, part)
+    groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[tuple[str, int], list[str]]] = {}
     plain: dict[str, list[str]] = {}
     for src, new in renamed:
         for fi, f in enumerate(mapping.fusions):
             hit = next(((pi, c) for pi, p in enumerate(f.parts) if (c := _match(p, new)) is not None), None)
             if hit is not None:
                 pi, caps = hit
-                groups.setdefault((fi, tuple(sorted(caps.items()))), {}).setdefault(pi, []).append(src)
+                index = caps.pop(f.stack) if f.stack else ""
+                groups.setdefault((fi, tuple(sorted(caps.items()))), {}).setdefault((index, pi), []).append(src)
                 break
         else:
             plain.setdefault(new, []).append(src)
@@ -390,16 +409,27 @@ def resolve(mapping: Mapping, sources: TMapping[str, Any], targets: TMapping[str
     for (fi, caps_t), by_part in groups.items():
         f, caps = mapping.fusions[fi], dict(caps_t)
         target = _fill(f.target, caps)
-        missing = [_fill(p, caps) for pi, p in enumerate(f.parts) if pi not in by_part]
+        got = [s for srcs in by_part.values() for s in srcs]
+        indices = [""]
+        if f.stack:
+            seen = {index for index, _ in by_part}
+            odd = sorted(i for i in seen if not (i.isdecimal() and str(int(i)) == i))
+            if odd:
+                bad.add(f"fusion {target!r} stacks {f.stack!r} indices that are not numbers 0, 1, ...: {odd}", target, *got)
+                continue
+            indices = [str(i) for i in range(max(int(i) for i in seen) + 1)]
+        keys = [(index, pi) for index in indices for pi in range(len(f.parts))]
+        missing = [_fill(f.parts[pi], {**caps, f.stack: index} if f.stack else caps) for index, pi in keys if (index, pi) not in by_part]
         doubled = [srcs for srcs in by_part.values() if len(srcs) > 1]
         if missing:
-            got = [s for srcs in by_part.values() for s in srcs]
-            bad.add(f"fusion {target!r} lacks its parts {missing} (it has {got})", target, *missing, *got)
+            shown = missing[:8] + ([f"... {len(missing) - 8} more"] if len(missing) > 8 else [])
+            bad.add(f"fusion {target!r} lacks its parts {shown} (it has {len(got)}: {got[:8]}{' ...' if len(got) > 8 else ''})",
+                    target, *missing, *got)  # fmt: skip
             continue
         if doubled:
             bad.add(f"fusion {target!r}: one part is fed by several sources {doubled}", target, *doubled[0])
             continue
-        d = copy_of(target, f.dim, [by_part[pi][0] for pi in range(len(f.parts))])
+        d = copy_of(target, f.dim, [by_part[k][0] for k in keys])
         if d is not None:
             derived.setdefault(target, []).append(d)
     # 3. quantization bundles and casts
@@ -495,6 +525,14 @@ def preset(
     ``lm_head``, ``o_proj``, ``down_proj``) is kept. A destination sharded by tensor parallelism
     declares its fused tensors packed (``parts``), as vLLM's ranks hold them.
 
+    Their mixtures of experts (Qwen3-MoE; DeepSeek-V3's experts) too, as vLLM's ``FusedMoE``
+    loads them: every expert's ``mlp.experts.{e}.gate_proj, up_proj`` stacked into
+    ``mlp.experts.routed_experts.w13_weight`` and its ``down_proj`` into ``w2_weight`` (both
+    flattened to 2-D: :mod:`tensorhub.scheduling.decoders`), the shared experts' ``gate_proj,
+    up_proj`` into ``mlp.shared_experts.gate_up_proj``; the router is kept. With ``fp8`` the
+    stacked weights are quantized expert by expert, their scales in ``w13_weight_scale_inv`` /
+    ``w2_weight_scale_inv`` (vLLM's block-FP8 names), as the routed experts' linear layers.
+
     Args:
         fp8: quantize every linear layer's weight (``*_proj.weight``) to FP8 e4m3 with 128x128
             blocks, the inverse scales in ``*_proj.weight_scale_inv`` (vLLM's block-FP8 name).
@@ -509,13 +547,25 @@ def preset(
         raise InvalidArgument(f"no preset for {family!r}; known: {list(FAMILIES)}")
     layer = "{prefix:path}.layers.{i}"
     out = "{prefix}.layers.{i}"
+    expert = layer + ".mlp.experts.{e}"
+    routed = out + ".mlp.experts.routed_experts"
     fusions = (
         Fuse(out + ".self_attn.qkv_proj.{t}", tuple(f"{layer}.self_attn.{p}_proj.{{t}}" for p in "qkv")),
         Fuse(out + ".mlp.gate_up_proj.{t}", (layer + ".mlp.gate_proj.{t}", layer + ".mlp.up_proj.{t}")),
-    )
+        Fuse(out + ".mlp.shared_experts.gate_up_proj.{t}",
+             (layer + ".mlp.shared_experts.gate_proj.{t}", layer + ".mlp.shared_experts.up_proj.{t}")),
+        Fuse(routed + ".w13_weight", (expert + ".gate_proj.weight", expert + ".up_proj.weight"), stack="e"),
+        Fuse(routed + ".w2_weight", (expert + ".down_proj.weight",), stack="e"),
+    )  # fmt: skip
     quantize = (
-        (Quantize(layer + ".{block}.{proj}_proj.weight", out + ".{block}.{proj}_proj.weight_scale_inv"),) if fp8 else ()
-    )
+        (
+            Quantize(layer + ".{block}.{proj}_proj.weight", out + ".{block}.{proj}_proj.weight_scale_inv"),
+            Quantize(layer + ".mlp.shared_experts.{proj}_proj.weight", out + ".mlp.shared_experts.{proj}_proj.weight_scale_inv"),
+            Quantize(layer + ".mlp.experts.routed_experts.{w}_weight", out + ".mlp.experts.routed_experts.{w}_weight_scale_inv"),
+        )
+        if fp8
+        else ()
+    )  # fmt: skip
     casts = (Cast("{name:path}", dtype),) if dtype else ()
     return Mapping(tuple(renames), fusions, quantize, casts, ("{prefix:path}.rotary_emb.inv_freq", *ignore))
 
