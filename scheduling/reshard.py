@@ -51,6 +51,7 @@ Offsets in reads are relative to the source shard's local tensor; the transfer-s
 
 from __future__ import annotations
 
+import bisect
 import math
 import operator
 from collections.abc import Collection, Iterator, Sequence
@@ -361,6 +362,7 @@ def plan(
                 f"source tensor {name!r}: the source shards{whom} hold {have} of its {math.prod(src[name].shape)} elements",
                 tensors=(name,),
             )
+    rows: dict[str, tuple[list[_Holding], list[int], int, list[int]]] = {}
     slots: list[_Slot] = []
     drafts: list[tuple[int, tuple[TensorSpec, ...], list[tuple[Task, list[int]]]]] = []
     geometry: dict[tuple[Any, ...], tuple[int, Any]] = {}  # many reads share a geometry: compute it once
@@ -381,7 +383,7 @@ def plan(
             for task in _tasks_of(members, derivations, src, max_task_bytes):
                 ids = []
                 lo, hi = task.region.start, task.region.stop
-                for h in index[task.source]:
+                for h in _overlapping(rows, index, task.source, lo, hi):
                     start = tuple(map(max, lo, h.box.start))
                     stop = tuple(map(min, hi, h.box.stop))
                     if all(a < b for a, b in zip(start, stop)):
@@ -415,6 +417,33 @@ def plan(
             )
         shards.append(ShardPlan(j, specs, tuple(out)))
     return ReshardPlan(tuple(shards), tuple(final), max_gap)
+
+
+def _overlapping(
+    rows: dict[str, tuple[list[_Holding], list[int], int, list[int]]],
+    index: dict[str, list[_Holding]],
+    tensor: str,
+    lo: tuple[int, ...],
+    hi: tuple[int, ...],
+) -> list[_Holding]:
+    """The holdings of ``tensor`` that may overlap ``[lo, hi)``, in the index's order: those
+    whose first row is within the tallest holding's height of the region. The holdings of one
+    tensor are disjoint boxes (equal pieces are one holding), so nothing else can overlap, and an
+    expert sharded over hundreds of ranks is looked up without visiting them all."""
+    if not lo:  # a scalar
+        return index[tensor]
+    got = rows.get(tensor)
+    if got is None:
+        holdings = index[tensor]
+        order = sorted(range(len(holdings)), key=lambda k: (holdings[k].box.start[0], k))
+        got = rows[tensor] = ([holdings[k] for k in order], [holdings[k].box.start[0] for k in order],
+                              max(h.box.stop[0] - h.box.start[0] for h in holdings), order)  # fmt: skip
+    by_row, starts, tallest, order = got
+    a = bisect.bisect_right(starts, lo[0] - tallest)
+    b = bisect.bisect_left(starts, hi[0])
+    if b - a <= 1:
+        return by_row[a:b]
+    return [by_row[k] for k in sorted(range(a, b), key=order.__getitem__)]  # the index's order: balancing's ties follow it
 
 
 def _slot(

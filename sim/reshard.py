@@ -21,11 +21,15 @@ What comes from where:
   **one layer** of the model and the layers are extrapolated: every layer has the same tensors
   and FSDP shards each tensor on its own, so a layer's reads are the same in every layer (the
   extrapolation is exact, and keeps a 1T plan to about a second).
-- **Mixture of experts** is not in the decoder shapes: a layer's experts are described as one
-  MLP whose intermediate size is experts x expert width (the same bytes, and per rank the same
-  shapes as vLLM's stacked ``w13``/``w2``). Kimi-K2's MLA attention is stood in for by
-  grouped-query attention of the same head count (attention is about 1 % of its bytes), its
-  first dense layer and shared expert are left out; the parameter counts are printed.
+- **Mixture of experts** as the checkpoints have it and vLLM loads it
+  (:mod:`tensorhub.scheduling.decoders`): the trainer's per-expert ``gate_proj``/``up_proj``/
+  ``down_proj``, the router, Kimi-K2's shared expert and dense first layer; the engine's stacked
+  ``w13``/``w2`` under expert parallelism (each inference GPU holds ``experts / tp`` whole
+  experts, their block-FP8 scales beside them; attention and the shared expert tensor-parallel).
+  On the trainer the experts are FSDP-sharded over every GPU, or (``source_ep``) on their own
+  expert-parallel mesh as in the write-up: each expert only on its group's GPUs. Kimi-K2's MLA
+  attention is stood in for by grouped-query attention of the same head count (attention is
+  about 1 % of its bytes); the parameter counts are printed.
 - **Hardware and conversion** are stated inputs (:class:`ReshardInputs`), not measurements: a
   NIC per GPU each way at ``nic_gbps`` (the write-up's 400 Gbps), the data plane's
   ``efficiency``, and conversion at ``convert_gbps`` of source bytes per GPU, overlapped with
@@ -60,7 +64,7 @@ from typing import Any
 
 from tensorhub.core.errors import InvalidArgument
 from tensorhub.core.placement import ReplicaLayout
-from tensorhub.scheduling.decoders import DecoderShape, hf_placements, hf_tensors, vllm_placements
+from tensorhub.scheduling.decoders import DecoderShape, hf_layout, hf_tensors, vllm_placements
 from tensorhub.scheduling.mapping import preset
 from tensorhub.scheduling.reshard import DEFAULT_MAX_GAP, plan
 
@@ -99,27 +103,34 @@ class Decoder:
         sizes = {n: math.prod(s) for n, s in hf_tensors(one)}
         per_layer = sum(v for n, v in sizes.items() if ".layers.0." in n)
         rest = sum(v for n, v in sizes.items() if ".layers.0." not in n)
-        return rest + self.shape.layers * per_layer
+        if not self.shape.dense_layers:
+            return rest + self.shape.layers * per_layer
+        d = self.shape.dense_layers  # the first d layers are dense, the rest experts
+        two = dataclasses.replace(self.shape, layers=d + 1)
+        sizes = {n: math.prod(s) for n, s in hf_tensors(two)}
+        moe = sum(v for n, v in sizes.items() if f".layers.{d}." in n)
+        return sum(sizes.values()) + (self.shape.layers - d - 1) * moe
 
 
 MODELS = {
     # Qwen3-235B-A22B's config: 94 layers, hidden 4096, 64 query and 4 KV heads of 128, 128
-    # experts of width 1536 in every layer, vocabulary 151,936, untied embeddings.
+    # experts of width 1536 in every layer (no shared expert), vocabulary 151,936, untied
+    # embeddings.
     "Qwen3-235B": Decoder(
         "Qwen3-235B",
         "qwen3",
-        DecoderShape.family(
-            "qwen3", layers=94, hidden=4096, intermediate=128 * 1536, heads=64, kv_heads=4, head_dim=128, vocab=151936
-        ),
+        DecoderShape(layers=94, hidden=4096, intermediate=12288, heads=64, kv_heads=4, head_dim=128, vocab=151936,
+                     qk_norm=True, experts=128, expert_intermediate=1536),  # fmt: skip
     ),
-    # Kimi-K2's config: 61 layers, hidden 7168, 64 heads, 384 routed experts of width 2048,
+    # Kimi-K2's config: 61 layers, hidden 7168, 64 heads, 384 routed experts of width 2048 and one
+    # shared expert, the first layer dense (width 18432), the router's score-correction bias,
     # vocabulary 163,840 (MLA stood in for by 8 KV heads of 128).
     "Kimi-K2 1T": Decoder(
         "Kimi-K2 1T",
         "llama",
-        DecoderShape.family(
-            "llama", layers=61, hidden=7168, intermediate=384 * 2048, heads=64, kv_heads=8, head_dim=128, vocab=163840
-        ),
+        DecoderShape(layers=61, hidden=7168, intermediate=18432, heads=64, kv_heads=8, head_dim=128, vocab=163840,
+                     experts=384, expert_intermediate=2048, shared_intermediate=2048, dense_layers=1,
+                     router_bias=True),  # fmt: skip
     ),
 }
 
@@ -194,6 +205,7 @@ class ReshardCase:
     targets: tuple[Target, ...]
     published_s: float | None = None
     inputs: ReshardInputs = ReshardInputs()
+    source_ep: int = 1
 
 
 # ---- what each destination shard reads (the production planner) ---------------------------------
@@ -228,23 +240,33 @@ class LayoutDemand:
 
 @functools.lru_cache(maxsize=32)
 def demand(
-    model: Decoder, source_gpus: int, tp: int, max_gap: int = DEFAULT_MAX_GAP, task_bytes: int = 256 << 20
+    model: Decoder,
+    source_gpus: int,
+    tp: int,
+    max_gap: int = DEFAULT_MAX_GAP,
+    task_bytes: int = 256 << 20,
+    source_ep: int = 1,
 ) -> LayoutDemand:
-    """Plan one layer of ``model`` from an FSDP trainer of ``source_gpus`` (bf16, ``Shard(0)``)
-    to a vLLM engine of tensor parallelism ``tp`` (fp8 block scales) and extrapolate to every
-    layer (exact: see the module docstring). Pure; cached.
+    """Plan one layer of ``model`` (each kind of layer: a dense first one, then one of experts)
+    from an FSDP trainer of ``source_gpus`` (bf16, ``Shard(0)``; ``source_ep`` > 1: the experts
+    on their own expert-parallel mesh) to a vLLM engine of tensor parallelism ``tp`` (fp8 block
+    scales; experts expert-parallel) and extrapolate to every layer (exact: see the module
+    docstring). Pure; cached.
 
     Raises:
         InvalidArgument: a layout vLLM could not shard (e.g. heads not divisible by ``tp``).
     """
-    one = dataclasses.replace(model.shape, layers=1)
-    src = ReplicaLayout.spmd(hf_placements(one, source_gpus), source_gpus)
-    dst = ReplicaLayout.spmd(vllm_placements(one, tp, fp8=True), tp)
+    shape = model.shape
+    d = shape.dense_layers
+    one = dataclasses.replace(shape, layers=d + 1)
+    dst = ReplicaLayout.spmd(vllm_placements(one, tp, fp8=True, expert_parallel=shape.experts > 0), tp)
+    src = hf_layout(one, source_gpus, ep=source_ep)  # after: a layout vLLM refuses is refused at once
     p = plan(src, dst, preset(model.family, fp8=True), max_gap=max_gap, max_task_bytes=task_bytes)
-    layers = model.shape.layers
+    layers = shape.layers
+    repeated = f".layers.{d}."
 
     def times(name: str) -> int:
-        return layers if ".layers.0." in name else 1
+        return layers - d if repeated in name else 1
 
     reads, landed, tasks, segments = [], [], [], []
     largest = 0
@@ -303,6 +325,7 @@ def simulate(
     seed: int = 0,
     *,
     convert_once: bool = True,
+    source_ep: int = 1,
 ) -> ReshardOutcome:
     """Update every inference GPU of ``targets`` from a trainer of ``source_gpus``.
 
@@ -314,6 +337,7 @@ def simulate(
         seed: draws the inference NICs' stragglers (as every scenario does).
         convert_once: TensorHub: one replica per layout converts, the others pull from peers;
             False: every replica pulls from the trainers and converts.
+        source_ep: the trainer's expert-parallel groups (its experts on their own mesh).
 
     Returns:
         The outcome.
@@ -327,7 +351,7 @@ def simulate(
     sim = Simulator(seed)
     net = Network(sim)
     rng = sim.child_rng()
-    need = [demand(model, source_gpus, t.tp, inputs.max_gap, inputs.task_bytes) for t in targets]
+    need = [demand(model, source_gpus, t.tp, inputs.max_gap, inputs.task_bytes, source_ep) for t in targets]
     conv_rate = inputs.convert_gbps * GB
     k_chunks = inputs.chunks
 
@@ -437,18 +461,21 @@ _QWEN, _KIMI = MODELS["Qwen3-235B"], MODELS["Kimi-K2 1T"]
 #: The rows: the write-up's two results, then the inputs varied one at a time. The write-up does
 #: not give its engine's layout: "1x TP32" spreads one copy over the 32 GPUs (its ~5 GB/s per
 #: GPU fits that), "4x TP8" is a replica per 8-GPU host. vLLM's block FP8 needs each rank's rows
-#: in whole 128-blocks and the heads divisible by TP, so 1T runs as 2x TP64 or 4x TP32.
+#: in whole 128-blocks and the heads divisible by TP: Kimi-K2's dense first layer (width 18432)
+#: and shared expert (2048) allow TP 16 (8 replicas on the 128 GPUs), not TP 32 or 64. The
+#: write-up places the trainer's experts on their own mesh: the last row does (8 groups of 32).
 CASES: tuple[ReshardCase, ...] = (
     ReshardCase("Qwen3-235B", _QWEN, 128, (Target(32),), 2.0),
     ReshardCase("Qwen3-235B", _QWEN, 128, (Target(8, 4),), 2.0),
     ReshardCase("Qwen3-235B, NIC at 72 %", _QWEN, 128, (Target(32),), 2.0, ReshardInputs(efficiency=0.72)),
     ReshardCase("Qwen3-235B, convert 10 GB/s", _QWEN, 128, (Target(32),), 2.0, ReshardInputs(convert_gbps=10.0)),
     ReshardCase("Qwen3-235B, no read-through", _QWEN, 128, (Target(32),), 2.0, ReshardInputs(max_gap=0)),
-    ReshardCase("Kimi-K2 1T", _KIMI, 256, (Target(64, 2),), 1.3),
-    ReshardCase("Kimi-K2 1T", _KIMI, 256, (Target(32, 4),), 1.3),
+    ReshardCase("Kimi-K2 1T", _KIMI, 256, (Target(16, 8),), 1.3),
+    ReshardCase("Kimi-K2 1T, trainer experts EP 8", _KIMI, 256, (Target(16, 8),), 1.3, source_ep=8),
 )
-#: ``--quick``: the write-up's two results only.
-QUICK = (0, 5)
+#: ``--quick``: the write-up's two results only (Kimi-K2 with its trainer's experts on their own
+#: mesh, as the write-up has them: a tenth of the reads of every expert FSDP-sharded over 256).
+QUICK = (0, 6)
 
 
 def reshard(seed: int, quick: bool = False, cases: tuple[ReshardCase, ...] | None = None) -> Result:
@@ -465,8 +492,8 @@ def reshard(seed: int, quick: bool = False, cases: tuple[ReshardCase, ...] | Non
     )  # fmt: skip
     for case in cases:
         inputs = dataclasses.replace(case.inputs, chunks=32) if quick else case.inputs
-        ours = simulate(case.model, case.source_gpus, case.targets, inputs, seed)
-        each = simulate(case.model, case.source_gpus, case.targets, inputs, seed, convert_once=False)
+        ours = simulate(case.model, case.source_gpus, case.targets, inputs, seed, source_ep=case.source_ep)
+        each = simulate(case.model, case.source_gpus, case.targets, inputs, seed, convert_once=False, source_ep=case.source_ep)
         ratio = ours.seconds / case.published_s if case.published_s else math.nan
         res.rows.append(
             [
@@ -498,6 +525,7 @@ def _case_data(
         "model": case.model.name,
         "params": case.model.params,
         "source_gpus": case.source_gpus,
+        "source_ep": case.source_ep,
         "targets": [dataclasses.asdict(t) for t in case.targets],
         "inputs": dataclasses.asdict(inputs),
         "published_s": case.published_s,

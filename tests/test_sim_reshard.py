@@ -12,7 +12,7 @@ import pytest
 
 from tensorhub.core.errors import InvalidArgument
 from tensorhub.core.placement import ReplicaLayout
-from tensorhub.scheduling.decoders import DecoderShape, hf_placements, vllm_placements
+from tensorhub.scheduling.decoders import DecoderShape, hf_layout, hf_placements, hf_tensors, vllm_placements
 from tensorhub.scheduling.mapping import preset
 from tensorhub.scheduling.reshard import plan
 from tensorhub.sim.cli import OTHERS
@@ -79,6 +79,37 @@ def test_layers_extrapolate_exactly() -> None:
         assert len(sp.tasks) == d.tasks[j]
 
 
+#: a mixture of experts with a dense first layer and a shared expert (Kimi-K2's kinds of layer)
+SMALL_MOE = Decoder(
+    "small-moe",
+    "llama",
+    DecoderShape(layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=128, vocab=256, experts=8,
+                 expert_intermediate=256, shared_intermediate=256, dense_layers=1, router_bias=True),  # fmt: skip
+)
+
+
+@pytest.mark.parametrize("source_ep", [1, 2])
+def test_layers_of_experts_extrapolate_exactly(source_ep: int) -> None:
+    """A dense first layer and layers of experts: planning one of each and multiplying gives the
+    bytes of planning them all, whether the trainer's experts are FSDP-sharded over every GPU or
+    on their own expert-parallel mesh."""
+    d = demand(SMALL_MOE, 4, 2, source_ep=source_ep)
+    src = hf_layout(SMALL_MOE.shape, 4, ep=source_ep)
+    dst = ReplicaLayout.spmd(vllm_placements(SMALL_MOE.shape, 2, fp8=True, expert_parallel=True), 2)
+    full = plan(src, dst, preset("llama", fp8=True), max_task_bytes=256 << 20)
+    for j, sp in enumerate(full.shards):
+        row = [0] * 4
+        for t in sp.tasks:
+            for rd in t.reads:
+                row[rd.shard] += rd.nbytes
+        assert tuple(row) == d.reads[j]
+        assert sum(s.nbytes for s in sp.tensors) == d.landed[j]
+        assert len(sp.tasks) == d.tasks[j]
+    e, w, h, layers = 8, 256, 256, 4
+    assert SMALL_MOE.params == sum(math.prod(s) for _, s in hf_tensors(SMALL_MOE.shape))
+    assert SMALL_MOE.params > 3 * e * 3 * w * h  # the experts are in it
+
+
 def test_faster_links_and_conversion_are_faster() -> None:
     def seconds(**kw: float) -> float:
         return simulate(SMALL, 8, (Target(2, 3),), dataclasses.replace(SLOW, **kw), seed=1).seconds
@@ -131,5 +162,7 @@ def test_bad_inputs_are_refused_by_name() -> None:
         simulate(SMALL, 8, ())
     with pytest.raises(InvalidArgument, match="cannot shard"):
         simulate(MODELS["Kimi-K2 1T"], 256, (Target(128),))
+    with pytest.raises(InvalidArgument, match="block FP8"):  # its dense first layer's 18432 / 32
+        simulate(MODELS["Kimi-K2 1T"], 256, (Target(32, 4),))
 
 
