@@ -202,14 +202,23 @@ def vllm_placements(
     fp8: bool = False,
     block: int = 128,
     expert_parallel: bool = False,
+    dp: int = 1,
 ) -> list[TensorPlacement]:
     """An inference engine's tensors under vLLM's names and tensor parallelism over ``tp`` ranks
     (with ``expert_parallel``, the routed experts whole, ``experts / tp`` per rank).
+
+    ``dp`` > 1 is vLLM's data-parallel attention with expert parallelism (``--data-parallel-size
+    dp --enable-expert-parallel``): ``dp x tp`` ranks, rank ``r`` at ``(r // tp, r % tp)``; every
+    tensor but the routed experts is cut by ``tp`` and the same on each of the ``dp`` groups,
+    the routed experts are whole, ``experts / (dp x tp)`` per rank.
 
     Raises:
         InvalidArgument: sizes vLLM's tensor parallelism (or its block FP8) could not shard.
     """
     s = shape
+    if type(dp) is not int or dp < 1 or (dp > 1 and not (expert_parallel and s.experts)):
+        raise InvalidArgument(f"dp={dp!r}: data-parallel attention is for experts spread over every rank (expert_parallel)")
+    ranks = dp * tp
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     dense = s.experts == 0 or s.dense_layers > 0
     if s.heads % tp or (s.kv_heads % tp and tp % s.kv_heads) or (dense and s.intermediate % tp) or s.vocab % 64 or s.vocab % tp:
@@ -222,14 +231,19 @@ def vllm_placements(
         )
     if s.experts:
         width, shared = s.expert_intermediate, s.shared_intermediate
-        if (expert_parallel and s.experts % tp) or (not expert_parallel and width % tp) or shared % tp:
-            how = f"{s.experts} experts" if expert_parallel else f"experts of width {width}"
-            raise InvalidArgument(f"vLLM cannot shard {how} (shared width {shared}) over {tp} ranks")
+        if (expert_parallel and s.experts % ranks) or (not expert_parallel and width % tp) or shared % tp:
+            how = f"{s.experts} experts over {ranks}" if expert_parallel else f"experts of width {width} over {tp}"
+            raise InvalidArgument(f"vLLM cannot shard {how} ranks (shared width {shared}, tensor parallelism {tp})")
         if fp8 and (width % block or (not expert_parallel and (width // tp) % block) or (shared // tp) % block):
             raise InvalidArgument(
                 f"block FP8 needs every rank's expert rows and columns in whole {block}-blocks: {s} over {tp} ranks"
             )
-    mesh, col, row, rep = (tp,), (0,), (1,), (REPLICATE,)
+    mesh: tuple[int, ...] = (tp,)
+    col: tuple[int, ...] = (0,)
+    row: tuple[int, ...] = (1,)
+    rep: tuple[int, ...] = (REPLICATE,)
+    if dp > 1:  # the same on every data-parallel group
+        mesh, col, row, rep = (dp, tp), (REPLICATE, 0), (REPLICATE, 1), (REPLICATE, REPLICATE)
     wdtype = "float8_e4m3fn" if fp8 else dtype
 
     def linear(
@@ -253,13 +267,15 @@ def vllm_placements(
             )
         return out
 
-    def stacked(name: str, dims: tuple[int, int], placement: tuple[int, ...], parts: tuple[int, ...]) -> list[TensorPlacement]:
-        """A stacked expert tensor (flattened to 2-D) and, with FP8, its block scales."""
-        out = [TensorPlacement(name, wdtype, dims, mesh, placement, parts)]
+    def stacked(
+        name: str, dims: tuple[int, int], placement: tuple[int, ...], parts: tuple[int, ...], on: tuple[int, ...]
+    ) -> list[TensorPlacement]:
+        """A stacked expert tensor (flattened to 2-D) on mesh ``on`` and, with FP8, its block scales."""
+        out = [TensorPlacement(name, wdtype, dims, on, placement, parts)]
         if fp8:
             sdims = scale_shape(dims, (block, block))
             sparts = tuple(-(-n // block) for n in parts)
-            out.append(TensorPlacement(name + "_scale_inv", SCALE_DTYPE, sdims, mesh, placement, sparts))
+            out.append(TensorPlacement(name + "_scale_inv", SCALE_DTYPE, sdims, on, placement, sparts))
         return out
 
     def experts(p: str) -> list[TensorPlacement]:
@@ -268,12 +284,12 @@ def vllm_placements(
         if s.router_bias:
             out.append(TensorPlacement(f"{p}.mlp.gate.e_score_correction_bias", dtype, (e,), mesh, rep))
         routed = f"{p}.mlp.experts.routed_experts"
-        if expert_parallel:  # rank r: experts r*E/tp ... whole
-            out += stacked(f"{routed}.w13_weight", (e * 2 * w, h), col, ())
-            out += stacked(f"{routed}.w2_weight", (e * h, w), col, ())
+        if expert_parallel:  # rank r: experts r*E/ranks ... whole
+            out += stacked(f"{routed}.w13_weight", (e * 2 * w, h), (0,), (), (ranks,))
+            out += stacked(f"{routed}.w2_weight", (e * h, w), (0,), (), (ranks,))
         else:  # every rank: its slice of every expert's gate and up rows, and of its down columns
-            out += stacked(f"{routed}.w13_weight", (e * 2 * w, h), col, (w,) * (2 * e))
-            out += stacked(f"{routed}.w2_weight", (e * h, w), row, ())
+            out += stacked(f"{routed}.w13_weight", (e * 2 * w, h), col, (w,) * (2 * e), mesh)
+            out += stacked(f"{routed}.w2_weight", (e * h, w), row, (), mesh)
         if s.shared_intermediate:
             n = s.shared_intermediate
             out += linear(f"{p}.mlp.shared_experts.gate_up_proj", (2 * n, h), col, (n, n))

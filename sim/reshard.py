@@ -182,17 +182,29 @@ class ReshardInputs:
 
 @dataclass(frozen=True)
 class Target:
-    """One target layout: ``replicas`` inference replicas of tensor parallelism ``tp``, fp8."""
+    """One target layout: ``replicas`` inference replicas of tensor parallelism ``tp``, fp8; with
+    ``dp`` > 1, each replica is ``dp`` data-parallel attention groups of ``tp`` with the experts
+    spread over all ``dp x tp`` GPUs (vLLM's DP attention + expert parallelism)."""
 
     tp: int
     replicas: int = 1
+    dp: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """GPUs per replica."""
+        return self.tp * self.dp
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.replicas
+        return self.ranks * self.replicas
+
+    @property
+    def label(self) -> str:
+        return f"TP{self.tp}" if self.dp == 1 else f"DP{self.dp}TP{self.tp}"
 
     def __str__(self) -> str:
-        return f"{self.replicas}x TP{self.tp}"
+        return f"{self.replicas}x TP{self.tp}" if self.dp == 1 else f"{self.replicas}x DP{self.dp} TP{self.tp} EP{self.ranks}"
 
 
 @dataclass(frozen=True)
@@ -246,6 +258,7 @@ def demand(
     max_gap: int = DEFAULT_MAX_GAP,
     task_bytes: int = 256 << 20,
     source_ep: int = 1,
+    dp: int = 1,
 ) -> LayoutDemand:
     """Plan one layer of ``model`` (each kind of layer: a dense first one, then one of experts)
     from an FSDP trainer of ``source_gpus`` (bf16, ``Shard(0)``; ``source_ep`` > 1: the experts
@@ -259,7 +272,7 @@ def demand(
     shape = model.shape
     d = shape.dense_layers
     one = dataclasses.replace(shape, layers=d + 1)
-    dst = ReplicaLayout.spmd(vllm_placements(one, tp, fp8=True, expert_parallel=shape.experts > 0), tp)
+    dst = ReplicaLayout.spmd(vllm_placements(one, tp, fp8=True, expert_parallel=shape.experts > 0, dp=dp), tp * dp)
     src = hf_layout(one, source_gpus, ep=source_ep)  # after: a layout vLLM refuses is refused at once
     p = plan(src, dst, preset(model.family, fp8=True), max_gap=max_gap, max_task_bytes=task_bytes)
     layers = shape.layers
@@ -346,12 +359,12 @@ def simulate(
         InvalidArgument: no target, or a layout vLLM could not shard.
         SimStuck: a GPU never got its shard (a bug, not a slow network).
     """
-    if not targets or any(t.tp < 1 or t.replicas < 1 for t in targets):
-        raise InvalidArgument(f"targets must be at least one layout of tp >= 1 and replicas >= 1, got {targets!r}")
+    if not targets or any(t.tp < 1 or t.replicas < 1 or t.dp < 1 for t in targets):
+        raise InvalidArgument(f"targets must be at least one layout of tp, dp and replicas >= 1, got {targets!r}")
     sim = Simulator(seed)
     net = Network(sim)
     rng = sim.child_rng()
-    need = [demand(model, source_gpus, t.tp, inputs.max_gap, inputs.task_bytes, source_ep) for t in targets]
+    need = [demand(model, source_gpus, t.tp, inputs.max_gap, inputs.task_bytes, source_ep, t.dp) for t in targets]
     conv_rate = inputs.convert_gbps * GB
     k_chunks = inputs.chunks
 
@@ -428,8 +441,8 @@ def simulate(
         for r in range(t.replicas):
             converts = r == 0 or not convert_once
             out.conversions += converts
-            for j in range(t.tp):
-                gpu = f"TP{t.tp}.r{r}.{j}"
+            for j in range(t.ranks):
+                gpu = f"{t.label}.r{r}.{j}"
                 gpus.append(gpu)
                 held[gpu] = 0
                 landed = float(d.landed[j])
@@ -443,7 +456,7 @@ def simulate(
                     sim.after(inputs.grant_latency, convert, gpu, b, tail)
                 else:
                     out.peer_bytes += landed
-                    sim.after(inputs.grant_latency, copy, gpu, f"TP{t.tp}.r{r - 1}.{j}", landed)
+                    sim.after(inputs.grant_latency, copy, gpu, f"{t.label}.r{r - 1}.{j}", landed)
     sim.run_until(lambda: len(finished) == len(gpus), 3600.0, "resharding")
     out.seconds = max(finished.values())
     for g in gpus:
@@ -463,7 +476,9 @@ _QWEN, _KIMI = MODELS["Qwen3-235B"], MODELS["Kimi-K2 1T"]
 #: GPU fits that), "4x TP8" is a replica per 8-GPU host. vLLM's block FP8 needs each rank's rows
 #: in whole 128-blocks and the heads divisible by TP: Kimi-K2's dense first layer (width 18432)
 #: and shared expert (2048) allow TP 16 (8 replicas on the 128 GPUs), not TP 32 or 64. The
-#: write-up places the trainer's experts on their own mesh: the last row does (8 groups of 32).
+#: write-up places the trainer's experts on their own mesh (8 groups of 32 here), and a 1T model
+#: on 128 GPUs is served as one replica: data-parallel attention with the experts spread over all
+#: 128 (3 per GPU), the last two rows.
 CASES: tuple[ReshardCase, ...] = (
     ReshardCase("Qwen3-235B", _QWEN, 128, (Target(32),), 2.0),
     ReshardCase("Qwen3-235B", _QWEN, 128, (Target(8, 4),), 2.0),
@@ -472,6 +487,8 @@ CASES: tuple[ReshardCase, ...] = (
     ReshardCase("Qwen3-235B, no read-through", _QWEN, 128, (Target(32),), 2.0, ReshardInputs(max_gap=0)),
     ReshardCase("Kimi-K2 1T", _KIMI, 256, (Target(16, 8),), 1.3),
     ReshardCase("Kimi-K2 1T, trainer experts EP 8", _KIMI, 256, (Target(16, 8),), 1.3, source_ep=8),
+    ReshardCase("Kimi-K2 1T, engine DP attention + EP 128", _KIMI, 256, (Target(1, 1, 128),), 1.3, source_ep=8),
+    ReshardCase("Kimi-K2 1T, engine DP16 x TP8, EP 128", _KIMI, 256, (Target(8, 1, 16),), 1.3, source_ep=8),
 )
 #: ``--quick``: the write-up's two results only (Kimi-K2 with its trainer's experts on their own
 #: mesh, as the write-up has them: a tenth of the reads of every expert FSDP-sharded over 256).

@@ -85,43 +85,49 @@ def convert(src: ReplicaLayout, dst: ReplicaLayout, mapping: Mapping, seed: int)
 
 
 @pytest.mark.parametrize(
-    "shape, tp, expert_parallel, fp8",
+    "shape, tp, dp, expert_parallel, fp8",
     [
-        (QWEN3_MOE, 2, False, False),
-        (QWEN3_MOE, 4, True, False),
-        (QWEN3_MOE, 2, False, True),
-        (QWEN3_MOE, 2, True, True),
-        (DEEPSEEK, 2, True, False),
-        (DEEPSEEK, 4, True, True),
+        (QWEN3_MOE, 2, 1, False, False),
+        (QWEN3_MOE, 4, 1, True, False),
+        (QWEN3_MOE, 2, 1, False, True),
+        (QWEN3_MOE, 2, 1, True, True),
+        (DEEPSEEK, 2, 1, True, False),
+        (DEEPSEEK, 4, 1, True, True),
+        (DEEPSEEK, 2, 2, True, False),
     ],
-    ids=["qwen3-moe-tp2", "qwen3-moe-ep4", "qwen3-moe-tp2-fp8", "qwen3-moe-ep2-fp8", "deepseek-ep2", "deepseek-ep4-fp8"],
+    ids=["qwen3-moe-tp2", "qwen3-moe-ep4", "qwen3-moe-tp2-fp8", "qwen3-moe-ep2-fp8", "deepseek-ep2", "deepseek-ep4-fp8",
+         "deepseek-dp2-tp2-ep4"],  # fmt: skip
 )
-def test_hugging_face_experts_land_as_vllm_stacks_them(shape, tp, expert_parallel, fp8, seed):
+def test_hugging_face_experts_land_as_vllm_stacks_them(shape, tp, dp, expert_parallel, fp8, seed):
+    """(With ``dp``: vLLM's data-parallel attention, experts over all ``dp x tp`` ranks, every
+    other tensor cut by ``tp`` within each data-parallel group.)"""
+    ranks = tp * dp
     src = hf_layout(shape, 3)
-    dst = ReplicaLayout.spmd(vllm_placements(shape, tp, fp8=fp8, expert_parallel=expert_parallel), tp)
+    dst = ReplicaLayout.spmd(vllm_placements(shape, tp, fp8=fp8, expert_parallel=expert_parallel, dp=dp), ranks)
     full, got = convert(src, dst, preset("qwen3", fp8=fp8), seed)
     moe_layers = [i for i in range(shape.layers) if shape.moe(i)]
     assert moe_layers
     for i in moe_layers:
         whole = vllm_experts(full, i, shape.experts, fp8)
         for name, w in whole.items():
-            for r in range(tp):
-                want = rank_slice(name, w, r, tp, expert_parallel)
+            for r in range(ranks):
+                want = rank_slice(name, w, r, ranks, expert_parallel)
                 have = got[r][f"model.layers.{i}.mlp.experts.routed_experts.{name}"]
                 assert have.dtype == want.dtype and have.numel() == want.numel(), (name, r)
                 assert same_bytes(have.reshape(want.shape), want), f"layer {i} {name} rank {r} (seed {seed})"
-        for r in range(tp):  # the router is whole on every rank
+        for r in range(ranks):  # the router is whole on every rank
             assert same_bytes(got[r][f"model.layers.{i}.mlp.gate.weight"], full[f"model.layers.{i}.mlp.gate.weight"])
     if shape.shared_intermediate:  # the shared experts fuse like a dense MLP, tensor-parallel
         i, n = moe_layers[0], shape.shared_intermediate // tp
         gate, up = (full[f"model.layers.{i}.mlp.shared_experts.{k}_proj.weight"] for k in ("gate", "up"))
-        for r in range(tp):
-            have = got[r][f"model.layers.{i}.mlp.shared_experts.gate_up_proj.weight"]
+        for rank in range(ranks):
+            r = rank % tp  # its tensor-parallel rank: the same slice in every data-parallel group
+            have = got[rank][f"model.layers.{i}.mlp.shared_experts.gate_up_proj.weight"]
             if fp8:
                 want = torch.cat([reference_quant(gate[r * n : (r + 1) * n])[0], reference_quant(up[r * n : (r + 1) * n])[0]])
             else:
                 want = torch.cat([gate[r * n : (r + 1) * n], up[r * n : (r + 1) * n]])
-            assert same_bytes(have, want), f"shared experts rank {r} (seed {seed})"
+            assert same_bytes(have, want), f"shared experts rank {rank} (seed {seed})"
 
 
 @pytest.mark.parametrize("ep", [2, 4])
@@ -192,6 +198,10 @@ def test_bad_stacking_rules_and_shapes_are_refused_with_typed_errors():
         DecoderShape(layers=1, hidden=8, intermediate=16, heads=1, kv_heads=1, head_dim=8, vocab=64, experts=4)
     with pytest.raises(InvalidArgument, match="without experts"):
         DecoderShape(layers=1, hidden=8, intermediate=16, heads=1, kv_heads=1, head_dim=8, vocab=64, dense_layers=1)
+    with pytest.raises(InvalidArgument, match="data-parallel attention"):
+        vllm_placements(QWEN3_MOE, 2, dp=2)
+    with pytest.raises(InvalidArgument, match="4 experts over 8"):
+        vllm_placements(QWEN3_MOE, 4, expert_parallel=True, dp=2)
     with pytest.raises(InvalidArgument, match="6 experts"):
         vllm_placements(dataclasses.replace(QWEN3_MOE, experts=6), 4, expert_parallel=True)
     with pytest.raises(InvalidArgument, match="expert-parallel groups"):
