@@ -63,20 +63,24 @@ def test_the_write_ups_shapes_give_finite_plausible_figures(capsys, monkeypatch)
     assert r.violations == []
 
 
-def test_layers_extrapolate_exactly() -> None:
-    """The scenario plans one layer and multiplies: the same bytes as planning them all."""
-    d = demand(SMALL, 8, 4)
-    src = ReplicaLayout.spmd(hf_placements(SMALL.shape, 8), 8)
-    dst = ReplicaLayout.spmd(vllm_placements(SMALL.shape, 4, fp8=True), 4)
-    full = plan(src, dst, preset("qwen3", fp8=True), max_task_bytes=256 << 20)
+def same_as_planning_every_layer(d, src: ReplicaLayout, dst: ReplicaLayout, family: str) -> None:
+    """``d`` (one layer of each kind, multiplied) has the bytes, reads and tasks of a plan of all."""
+    full = plan(src, dst, preset(family, fp8=True), max_task_bytes=256 << 20)
     for j, sp in enumerate(full.shards):
-        row = [0] * 8
+        row = [0] * src.num_shards
         for t in sp.tasks:
             for rd in t.reads:
                 row[rd.shard] += rd.nbytes
         assert tuple(row) == d.reads[j]
         assert sum(s.nbytes for s in sp.tensors) == d.landed[j]
         assert len(sp.tasks) == d.tasks[j]
+
+
+def test_layers_extrapolate_exactly() -> None:
+    """The scenario plans one layer and multiplies: the same bytes as planning them all."""
+    src = ReplicaLayout.spmd(hf_placements(SMALL.shape, 8), 8)
+    dst = ReplicaLayout.spmd(vllm_placements(SMALL.shape, 4, fp8=True), 4)
+    same_as_planning_every_layer(demand(SMALL, 8, 4), src, dst, "qwen3")
 
 
 #: a mixture of experts with a dense first layer and a shared expert (Kimi-K2's kinds of layer)
@@ -93,19 +97,10 @@ def test_layers_of_experts_extrapolate_exactly(source_ep: int) -> None:
     """A dense first layer and layers of experts: planning one of each and multiplying gives the
     bytes of planning them all, whether the trainer's experts are FSDP-sharded over every GPU or
     on their own expert-parallel mesh."""
-    d = demand(SMALL_MOE, 4, 2, source_ep=source_ep)
     src = hf_layout(SMALL_MOE.shape, 4, ep=source_ep)
     dst = ReplicaLayout.spmd(vllm_placements(SMALL_MOE.shape, 2, fp8=True, expert_parallel=True), 2)
-    full = plan(src, dst, preset("llama", fp8=True), max_task_bytes=256 << 20)
-    for j, sp in enumerate(full.shards):
-        row = [0] * 4
-        for t in sp.tasks:
-            for rd in t.reads:
-                row[rd.shard] += rd.nbytes
-        assert tuple(row) == d.reads[j]
-        assert sum(s.nbytes for s in sp.tensors) == d.landed[j]
-        assert len(sp.tasks) == d.tasks[j]
-    e, w, h, layers = 8, 256, 256, 4
+    same_as_planning_every_layer(demand(SMALL_MOE, 4, 2, source_ep=source_ep), src, dst, "llama")
+    e, w, h = 8, 256, 256
     assert SMALL_MOE.params == sum(math.prod(s) for _, s in hf_tensors(SMALL_MOE.shape))
     assert SMALL_MOE.params > 3 * e * 3 * w * h  # the experts are in it
 
