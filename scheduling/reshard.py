@@ -291,8 +291,12 @@ def _index(source: ReplicaLayout, exclude: frozenset[int]) -> dict[str, list[_Ho
         if i in exclude:
             continue
         for pt in tensors:
-            local = pt.local_shape()
-            for piece in pt.pieces():
+            pieces = pt.pieces()
+            if not pieces:
+                continue
+            # one piece of a plain placement is the whole local tensor (no second box worked out)
+            local = pieces[0].box.shape if len(pieces) == 1 and not pt.placement.packed else pt.local_shape()
+            for piece in pieces:
                 h = out.setdefault(pt.name, {}).get(piece.box)
                 if h is None:
                     h = out[pt.name][piece.box] = _Holding(piece.box, [])
