@@ -208,27 +208,34 @@ class SourceIndex:
                     return key
         return best
 
-    def _local(self, reader: Location, level: tuple[int, bool], rng: random.Random, eligible: Callable[[int], bool]) -> int | None:
-        """An eligible entry on the reader's host at ``level`` (a seeded pick among several)."""
+    def _local(self, reader: Location, eligible: Callable[[int], bool]) -> dict[tuple[int, bool], list[int]] | None:
+        """The eligible entries on the reader's host, by level (None: none there), in the host's
+        insertion order: looked at once per selection, not once per level walked."""
         local_keys = self._by_host.get((reader.datacenter, reader.host))
         if not local_keys:
             return None
         where = self._where
-        local = [k for k in local_keys if where[k][1] == level and eligible(k)]
-        if not local:
-            return None
-        return local[0] if len(local) == 1 else local[rng.randrange(len(local))]
+        by_level: dict[tuple[int, bool], list[int]] = {}
+        for k in local_keys:
+            if eligible(k):
+                level = where[k][1]
+                keys = by_level.get(level)
+                if keys is None:
+                    by_level[level] = [k]
+                else:
+                    keys.append(k)
+        return by_level
 
     def _best_in(
         self, reader: Location, levels: dict[tuple[int, bool], list[int]], rng: random.Random, eligible: Callable[[int], bool]
     ) -> int | None:
         """The pick among one datacenter's buckets (the reader's: the common case)."""
-        has_local = (reader.datacenter, reader.host) in self._by_host
+        local = self._local(reader, eligible)
         for level in sorted(levels):
-            if has_local:
-                key = self._local(reader, level, rng, eligible)
-                if key is not None:
-                    return key
+            if local:
+                here = local.get(level)
+                if here:
+                    return here[0] if len(here) == 1 else here[rng.randrange(len(here))]
             b = levels[level]
             total = len(b)
             start = rng.randrange(total)
@@ -243,13 +250,13 @@ class SourceIndex:
         if len(dcs) == 1:
             return self._best_in(reader, self._dcs[dcs[0]], rng, eligible)
         all_levels = [self._dcs[d] for d in dcs]
-        has_local = (reader.datacenter, reader.host) in self._by_host
+        local = self._local(reader, eligible)
         for level in sorted({level for levels in all_levels for level in levels}):
             buckets = [b for levels in all_levels if (b := levels.get(level))]
-            if has_local:
-                key = self._local(reader, level, rng, eligible)
-                if key is not None:
-                    return key
+            if local:
+                here = local.get(level)
+                if here:
+                    return here[0] if len(here) == 1 else here[rng.randrange(len(here))]
             total = sum(len(b) for b in buckets)
             start = rng.randrange(total)
             for step in range(total):
