@@ -73,7 +73,7 @@ from tensorhub.core.errors import (
 from tensorhub.core.lifecycle import HolderState
 from tensorhub.core.table import HISTORY_VERSIONS, ReferenceTable, TableConfig, random_first_id
 from tensorhub.core.table.reign import ROLES, Reign
-from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
+from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode, kind_prefix
 from tensorhub.scheduling.selection import SourceIndex
 
 from .actor import Actor
@@ -173,6 +173,8 @@ _PEER = b"\0peer"  # the table's peer name for the backup (never a ZeroMQ routin
 _KINDS_LOCAL = (m.TransferSpan, m.GetTrace, m.GetCluster)
 _MIN_STALL_S = 0.25  # a tick later than this (and than one tick interval) is a stall: see _credit_stall
 _BATCH = 256  # frames taken from the socket per reader callback (then the mailbox handles them)
+_POLL_EVERY = 16  # frames of a batch handled between two looks at the socket for heartbeats
+_BEAT_PREFIX = kind_prefix(m.Heartbeat)  # how a heartbeat's frame begins (see _drain)
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags cost more than the call itself
 _POLLIN = int(zmq.POLLIN)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
@@ -216,6 +218,7 @@ class ServerActor(Actor):
         self._tick_every = 1.0
         self.frames_in = 0
         self.bad_frames = 0
+        self.beats_ahead = 0  # heartbeats answered as they were read, ahead of the mailbox (see _drain)
         self.done = asyncio.Event()
         self.auth: KeyAuthenticator | None = None
         self.metrics_server: MetricsServer | None = None
@@ -416,7 +419,11 @@ class ServerActor(Actor):
 
     def _drain(self) -> None:
         """Take the frames waiting on the socket (up to ``_BATCH``, and while the mailbox has
-        room) and hand them to the mailbox as one batch."""
+        room): answer the heartbeats among them now, and hand the rest to the mailbox as one
+        batch. A heartbeat never waits behind grants and progress reports read before it (it is
+        what tells the server, and with a backup the reign, that a session is alive; it changes
+        nothing that those frames depend on). Called from the loop's watch of the socket, and
+        between the frames of a batch (:meth:`on__Batch`)."""
         self._drain_soon = False
         sock = self._raw
         if sock is None or self.stopped:
@@ -427,9 +434,12 @@ class ServerActor(Actor):
             return
         authenticated = self.config.keys is not None
         batch: list[_Frames] = []
+        beats: list[_Frames] = []
+        beat = _BEAT_PREFIX
         now = time.monotonic()
+        n = 0
         try:
-            for _ in range(min(_BATCH, room)):
+            for n in range(min(_BATCH, room)):
                 if authenticated:
                     parts = sock.recv_multipart(_NOBLOCK, copy=False)
                     user = user_id(parts[-1])
@@ -437,17 +447,29 @@ class ServerActor(Actor):
                 else:
                     frames = sock.recv_multipart(_NOBLOCK)
                     user = None
-                batch.append(_Frames(frames[0], frames[1:], user, now))
+                f = _Frames(frames[0], frames[1:], user, now)
+                if len(frames) == 2 and frames[1].startswith(beat):
+                    beats.append(f)
+                else:
+                    batch.append(f)
+            n += 1
         except zmq.Again:
             pass
         except zmq.ZMQError as err:  # the socket is closing
             self.log.debug("server socket read ended", error=str(err))
             return
+        if beats:
+            self.beats_ahead += len(beats)
+            for f in beats:
+                self._handle(f)
+            self._schedule()
         if batch:
             self._queued += len(batch)
             self.tell(_Batch(batch))
-            if len(batch) == _BATCH or len(batch) == room:
-                self._drain_later()  # more may wait; the descriptor will not say so again
+        if n == _BATCH or n == room:
+            self._drain_later()  # more may wait; the descriptor will not say so again
+        elif beats:
+            self._input_waits()  # the replies' sends may have taken the descriptor's signal
 
     def _drain_later(self) -> None:
         if not self._drain_soon and self.loop is not None:
@@ -522,7 +544,9 @@ class ServerActor(Actor):
     # ---- messages ----------------------------------------------------------------------------
 
     def on__Batch(self, batch: _Batch) -> None:
-        for msg in batch.frames:
+        for i, msg in enumerate(batch.frames):
+            if i and not i % _POLL_EVERY:
+                self._drain()  # heartbeats that came meanwhile are answered now, not after the batch
             self._handle(msg)
         self._schedule()
         self._queued -= len(batch.frames)
