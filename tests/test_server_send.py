@@ -88,3 +88,52 @@ def test_a_client_that_does_not_read_gets_its_replies_dropped_not_awaited(srv, c
         ctx.term()
     gc.collect()
     assert "Future exception was never retrieved" not in caplog.text
+
+
+def test_a_heartbeat_is_answered_ahead_of_the_frames_read_before_it(srv):
+    """Frames queued while the server stood still are read together; the heartbeat among them
+    is answered before the requests sent ahead of it (each of those still gets its answer)."""
+    import asyncio
+    import threading
+
+    from tensorhub.core.topology import Location
+    from tensorhub.core.wire import decode, encode
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(srv.address)
+        dealer.send(encode(m.OpenShard(1, "actor", "r0", 1, 0, "inc-r0", Location.default(), False, None)))
+        assert dealer.poll(10_000), "no answer to the open"
+        opened = decode(dealer.recv())
+        assert isinstance(opened, m.Opened)
+        held = threading.Event()
+
+        async def stand_still() -> None:  # the server's loop blocks while the frames queue up
+            held.set()
+            time.sleep(0.5)
+
+        stalled = asyncio.run_coroutine_threadsafe(stand_still(), srv.loop.loop)
+        assert held.wait(10)
+        n = 100
+        for req in range(2, 2 + n):
+            dealer.send(encode(m.ListVersions(req, opened.session, None)))
+        dealer.send(encode(m.Heartbeat(1000, (opened.session,))))
+        stalled.result(10)
+        replies = []
+        deadline = time.monotonic() + 20
+        while len(replies) < n + 1 and time.monotonic() < deadline:
+            if dealer.poll(1000):
+                replies.append(decode(dealer.recv()))
+        assert len(replies) == n + 1, f"{len(replies)} of {n + 1} replies"
+        assert isinstance(replies[0], m.HeartbeatAck) and replies[0].req == 1000 and replies[0].unknown == ()
+        assert sorted(r.req for r in replies[1:]) == list(range(2, 2 + n))
+        assert srv.loop.run(_beats_ahead(srv)) >= 1
+    finally:
+        dealer.close(0)
+        ctx.term()
+
+
+async def _beats_ahead(srv: InprocServer) -> int:
+    return srv.actor.beats_ahead
