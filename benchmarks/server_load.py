@@ -120,13 +120,17 @@ def memory_mib(pid: int) -> tuple[float, float]:
 
 def server_latency(port: int) -> dict[str, list[int]]:
     """The server's ``tensorhub_request_seconds`` histogram (from reading a frame to sending its
-    replies) by message kind: cumulative counts per bucket of :data:`LATENCY_BUCKETS`, then +Inf."""
-    samples = parse_text(scrape("127.0.0.1", port, timeout=30.0)).get("tensorhub_request_seconds_bucket", {})
+    replies) by message kind: cumulative counts per bucket of :data:`LATENCY_BUCKETS`, then +Inf;
+    and under ``"paused"``, how often its mailbox was full (it stopped reading the socket)."""
+    parsed = parse_text(scrape("127.0.0.1", port, timeout=30.0))
+    samples = parsed.get("tensorhub_request_seconds_bucket", {})
+    paused = int(sum(parsed.get("tensorhub_reads_paused_total", {}).values()))
     out: dict[str, dict[float, int]] = {}
     for labels, value in samples.items():
         d = dict(labels)
         out.setdefault(d["kind"], {})[float(d["le"])] = int(value)  # float("+Inf") is inf
-    return {kind: [by.get(float(b), 0) for b in LATENCY_BUCKETS] + [by.get(float("inf"), 0)] for kind, by in out.items()}
+    hist = {kind: [by.get(float(b), 0) for b in LATENCY_BUCKETS] + [by.get(float("inf"), 0)] for kind, by in out.items()}
+    return {**hist, "paused": [paused]}
 
 
 def bucket_pct(cumulative: list[int], q: float) -> float:
@@ -734,7 +738,8 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             "generator_cores": gen_cpu / window, "server_cpu_wait": waited / window, "loadavg": load, "generator_procs": len(children),
             "hb_count": len(rtt), "hb_p50_ms": pct(rtt, 0.5), "hb_p99_ms": pct(rtt, 0.99), "hb_max_ms": max(rtt, default=float("nan")),
             "gen_late_p50_ms": pct(late, 0.5), "gen_late_p99_ms": pct(late, 0.99),
-            "server_ms": {kind: (bucket_pct(h, 0.5), bucket_pct(h, 0.99), h[-1]) for kind, h in handled.items()},
+            "server_ms": {kind: (bucket_pct(h, 0.5), bucket_pct(h, 0.99), h[-1]) for kind, h in handled.items() if kind != "paused"},
+            "server_paused": handled.get("paused", [0])[0],
             "bursts": bursts, "aborted": aborted, "false_removals": false_count, "false_examples": false[:5], "counts": counts,
         }  # fmt: skip
     finally:
@@ -782,6 +787,8 @@ def report(r: dict) -> None:
               f"(histogram bounds); the generator's own loop woke late p50 {r['gen_late_p50_ms']:.1f} ms, "
               f"p99 {r['gen_late_p99_ms']:.1f} ms (its acks wait as long to be read); the rest: unread in the server's "
               f"socket, and the two processes waiting for a CPU")  # fmt: skip
+    if r["server_paused"]:
+        print(f"    the server's mailbox was full {r['server_paused']} times (it stopped reading its socket: heartbeats wait there)")
     kinds = [k for k in ("update", "progress", "complete") if k in served]
     if kinds:
         print("    server, read -> replies sent (p50 / p99 bounds, count): " + ", ".join(

@@ -130,6 +130,8 @@ def test_a_heartbeat_is_answered_ahead_of_the_frames_read_before_it(srv):
         assert isinstance(replies[0], m.HeartbeatAck) and replies[0].req == 1000 and replies[0].unknown == ()
         assert sorted(r.req for r in replies[1:]) == list(range(2, 2 + n))
         assert srv.loop.run(_beats_ahead(srv)) >= 1
+        counted = srv.loop.run(_counted(srv))
+        assert counted == (1.0, 1.0), counted  # the batched path counts it as _handle would
     finally:
         dealer.close(0)
         ctx.term()
@@ -137,3 +139,8 @@ def test_a_heartbeat_is_answered_ahead_of_the_frames_read_before_it(srv):
 
 async def _beats_ahead(srv: InprocServer) -> int:
     return srv.actor.beats_ahead
+
+
+async def _counted(srv: InprocServer) -> tuple[float, float]:
+    a = srv.actor
+    return a.m_requests.value("heartbeat"), a.m_clients.value("anonymous") - a.m_requests.value("open") - a.m_requests.value("list")
