@@ -144,3 +144,28 @@ async def _beats_ahead(srv: InprocServer) -> int:
 async def _counted(srv: InprocServer) -> tuple[float, float]:
     a = srv.actor
     return a.m_requests.value("heartbeat"), a.m_clients.value("anonymous") - a.m_requests.value("open") - a.m_requests.value("list")
+
+
+def test_a_frame_that_only_begins_like_a_heartbeat_gets_its_typed_error(srv):
+    """The read path sorts frames by their first bytes; one that begins as a heartbeat does but
+    is not one is answered by the whole path with the error that names what was wrong."""
+    import msgpack
+
+    from tensorhub.core.wire import WIRE_VERSION, decode, kind_prefix
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(srv.address)
+        bad_body = msgpack.packb([WIRE_VERSION, "heartbeat", {"req": 5, "sessions": ["x"], "stamp": 0.0, "stamp_term": 0}])
+        assert bad_body.startswith(kind_prefix(m.Heartbeat))
+        for frame, code in ((kind_prefix(m.Heartbeat) + b"\xc1", "malformed"), (bad_body, "malformed")):
+            dealer.send(frame)
+            assert dealer.poll(10_000), "no answer"
+            reply = decode(dealer.recv())
+            assert isinstance(reply, m.Failed) and reply.code == code, reply
+        assert "sessions" in reply.message and reply.req == 5
+    finally:
+        dealer.close(0)
+        ctx.term()
