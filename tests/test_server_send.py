@@ -169,3 +169,52 @@ def test_a_frame_that_only_begins_like_a_heartbeat_gets_its_typed_error(srv):
     finally:
         dealer.close(0)
         ctx.term()
+
+
+def test_frames_read_between_a_batchs_frames_reach_the_mailbox_after_the_loop_ran():
+    """During a batch the server looks at its socket: heartbeats are answered at once, the
+    other frames wait for the loop to run once (a mailbox that never empties would keep the
+    loop from its timers and the backup's lease replies), then go to the mailbox in order."""
+    import asyncio
+
+    from tensorhub.core.wire import decode, encode
+    from tensorhub.runtime.server import _BATCH, _POLL_EVERY, ServerActor, ServerConfig, _Batch, _Frames
+
+    waiting = [[b"peer-a", encode(m.ListVersions(i, 1, None))] for i in range(1, 41)]
+    waiting.append([b"peer-b", encode(m.Heartbeat(99, (12345,)))])
+    sent: list[bytes] = []
+
+    class Socket:
+        def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[bytes]:
+            if not waiting:
+                raise zmq.Again()
+            return waiting.pop(0)
+
+        def send(self, data: bytes, flags: int = 0) -> None:
+            sent.append(data)
+
+        def getsockopt(self, option: int) -> int:
+            return 0
+
+    server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0"))
+    loop = asyncio.new_event_loop()
+    try:
+        server.loop = loop
+        server._raw = Socket()  # type: ignore[assignment]
+        told: list[_Batch] = []
+        server.tell = told.append  # type: ignore[method-assign]
+        assert 2 * _POLL_EVERY <= 41 < _BATCH
+        first = [_Frames(b"peer-c", [encode(m.ListVersions(100 + i, 1, None))], None, 0.0) for i in range(2 * _POLL_EVERY)]
+        server._queued = len(first)
+        server.on__Batch(_Batch(first))
+        replies = [decode(x) for x in sent[1::2]]  # (routing id, frame) pairs
+        acks = [r for r in replies if isinstance(r, m.HeartbeatAck)]
+        assert [(a.req, a.unknown) for a in acks] == [(99, (12345,))]
+        assert len(replies) == len(first) + 1  # the batch's own answers, and the heartbeat's
+        assert told == [] and server._queued == 40
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(told) == 1
+        assert [decode(f.frames[0]).req for f in told[0].frames] == list(range(1, 41))
+    finally:
+        loop.close()
+        server.ctx.term()  # the actor made its context; it never started, so nothing else to stop

@@ -223,6 +223,9 @@ class ServerActor(Actor):
         self.frames_in = 0
         self.bad_frames = 0
         self.beats_ahead = 0  # heartbeats answered as they were read, ahead of the mailbox (see _drain)
+        self._backlog: list[_Frames] = []  # frames read during a batch, for the mailbox once the loop ran
+        self._in_batch = False
+        self._flush_soon = False
         self.done = asyncio.Event()
         self.auth: KeyAuthenticator | None = None
         self.metrics_server: MetricsServer | None = None
@@ -472,7 +475,15 @@ class ServerActor(Actor):
             self._schedule()
         if batch:
             self._queued += len(batch)
-            self.tell(_Batch(batch))
+            self._backlog.extend(batch)
+            if not self._in_batch:
+                self._flush_backlog()
+            elif not self._flush_soon and self.loop is not None:
+                # Read between a batch's frames: to the mailbox once the loop has run, not now.
+                # A mailbox that never empties never lets its task wait, and then the loop runs
+                # nothing else: no timers, no lease replies from the backup, no socket watch.
+                self._flush_soon = True
+                self.loop.call_soon(self._flush_backlog)
         if n == _BATCH or n == room:
             self._drain_later()  # more may wait; the descriptor will not say so again
         elif beats:
@@ -514,6 +525,13 @@ class ServerActor(Actor):
             self.m_clients.inc(client_label(None), by=ok)
             self.m_requests.inc("heartbeat", by=ok)
             self.m_frames.inc("ok", by=ok)
+
+    def _flush_backlog(self) -> None:
+        """Hand the frames read so far (oldest first) to the mailbox as one batch."""
+        self._flush_soon = False
+        if self._backlog:
+            frames, self._backlog = self._backlog, []
+            self.tell(_Batch(frames))
 
     def _drain_later(self) -> None:
         if not self._drain_soon and self.loop is not None:
@@ -588,10 +606,14 @@ class ServerActor(Actor):
     # ---- messages ----------------------------------------------------------------------------
 
     def on__Batch(self, batch: _Batch) -> None:
-        for i, msg in enumerate(batch.frames):
-            if i and not i % _POLL_EVERY:
-                self._drain()  # heartbeats that came meanwhile are answered now, not after the batch
-            self._handle(msg)
+        self._in_batch = True
+        try:
+            for i, msg in enumerate(batch.frames):
+                if i and not i % _POLL_EVERY:
+                    self._drain()  # heartbeats that came meanwhile are answered now, not after the batch
+                self._handle(msg)
+        finally:
+            self._in_batch = False
         self._schedule()
         self._queued -= len(batch.frames)
         if self._paused and self._queued <= self.config.max_queued // 2:
