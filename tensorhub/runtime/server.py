@@ -14,12 +14,15 @@ notification descriptor, and a callback takes every frame waiting (up to ``_BATC
 and hands them to the mailbox as one batch; replies go out with plain non-blocking sends. A
 descriptor that signals only changes (ZeroMQ's is edge-like) is handled by checking the socket
 for more input after every batch and every send, so no frame waits for a signal that already
-came. Heartbeats are answered as they are read, ahead of the frames read before them
-(they keep sessions alive and change nothing the others depend on), and a batch looks at the
-socket every ``_POLL_EVERY`` frames: otherwise a heartbeat sent during a burst waits unread
-behind every connection's update (ZeroMQ reads one frame per connection per round), then
-behind the batch it was read in. At thousands of sessions this is most of the server's cost: one future, two enum flag
+came. At thousands of sessions this is most of the server's cost: one future, two enum flag
 operations and a wakeup of the mailbox task per frame, against one of each per batch.
+
+Heartbeats are answered as they are read, ahead of the frames read before them (they keep
+sessions alive and change nothing the others depend on), and a batch looks at the socket every
+``_POLL_EVERY`` frames: otherwise a heartbeat sent during a burst waits unread behind every
+connection's update (ZeroMQ reads one frame per connection per round), then behind the batch
+it was read in. The other frames read during a batch reach the mailbox once the loop has run,
+so that the loop still runs its timers, the backup's lease replies and the socket watch.
 
 The server never dies of a client's message: anything unexpected raised while handling one is
 logged with the message kind and answered as a protocol error. Every frame is counted by its
