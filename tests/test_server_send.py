@@ -218,3 +218,41 @@ def test_frames_read_between_a_batchs_frames_reach_the_mailbox_after_the_loop_ra
     finally:
         loop.close()
         server.ctx.term()  # the actor made its context; it never started, so nothing else to stop
+
+
+def test_a_batch_behind_a_long_backlog_leaves_the_socket_to_its_queues():
+    """Past ``_EAGER_QUEUED`` frames waiting the server is behind: a batch does not read more
+    (the backlog waits in ZeroMQ's per-connection queues, not in one FIFO)."""
+    import asyncio
+
+    from tensorhub.core.wire import encode
+    from tensorhub.runtime.server import _EAGER_QUEUED, _POLL_EVERY, ServerActor, ServerConfig, _Batch, _Frames
+
+    reads = []
+
+    class Socket:
+        def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[bytes]:
+            reads.append(1)
+            raise zmq.Again()
+
+        def send(self, data: bytes, flags: int = 0) -> None:
+            pass
+
+        def getsockopt(self, option: int) -> int:
+            return 0
+
+    server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0"))
+    loop = asyncio.new_event_loop()
+    try:
+        server.loop = loop
+        server._raw = Socket()  # type: ignore[assignment]
+        frames = [_Frames(b"p", [encode(m.ListVersions(i, 1, None))], None, 0.0) for i in range(1, 2 * _POLL_EVERY + 1)]
+        server._queued = _EAGER_QUEUED + len(frames)
+        server.on__Batch(_Batch(frames))
+        assert reads == []
+        server._queued = len(frames)
+        server.on__Batch(_Batch(frames))
+        assert len(reads) >= 1
+    finally:
+        loop.close()
+        server.ctx.term()

@@ -22,7 +22,10 @@ sessions alive and change nothing the others depend on), and a batch looks at th
 ``_POLL_EVERY`` frames: otherwise a heartbeat sent during a burst waits unread behind every
 connection's update (ZeroMQ reads one frame per connection per round), then behind the batch
 it was read in. The other frames read during a batch reach the mailbox once the loop has run,
-so that the loop still runs its timers, the backup's lease replies and the socket watch.
+so that the loop still runs its timers, the backup's lease replies and the socket watch, and a
+batch looks only while fewer than ``_EAGER_QUEUED`` frames wait: past that the server is behind,
+and the backlog stays in ZeroMQ's per-connection queues (read in turn) rather than growing one
+FIFO up to ``max_queued``, where heartbeats would wait again, behind all of it.
 
 The server never dies of a client's message: anything unexpected raised while handling one is
 logged with the message kind and answered as a protocol error. Every frame is counted by its
@@ -181,6 +184,10 @@ _KINDS_LOCAL = (m.TransferSpan, m.GetTrace, m.GetCluster)
 _MIN_STALL_S = 0.25  # a tick later than this (and than one tick interval) is a stall: see _credit_stall
 _BATCH = 256  # frames taken from the socket per reader callback (then the mailbox handles them)
 _POLL_EVERY = 16  # frames of a batch handled between two looks at the socket for heartbeats
+#: frames waiting (read, not yet handled) above which a batch no longer looks at the socket: a
+#: longer backlog waits in ZeroMQ's queues, which serve connections in turn, not in one FIFO
+#: that a burst's progress reports would fill ahead of the heartbeats read after them
+_EAGER_QUEUED = 2048
 _BEAT_PREFIX = kind_prefix(m.Heartbeat)  # how a heartbeat's frame begins (see _drain)
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags cost more than the call itself
 _POLLIN = int(zmq.POLLIN)
@@ -612,7 +619,7 @@ class ServerActor(Actor):
         self._in_batch = True
         try:
             for i, msg in enumerate(batch.frames):
-                if i and not i % _POLL_EVERY:
+                if i and not i % _POLL_EVERY and self._queued < _EAGER_QUEUED:
                     self._drain()  # heartbeats that came meanwhile are answered now, not after the batch
                 self._handle(msg)
         finally:
