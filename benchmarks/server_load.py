@@ -63,11 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq  # noqa: E402
 
-from benchmarks.harness import BenchmarkError, Child, start_server, stop_process, write_json  # noqa: E402
+from benchmarks.harness import BenchmarkError, Child, free_port, start_server, stop_process, write_json  # noqa: E402
 from tensorhub.core import messages as m  # noqa: E402
 from tensorhub.core.layout import Layout, TensorSpec  # noqa: E402
 from tensorhub.core.topology import Location  # noqa: E402
 from tensorhub.core.wire import decode, encode  # noqa: E402
+from tensorhub.runtime.metrics import LATENCY_BUCKETS, parse_text, scrape  # noqa: E402
 
 MODEL = "actor"
 SHARDS = 8  #: shards per replica (one per GPU of an 8-GPU node)
@@ -115,6 +116,33 @@ def memory_mib(pid: int) -> tuple[float, float]:
             elif line.startswith("VmHWM:"):
                 hwm = int(line.split()[1]) / 1024
     return rss, hwm
+
+
+def server_latency(port: int) -> dict[str, list[int]]:
+    """The server's ``tensorhub_request_seconds`` histogram (from reading a frame to sending its
+    replies) by message kind: cumulative counts per bucket of :data:`LATENCY_BUCKETS`, then +Inf;
+    and under ``"paused"``, how often its mailbox was full (it stopped reading the socket)."""
+    parsed = parse_text(scrape("127.0.0.1", port, timeout=30.0))
+    samples = parsed.get("tensorhub_request_seconds_bucket", {})
+    paused = int(sum(parsed.get("tensorhub_reads_paused_total", {}).values()))
+    out: dict[str, dict[float, int]] = {}
+    for labels, value in samples.items():
+        d = dict(labels)
+        out.setdefault(d["kind"], {})[float(d["le"])] = int(value)  # float("+Inf") is inf
+    hist = {kind: [by.get(float(b), 0) for b in LATENCY_BUCKETS] + [by.get(float("inf"), 0)] for kind, by in out.items()}
+    return {**hist, "paused": [paused]}
+
+
+def bucket_pct(cumulative: list[int], q: float) -> float:
+    """The upper bound (ms) of the bucket holding quantile ``q`` of a cumulative histogram
+    (inf: past the last bucket; nan: empty)."""
+    total = cumulative[-1] if cumulative else 0
+    if total <= 0:
+        return float("nan")
+    for bound, n in zip(LATENCY_BUCKETS, cumulative):
+        if n >= q * total:
+            return bound * 1000
+    return float("inf")
 
 
 # ---- the generator (one process holds many sessions) -------------------------------------------
@@ -345,6 +373,7 @@ class Generator:
         }
         self.measuring = False
         self.rtt = array("d")
+        self.late = array("d")  # ms each heartbeat slot fired after its time: this process's own loop lag
         self.counts: dict[str, int] = {}
         self.false: list[str] = []  # the first few, for the report
         self.false_count = 0
@@ -369,7 +398,10 @@ class Generator:
                     except zmq.ZMQError:
                         self.count("heartbeat not sent")
             k += 1
-            await asyncio.sleep(max(0.0, t0 + k * self.interval / BEAT_SLOTS - time.monotonic()))
+            due = t0 + k * self.interval / BEAT_SLOTS
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if self.measuring:  # how late the loop woke: its acks waited as long to be read
+                self.late.append(max(0.0, time.monotonic() - due) * 1000)
 
     def location(self, replica: str) -> Location:
         n = int(replica.rsplit("-", 1)[1]) if "-" in replica else 0
@@ -527,6 +559,7 @@ async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float
             gen.measuring = bool(args[0])
             if gen.measuring:
                 gen.rtt = array("d")
+                gen.late = array("d")
             conn.send(("measure",))
         elif cmd == "publish":
             try:
@@ -544,7 +577,7 @@ async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float
             await gen.rejoin(args[0])
             conn.send(("rejoined",))
         elif cmd == "stats":
-            conn.send(("stats", gen.rtt.tobytes(), gen.false, gen.false_count, gen.counts))
+            conn.send(("stats", gen.rtt.tobytes(), gen.false, gen.false_count, gen.counts, gen.late.tobytes()))
         elif cmd == "close":
             await gen.close()
             conn.send(("closed",))
@@ -573,14 +606,16 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
     children: list[Child] = []
     rng = random.Random(args.seed * 1_000_003 + sessions)
     try:
+        metrics_port = free_port()
         extra = ["--seed", str(args.seed)]
         env = {"TENSORHUB_SERVER_PROFILE": env_profile} if env_profile else None
         if backup:
             bproc, baddr = start_server(30, "--role", "backup", *extra, echo_all=False)
             servers.append(bproc)
-            proc, address = start_server(30, "--role", "primary", "--peer", baddr, *extra, echo_all=False, env=env)
+            proc, address = start_server(30, "--role", "primary", "--peer", baddr, *extra, "--metrics-port", str(metrics_port),
+                                         echo_all=False, env=env)  # fmt: skip
         else:
-            proc, address = start_server(30, *extra, echo_all=False, env=env)
+            proc, address = start_server(30, *extra, "--metrics-port", str(metrics_port), echo_all=False, env=env)
         servers.insert(0, proc)
         procs = max(1, min(args.procs, len(replicas)))
         parts = [replicas[i::procs] for i in range(procs)]
@@ -607,6 +642,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             c.send("measure", True)
         for c in children:
             c.expect("measure")
+        handled0 = server_latency(metrics_port)
         gen_cpu0 = sum(cpu_seconds(c.proc.pid) for c in children)
         cpu0 = [cpu_seconds(p.pid) for p in servers]
         wait0 = cpu_wait_seconds(servers[0].pid)
@@ -658,25 +694,31 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             bursts.append(b)
             time.sleep(args.gap)
         window = time.monotonic() - w0
+        handled = {kind: [n - n0 for n, n0 in zip(counts1, handled0.get(kind, [0] * len(counts1)))]
+                   for kind, counts1 in server_latency(metrics_port).items()}  # fmt: skip
         cpu1 = [cpu_seconds(p.pid) for p in servers]
         waited = cpu_wait_seconds(servers[0].pid) - wait0
         load = (load0 + os.getloadavg()[0]) / 2
         gen_cpu = sum(cpu_seconds(c.proc.pid) for c in children) - gen_cpu0
         mem = [memory_mib(p.pid) for p in servers]
         rtt: list[float] = []
+        late: list[float] = []
         false: list[str] = []
         false_count = 0
         counts: dict[str, int] = {}
         for c in children:
             c.send("stats")
             try:
-                _, raw, f, nf, cnt = c.expect("stats")
+                _, raw, f, nf, cnt, late_raw = c.expect("stats")
             except OSError as err:
                 c.proc.join(5)
                 raise BenchmarkError(f"generator {c.name} died (exit code {c.proc.exitcode}): {err}") from err
             a = array("d")
             a.frombytes(raw)
             rtt.extend(a)
+            a = array("d")
+            a.frombytes(late_raw)
+            late.extend(a)
             false.extend(f)
             false_count += nf
             for key, n in cnt.items():
@@ -695,6 +737,9 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             "backup_rss_mib": mem[1][0] if backup else None,
             "generator_cores": gen_cpu / window, "server_cpu_wait": waited / window, "loadavg": load, "generator_procs": len(children),
             "hb_count": len(rtt), "hb_p50_ms": pct(rtt, 0.5), "hb_p99_ms": pct(rtt, 0.99), "hb_max_ms": max(rtt, default=float("nan")),
+            "gen_late_p50_ms": pct(late, 0.5), "gen_late_p99_ms": pct(late, 0.99),
+            "server_ms": {kind: (bucket_pct(h, 0.5), bucket_pct(h, 0.99), h[-1]) for kind, h in handled.items() if kind != "paused"},
+            "server_paused": handled.get("paused", [0])[0],
             "bursts": bursts, "aborted": aborted, "false_removals": false_count, "false_examples": false[:5], "counts": counts,
         }  # fmt: skip
     finally:
@@ -735,6 +780,19 @@ def report(r: dict) -> None:
           f"(machine load average {r['loadavg']:.1f} on {os.cpu_count()} CPUs)")
     print(f"  generator {r['generator_cores']:.2f} cores in {r['generator_procs']} processes (on the same machine)")
     print(f"  heartbeat RTT p50 {r['hb_p50_ms']:.1f} ms, p99 {r['hb_p99_ms']:.1f} ms, max {r['hb_max_ms']:.0f} ms ({r['hb_count']:,} acks)")
+    served = r["server_ms"]
+    hb = served.get("heartbeat")
+    if hb is not None:
+        print(f"    of which in the server, from reading the frame to sending the ack: p50 <= {hb[0]:g} ms, p99 <= {hb[1]:g} ms "
+              f"(histogram bounds); the generator's own loop woke late p50 {r['gen_late_p50_ms']:.1f} ms, "
+              f"p99 {r['gen_late_p99_ms']:.1f} ms (its acks wait as long to be read); the rest: unread in the server's "
+              f"socket, and the two processes waiting for a CPU")  # fmt: skip
+    if r["server_paused"]:
+        print(f"    the server's mailbox was full {r['server_paused']} times (it stopped reading its socket: heartbeats wait there)")
+    kinds = [k for k in ("update", "progress", "complete") if k in served]
+    if kinds:
+        print("    server, read -> replies sent (p50 / p99 bounds, count): " + ", ".join(
+            f"{k} {served[k][0]:g} / {served[k][1]:g} ms ({served[k][2]:,})" for k in kinds))  # fmt: skip
     print(f"  burst (worst of {len(bursts)}): {worst['requests']:,} requests, {worst['grants']:,} grants; from the publish: "
           f"last request {worst['last_request_s']:.2f} s, last first grant {worst['last_first_grant_s']:.2f} s, "
           f"last grant {worst['last_grant_s']:.2f} s, "

@@ -83,24 +83,25 @@ class SourceIndex:
     """The holders of one (version, shard), bucketed so that :meth:`select` follows the same
     policy as :func:`select_source` without looking at every holder.
 
-    Holders live in buckets keyed by (datacenter, load, partial). Selection walks the reader's
-    datacenter's buckets in policy order (fewest load, then complete before partial) and stops
-    at the first bucket holding an eligible entry; within it the reader's host wins, then a
-    seeded random pick. Only when the reader's datacenter has no eligible entry are the other
-    datacenters' buckets walked, merged by the same order. Cost: the buckets visited plus the
-    ineligible entries skipped, not the number of holders.
+    Holders live in buckets keyed by datacenter, then by level ``(load, partial)``. Selection
+    walks the reader's datacenter's levels in policy order (fewest load, then complete before
+    partial: the levels' sort order) and stops at the first bucket holding an eligible entry;
+    within it the reader's host wins, then a seeded random pick. Only when the reader's
+    datacenter has no eligible entry are the other datacenters' buckets walked, merged by the
+    same order. Cost: the levels visited plus the ineligible entries skipped, not the number of
+    holders. A holder whose level is unchanged costs one lookup to :meth:`put` (the table puts
+    on every state and load change).
     """
 
-    __slots__ = ("_buckets", "_where", "_loc", "_replica", "_by_host", "_by_replica", "_loads")
+    __slots__ = ("_dcs", "_where", "_loc", "_replica", "_by_host", "_by_replica")
 
     def __init__(self) -> None:
-        self._buckets: dict[tuple[str, int, bool], list[int]] = {}
-        self._where: dict[int, tuple[tuple[str, int, bool], int]] = {}  # key -> (bucket, position)
+        self._dcs: dict[str, dict[tuple[int, bool], list[int]]] = {}  # datacenter -> level -> entries
+        self._where: dict[int, tuple[str, tuple[int, bool], int]] = {}  # key -> (datacenter, level, position)
         self._loc: dict[int, Location] = {}
         self._replica: dict[int, str] = {}
         self._by_host: dict[tuple[str, str], dict[int, None]] = {}
         self._by_replica: dict[str, dict[int, None]] = {}
-        self._loads: dict[str, dict[int, int]] = {}  # datacenter -> load -> entries
 
     def __len__(self) -> int:
         return len(self._where)
@@ -110,29 +111,39 @@ class SourceIndex:
 
     def put(self, key: int, replica: str, location: Location, load: int, complete: bool) -> None:
         """Insert ``key`` or move it to the bucket its current load and completeness give."""
-        bucket = (location.datacenter, load, not complete)
+        level = (load, not complete)
+        dc = location.datacenter
         where = self._where.get(key)
         if where is not None:
-            if where[0] == bucket:
+            if where[1] == level and where[0] == dc:
                 return
-            self._unlink(key)
-        entries = self._buckets.get(bucket)
-        if entries is None:
-            entries = self._buckets[bucket] = []
-        self._where[key] = (bucket, len(entries))
-        entries.append(key)
-        loads = self._loads.setdefault(location.datacenter, {})
-        loads[load] = loads.get(load, 0) + 1
-        if key not in self._loc:
+            self._unlink(key, where)
+        else:
             self._loc[key] = location
             self._replica[key] = replica
-            self._by_host.setdefault((location.datacenter, location.host), {})[key] = None
-            self._by_replica.setdefault(replica, {})[key] = None
+            host = (dc, location.host)
+            by_host = self._by_host.get(host)
+            if by_host is None:
+                by_host = self._by_host[host] = {}
+            by_host[key] = None
+            by_replica = self._by_replica.get(replica)
+            if by_replica is None:
+                by_replica = self._by_replica[replica] = {}
+            by_replica[key] = None
+        levels = self._dcs.get(dc)
+        if levels is None:
+            levels = self._dcs[dc] = {}
+        entries = levels.get(level)
+        if entries is None:
+            entries = levels[level] = []
+        self._where[key] = (dc, level, len(entries))
+        entries.append(key)
 
     def remove(self, key: int) -> None:
-        if key not in self._where:
+        where = self._where.get(key)
+        if where is None:
             return
-        self._unlink(key)
+        self._unlink(key, where)
         loc = self._loc.pop(key)
         replica = self._replica.pop(key)
         host = (loc.datacenter, loc.host)
@@ -143,30 +154,29 @@ class SourceIndex:
         if not self._by_replica[replica]:
             del self._by_replica[replica]
 
-    def _unlink(self, key: int) -> None:
-        bucket, pos = self._where.pop(key)
-        entries = self._buckets[bucket]
+    def _unlink(self, key: int, where: tuple[str, tuple[int, bool], int]) -> None:
+        dc, level, pos = where
+        del self._where[key]
+        levels = self._dcs[dc]
+        entries = levels[level]
         last = entries.pop()
         if last != key:  # swap-remove: move the last entry into the hole
             entries[pos] = last
-            self._where[last] = (bucket, pos)
+            self._where[last] = (dc, level, pos)
         if not entries:
-            del self._buckets[bucket]
-        dc, load, _ = bucket
-        loads = self._loads[dc]
-        loads[load] -= 1
-        if not loads[load]:
-            del loads[load]
-            if not loads:
-                del self._loads[dc]
+            del levels[level]
+            if not levels:
+                del self._dcs[dc]
 
     def in_datacenter(self, dc: str) -> tuple[bool, bool]:
         """(a complete or offload holder is in ``dc``, a partial holder is in ``dc``), among the
-        grantable holders. Cost: the distinct loads in ``dc``."""
+        grantable holders. Cost: the distinct levels in ``dc``."""
         whole = partial = False
-        for load in self._loads.get(dc, ()):
-            whole = whole or (dc, load, False) in self._buckets
-            partial = partial or (dc, load, True) in self._buckets
+        for _, is_partial in self._dcs.get(dc, ()):
+            if is_partial:
+                partial = True
+            else:
+                whole = True
         return whole, partial
 
     def select(
@@ -184,11 +194,12 @@ class SourceIndex:
             prefer_replica: the source replica chosen for the reader's other shards.
         """
         dc = reader.datacenter
-        best = self._best(reader, [dc], rng, eligible) if dc in self._loads else None
+        levels = self._dcs.get(dc)
+        best = self._best_in(reader, levels, rng, eligible) if levels is not None else None
         same_dc = best is not None
         if best is None:
-            others = [d for d in self._loads if d != dc]
-            best = self._best(reader, others, rng, eligible) if others else None
+            others = [d for d in self._dcs if d != dc]
+            best = self._best_across(reader, others, rng, eligible) if others else None
             if best is None:
                 return None
         if prefer_replica is not None:
@@ -197,40 +208,64 @@ class SourceIndex:
                     return key
         return best
 
-    def _best(self, reader: Location, dcs: list[str], rng: random.Random, eligible: Callable[[int], bool]) -> int | None:
-        if len(dcs) == 1:
-            loads = sorted(self._loads.get(dcs[0], ()))
-        else:
-            loads = sorted({load for d in dcs for load in self._loads.get(d, ())})
+    def _local(self, reader: Location, eligible: Callable[[int], bool]) -> dict[tuple[int, bool], list[int]] | None:
+        """The eligible entries on the reader's host, by level (None: none there), in the host's
+        insertion order: looked at once per selection, not once per level walked."""
         local_keys = self._by_host.get((reader.datacenter, reader.host))
-        for load in loads:
-            for partial in (False, True):
-                buckets = [b for d in dcs if (b := self._buckets.get((d, load, partial)))]
-                if not buckets:
-                    continue
-                if local_keys:
-                    level = (load, partial)
-                    local = [k for k in local_keys if self._where[k][0][1:] == level and eligible(k)]
-                    if local:
-                        return local[0] if len(local) == 1 else local[rng.randrange(len(local))]
-                if len(buckets) == 1:
-                    b = buckets[0]
-                    total = len(b)
-                    start = rng.randrange(total)
-                    for step in range(total):
-                        key = b[(start + step) % total]
-                        if eligible(key):
-                            return key
-                    continue
-                total = sum(len(b) for b in buckets)
-                start = rng.randrange(total)
-                for step in range(total):
-                    i = (start + step) % total
-                    for b in buckets:
-                        if i < len(b):
-                            key = b[i]
-                            break
-                        i -= len(b)
-                    if eligible(key):
-                        return key
+        if not local_keys:
+            return None
+        where = self._where
+        by_level: dict[tuple[int, bool], list[int]] = {}
+        for k in local_keys:
+            if eligible(k):
+                level = where[k][1]
+                keys = by_level.get(level)
+                if keys is None:
+                    by_level[level] = [k]
+                else:
+                    keys.append(k)
+        return by_level
+
+    def _best_in(
+        self, reader: Location, levels: dict[tuple[int, bool], list[int]], rng: random.Random, eligible: Callable[[int], bool]
+    ) -> int | None:
+        """The pick among one datacenter's buckets (the reader's: the common case)."""
+        local = self._local(reader, eligible)
+        for level in sorted(levels):
+            if local:
+                here = local.get(level)
+                if here:
+                    return here[0] if len(here) == 1 else here[rng.randrange(len(here))]
+            b = levels[level]
+            total = len(b)
+            start = rng.randrange(total)
+            for step in range(total):
+                key = b[(start + step) % total]
+                if eligible(key):
+                    return key
+        return None
+
+    def _best_across(self, reader: Location, dcs: list[str], rng: random.Random, eligible: Callable[[int], bool]) -> int | None:
+        """The pick among several datacenters' buckets, merged level by level."""
+        if len(dcs) == 1:
+            return self._best_in(reader, self._dcs[dcs[0]], rng, eligible)
+        all_levels = [self._dcs[d] for d in dcs]
+        local = self._local(reader, eligible)
+        for level in sorted({level for levels in all_levels for level in levels}):
+            buckets = [b for levels in all_levels if (b := levels.get(level))]
+            if local:
+                here = local.get(level)
+                if here:
+                    return here[0] if len(here) == 1 else here[rng.randrange(len(here))]
+            total = sum(len(b) for b in buckets)
+            start = rng.randrange(total)
+            for step in range(total):
+                i = (start + step) % total
+                for b in buckets:
+                    if i < len(b):
+                        key = b[i]
+                        break
+                    i -= len(b)
+                if eligible(key):
+                    return key
         return None

@@ -88,3 +88,171 @@ def test_a_client_that_does_not_read_gets_its_replies_dropped_not_awaited(srv, c
         ctx.term()
     gc.collect()
     assert "Future exception was never retrieved" not in caplog.text
+
+
+def test_a_heartbeat_is_answered_ahead_of_the_frames_read_before_it(srv):
+    """Frames queued while the server stood still are read together; the heartbeat among them
+    is answered before the requests sent ahead of it (each of those still gets its answer)."""
+    import asyncio
+    import threading
+
+    from tensorhub.core.topology import Location
+    from tensorhub.core.wire import decode, encode
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(srv.address)
+        dealer.send(encode(m.OpenShard(1, "actor", "r0", 1, 0, "inc-r0", Location.default(), False, None)))
+        assert dealer.poll(10_000), "no answer to the open"
+        opened = decode(dealer.recv())
+        assert isinstance(opened, m.Opened)
+        held = threading.Event()
+
+        async def stand_still() -> None:  # the server's loop blocks while the frames queue up
+            held.set()
+            time.sleep(0.5)
+
+        stalled = asyncio.run_coroutine_threadsafe(stand_still(), srv.loop.loop)
+        assert held.wait(10)
+        n = 100
+        for req in range(2, 2 + n):
+            dealer.send(encode(m.ListVersions(req, opened.session, None)))
+        dealer.send(encode(m.Heartbeat(1000, (opened.session,))))
+        stalled.result(10)
+        replies = []
+        deadline = time.monotonic() + 20
+        while len(replies) < n + 1 and time.monotonic() < deadline:
+            if dealer.poll(1000):
+                replies.append(decode(dealer.recv()))
+        assert len(replies) == n + 1, f"{len(replies)} of {n + 1} replies"
+        assert isinstance(replies[0], m.HeartbeatAck) and replies[0].req == 1000 and replies[0].unknown == ()
+        assert sorted(r.req for r in replies[1:]) == list(range(2, 2 + n))
+        assert srv.loop.run(_beats_ahead(srv)) >= 1
+        counted = srv.loop.run(_counted(srv))
+        assert counted == (1.0, 1.0), counted  # the batched path counts it as _handle would
+    finally:
+        dealer.close(0)
+        ctx.term()
+
+
+async def _beats_ahead(srv: InprocServer) -> int:
+    return srv.actor.beats_ahead
+
+
+async def _counted(srv: InprocServer) -> tuple[float, float]:
+    a = srv.actor
+    return a.m_requests.value("heartbeat"), a.m_clients.value("anonymous") - a.m_requests.value("open") - a.m_requests.value("list")
+
+
+def test_a_frame_that_only_begins_like_a_heartbeat_gets_its_typed_error(srv):
+    """The read path sorts frames by their first bytes; one that begins as a heartbeat does but
+    is not one is answered by the whole path with the error that names what was wrong."""
+    import msgpack
+
+    from tensorhub.core.wire import WIRE_VERSION, decode, kind_prefix
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(srv.address)
+        bad_body = msgpack.packb([WIRE_VERSION, "heartbeat", {"req": 5, "sessions": ["x"], "stamp": 0.0, "stamp_term": 0}])
+        assert bad_body.startswith(kind_prefix(m.Heartbeat))
+        for frame, code in ((kind_prefix(m.Heartbeat) + b"\xc1", "malformed"), (bad_body, "malformed")):
+            dealer.send(frame)
+            assert dealer.poll(10_000), "no answer"
+            reply = decode(dealer.recv())
+            assert isinstance(reply, m.Failed) and reply.code == code, reply
+        assert "sessions" in reply.message and reply.req == 5
+    finally:
+        dealer.close(0)
+        ctx.term()
+
+
+def test_frames_read_between_a_batchs_frames_reach_the_mailbox_after_the_loop_ran():
+    """During a batch the server looks at its socket: heartbeats are answered at once, the
+    other frames wait for the loop to run once (a mailbox that never empties would keep the
+    loop from its timers and the backup's lease replies), then go to the mailbox in order."""
+    import asyncio
+
+    from tensorhub.core.wire import decode, encode
+    from tensorhub.runtime.server import _BATCH, _POLL_EVERY, ServerActor, ServerConfig, _Batch, _Frames
+
+    waiting = [[b"peer-a", encode(m.ListVersions(i, 1, None))] for i in range(1, 41)]
+    waiting.append([b"peer-b", encode(m.Heartbeat(99, (12345,)))])
+    sent: list[bytes] = []
+
+    class Socket:
+        def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[bytes]:
+            if not waiting:
+                raise zmq.Again()
+            return waiting.pop(0)
+
+        def send(self, data: bytes, flags: int = 0) -> None:
+            sent.append(data)
+
+        def getsockopt(self, option: int) -> int:
+            return 0
+
+    server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0"))
+    loop = asyncio.new_event_loop()
+    try:
+        server.loop = loop
+        server._raw = Socket()  # type: ignore[assignment]
+        told: list[_Batch] = []
+        server.tell = told.append  # type: ignore[method-assign]
+        assert 2 * _POLL_EVERY <= 41 < _BATCH
+        first = [_Frames(b"peer-c", [encode(m.ListVersions(100 + i, 1, None))], None, 0.0) for i in range(2 * _POLL_EVERY)]
+        server._queued = len(first)
+        server.on__Batch(_Batch(first))
+        replies = [decode(x) for x in sent[1::2]]  # (routing id, frame) pairs
+        acks = [r for r in replies if isinstance(r, m.HeartbeatAck)]
+        assert [(a.req, a.unknown) for a in acks] == [(99, (12345,))]
+        assert len(replies) == len(first) + 1  # the batch's own answers, and the heartbeat's
+        assert told == [] and server._queued == 40
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(told) == 1
+        assert [decode(f.frames[0]).req for f in told[0].frames] == list(range(1, 41))
+    finally:
+        loop.close()
+        server.ctx.term()  # the actor made its context; it never started, so nothing else to stop
+
+
+def test_a_batch_behind_a_long_backlog_leaves_the_socket_to_its_queues():
+    """Past ``_EAGER_QUEUED`` frames waiting the server is behind: a batch does not read more
+    (the backlog waits in ZeroMQ's per-connection queues, not in one FIFO)."""
+    import asyncio
+
+    from tensorhub.core.wire import encode
+    from tensorhub.runtime.server import _EAGER_QUEUED, _POLL_EVERY, ServerActor, ServerConfig, _Batch, _Frames
+
+    reads = []
+
+    class Socket:
+        def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[bytes]:
+            reads.append(1)
+            raise zmq.Again()
+
+        def send(self, data: bytes, flags: int = 0) -> None:
+            pass
+
+        def getsockopt(self, option: int) -> int:
+            return 0
+
+    server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0"))
+    loop = asyncio.new_event_loop()
+    try:
+        server.loop = loop
+        server._raw = Socket()  # type: ignore[assignment]
+        frames = [_Frames(b"p", [encode(m.ListVersions(i, 1, None))], None, 0.0) for i in range(1, 2 * _POLL_EVERY + 1)]
+        server._queued = _EAGER_QUEUED + len(frames)
+        server.on__Batch(_Batch(frames))
+        assert reads == []
+        server._queued = len(frames)
+        server.on__Batch(_Batch(frames))
+        assert len(reads) >= 1
+    finally:
+        loop.close()
+        server.ctx.term()

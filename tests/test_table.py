@@ -987,3 +987,28 @@ def test_second_offload_while_the_first_drains(d):
     s.expect_ok(u2)
     x.complete(gx)
     x.expect_ok(qx)
+
+
+def test_heartbeat_entry_answers_as_handle_does():
+    """``ReferenceTable.heartbeat`` (the server's read path) is ``handle`` of a heartbeat: the
+    same acknowledgement, the same session kept alive; a table with a reign refuses it."""
+    import random
+
+    from tensorhub.core.table import ReferenceTable
+    from tensorhub.core.table.reign import Reign
+    from tensorhub.scheduling.selection import SourceIndex
+
+    a, b = Driver(), Driver()
+    sa, sb = a.shard("r"), b.shard("r")
+    for drv in (a, b):
+        drv.advance(5)
+    msg = m.Heartbeat(9, (sa.session, 4242))
+    via_handle = a.send(sa.peer, msg)
+    via_entry = b.table.heartbeat(sb.peer, m.Heartbeat(9, (sb.session, 4242)))
+    assert via_handle == [(sa.peer, m.HeartbeatAck(9, (4242,), a.table.term))]
+    assert via_entry == m.HeartbeatAck(9, (4242,), b.table.term)
+    assert a.table.sessions[sa.session].last_seen == b.table.sessions[sb.session].last_seen == b.clock()
+    assert b.table.heartbeat("someone-else", m.Heartbeat(10, (sb.session,))).unknown == (sb.session,)
+    primary = ReferenceTable(a.clock, random.Random(0), TableConfig(), sources=SourceIndex, reign=Reign("primary", 5.0))
+    with pytest.raises(e.InvalidArgument, match="server alone"):
+        primary.heartbeat("p", m.Heartbeat(1, ()))

@@ -1416,3 +1416,13 @@ def test_a_float_field_refuses_what_is_not_a_finite_number(value):
 
 def test_a_float_field_takes_an_int():
     assert wire.decode(changed(BY_KIND["heartbeat"], stamp=3)).stamp == 3.0
+
+
+def test_a_kind_prefix_begins_every_frame_of_its_kind_and_no_other():
+    beat = wire.kind_prefix(m.Heartbeat)
+    assert wire.encode(m.Heartbeat(7, (1, 2), 3.5, 9)).startswith(beat)
+    assert wire.encode(m.Heartbeat(1 << 40, ())).startswith(beat)
+    assert not wire.encode(m.HeartbeatAck(7, (), 1, 0.0, 0.0, True)).startswith(beat)  # "heartbeat_ack" is another kind
+    assert not wire.encode(m.Ack(7)).startswith(beat)
+    with pytest.raises(TypeError, match="not a registered wire message"):
+        wire.kind_prefix(int)

@@ -17,17 +17,25 @@ from typing import Any
 
 from .errors import InvalidTransition
 
-__all__ = ["HolderState", "Event", "TRANSITIONS", "transition"]
+__all__ = ["HolderState", "Event", "IdentityEnum", "TRANSITIONS", "transition"]
 
 
-class HolderState(enum.Enum):
+class IdentityEnum(enum.Enum):
+    """An enum hashed by identity. ``Enum.__hash__`` is a Python function (``hash(self._name_)``)
+    run on every lookup of a ``(state, event)`` key; a member is a singleton, so its identity is
+    as good a hash and costs no call. Dicts keep insertion order, so no iteration order moves."""
+
+    __hash__ = object.__hash__
+
+
+class HolderState(IdentityEnum):
     PARTIAL = "partial"  # being pulled; serves its verified prefix
     COMPLETE = "complete"  # holds the whole shard (published or pulled)
     OFFLOAD = "offload"  # a CPU copy kept for retention
     UNPUBLISHING = "unpublishing"  # no new grants; waits for its grants to drain
 
 
-class Event(enum.Enum):
+class Event(IdentityEnum):
     PUBLISH = "publish"
     GRANT = "grant"  # a reader was granted: it becomes a partial holder
     PUBLISH_OFFLOAD = "publish_offload"

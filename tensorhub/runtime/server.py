@@ -17,6 +17,16 @@ for more input after every batch and every send, so no frame waits for a signal 
 came. At thousands of sessions this is most of the server's cost: one future, two enum flag
 operations and a wakeup of the mailbox task per frame, against one of each per batch.
 
+Heartbeats are answered as they are read, ahead of the frames read before them (they keep
+sessions alive and change nothing the others depend on), and a batch looks at the socket every
+``_POLL_EVERY`` frames: otherwise a heartbeat sent during a burst waits unread behind every
+connection's update (ZeroMQ reads one frame per connection per round), then behind the batch
+it was read in. The other frames read during a batch reach the mailbox once the loop has run,
+so that the loop still runs its timers, the backup's lease replies and the socket watch, and a
+batch looks only while fewer than ``_EAGER_QUEUED`` frames wait: past that the server is behind,
+and the backlog stays in ZeroMQ's per-connection queues (read in turn) rather than growing one
+FIFO up to ``max_queued``, where heartbeats would wait again, behind all of it.
+
 The server never dies of a client's message: anything unexpected raised while handling one is
 logged with the message kind and answered as a protocol error. Every frame is counted by its
 outcome (``ok`` or the error code it was answered with); a frame over the socket's size limit
@@ -73,7 +83,7 @@ from tensorhub.core.errors import (
 from tensorhub.core.lifecycle import HolderState
 from tensorhub.core.table import HISTORY_VERSIONS, ReferenceTable, TableConfig, random_first_id
 from tensorhub.core.table.reign import ROLES, Reign
-from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode
+from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode, kind_prefix
 from tensorhub.scheduling.selection import SourceIndex
 
 from .actor import Actor
@@ -173,6 +183,12 @@ _PEER = b"\0peer"  # the table's peer name for the backup (never a ZeroMQ routin
 _KINDS_LOCAL = (m.TransferSpan, m.GetTrace, m.GetCluster)
 _MIN_STALL_S = 0.25  # a tick later than this (and than one tick interval) is a stall: see _credit_stall
 _BATCH = 256  # frames taken from the socket per reader callback (then the mailbox handles them)
+_POLL_EVERY = 16  # frames of a batch handled between two looks at the socket for heartbeats
+#: frames waiting (read, not yet handled) above which a batch no longer looks at the socket: a
+#: longer backlog waits in ZeroMQ's queues, which serve connections in turn, not in one FIFO
+#: that a burst's progress reports would fill ahead of the heartbeats read after them
+_EAGER_QUEUED = 2048
+_BEAT_PREFIX = kind_prefix(m.Heartbeat)  # how a heartbeat's frame begins (see _drain)
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags cost more than the call itself
 _POLLIN = int(zmq.POLLIN)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
@@ -216,6 +232,10 @@ class ServerActor(Actor):
         self._tick_every = 1.0
         self.frames_in = 0
         self.bad_frames = 0
+        self.beats_ahead = 0  # heartbeats answered as they were read, ahead of the mailbox (see _drain)
+        self._backlog: list[_Frames] = []  # frames read during a batch, for the mailbox once the loop ran
+        self._in_batch = False
+        self._flush_soon = False
         self.done = asyncio.Event()
         self.auth: KeyAuthenticator | None = None
         self.metrics_server: MetricsServer | None = None
@@ -240,6 +260,8 @@ class ServerActor(Actor):
                                    "Frames received per client key (the first 12 characters of its CURVE key; 'anonymous' without keys)",
                                    ["client"])  # fmt: skip
         self.m_latency = r.histogram("tensorhub_request_seconds", "Time from receiving a request to sending its replies", ["kind"])
+        self.m_paused = r.counter("tensorhub_reads_paused_total",
+                                  "Times the server stopped reading its socket because its mailbox was full (max_queued)")
         self.m_dropped = r.counter("tensorhub_replies_dropped_total",
                                    "Replies not sent: the client's queue was full, or its connection is gone", ["reason"])  # fmt: skip
         self._drop_logged: collections.OrderedDict[tuple[bytes, str], None] = collections.OrderedDict()
@@ -416,20 +438,29 @@ class ServerActor(Actor):
 
     def _drain(self) -> None:
         """Take the frames waiting on the socket (up to ``_BATCH``, and while the mailbox has
-        room) and hand them to the mailbox as one batch."""
+        room): answer the heartbeats among them now, and hand the rest to the mailbox as one
+        batch. A heartbeat never waits behind grants and progress reports read before it (it is
+        what tells the server, and with a backup the reign, that a session is alive; it changes
+        nothing that those frames depend on). Called from the loop's watch of the socket, and
+        between the frames of a batch (:meth:`on__Batch`)."""
         self._drain_soon = False
         sock = self._raw
         if sock is None or self.stopped:
             return
         room = self.config.max_queued - self._queued
         if room <= 0:
+            if not self._paused:
+                self.m_paused.inc()
             self._paused = True
             return
         authenticated = self.config.keys is not None
         batch: list[_Frames] = []
+        beats: list[_Frames] = []
+        beat = _BEAT_PREFIX
         now = time.monotonic()
+        n = 0
         try:
-            for _ in range(min(_BATCH, room)):
+            for n in range(min(_BATCH, room)):
                 if authenticated:
                     parts = sock.recv_multipart(_NOBLOCK, copy=False)
                     user = user_id(parts[-1])
@@ -437,17 +468,80 @@ class ServerActor(Actor):
                 else:
                     frames = sock.recv_multipart(_NOBLOCK)
                     user = None
-                batch.append(_Frames(frames[0], frames[1:], user, now))
+                f = _Frames(frames[0], frames[1:], user, now)
+                if len(frames) == 2 and frames[1].startswith(beat):
+                    beats.append(f)
+                else:
+                    batch.append(f)
+            n += 1
         except zmq.Again:
             pass
         except zmq.ZMQError as err:  # the socket is closing
             self.log.debug("server socket read ended", error=str(err))
             return
+        if beats:
+            self.beats_ahead += len(beats)
+            self._answer_beats(beats)
+            self._schedule()
         if batch:
             self._queued += len(batch)
-            self.tell(_Batch(batch))
-            if len(batch) == _BATCH or len(batch) == room:
-                self._drain_later()  # more may wait; the descriptor will not say so again
+            self._backlog.extend(batch)
+            if not self._in_batch:
+                self._flush_backlog()
+            elif not self._flush_soon and self.loop is not None:
+                # Read between a batch's frames: to the mailbox once the loop has run, not now.
+                # A mailbox that never empties never lets its task wait, and then the loop runs
+                # nothing else: no timers, no lease replies from the backup, no socket watch.
+                self._flush_soon = True
+                self.loop.call_soon(self._flush_backlog)
+        if n == _BATCH or n == room:
+            self._drain_later()  # more may wait; the descriptor will not say so again
+        elif beats:
+            self._input_waits()  # the replies' sends may have taken the descriptor's signal
+
+    def _answer_beats(self, beats: list[_Frames]) -> None:
+        """Answer heartbeats read together. A server alone without keys answers each through
+        the table's :meth:`~ReferenceTable.heartbeat` and counts them in its metrics once for
+        all of them (a heartbeat is most of what thousands of sessions send: the per-frame
+        bookkeeping of :meth:`_handle` was half its cost); with keys (each frame's key is
+        checked) or a reign (heartbeats are votes), and for a frame that does not decode to a
+        heartbeat, each goes through :meth:`_handle`."""
+        table = self.table
+        if self.config.keys is not None or table.reign.role != "solo":
+            for f in beats:
+                self._handle(f)
+            return
+        sock = self._raw
+        ok = 0
+        for f in beats:
+            try:
+                request = decode(f.frames[0])
+            except Exception:  # noqa: BLE001 - _handle decodes it again and answers what it is
+                request = None
+            if type(request) is not m.Heartbeat:
+                self._handle(f)  # answered with its error (or as what it is) by the whole path
+                continue
+            ack = table.heartbeat(f.peer, request)
+            ok += 1
+            if sock is not None:
+                try:
+                    sock.send(f.peer, _SNDMORE_NOBLOCK)
+                    sock.send(encode(ack), _NOBLOCK)
+                except zmq.ZMQError as err:
+                    self._dropped(err, f.peer, "HeartbeatAck")
+            self.m_latency.observe(time.monotonic() - f.at, "heartbeat")
+        if ok:
+            self.frames_in += ok
+            self.m_clients.inc(client_label(None), by=ok)
+            self.m_requests.inc("heartbeat", by=ok)
+            self.m_frames.inc("ok", by=ok)
+
+    def _flush_backlog(self) -> None:
+        """Hand the frames read so far (oldest first) to the mailbox as one batch."""
+        self._flush_soon = False
+        if self._backlog:
+            frames, self._backlog = self._backlog, []
+            self.tell(_Batch(frames))
 
     def _drain_later(self) -> None:
         if not self._drain_soon and self.loop is not None:
@@ -522,8 +616,14 @@ class ServerActor(Actor):
     # ---- messages ----------------------------------------------------------------------------
 
     def on__Batch(self, batch: _Batch) -> None:
-        for msg in batch.frames:
-            self._handle(msg)
+        self._in_batch = True
+        try:
+            for i, msg in enumerate(batch.frames):
+                if i and not i % _POLL_EVERY and self._queued < _EAGER_QUEUED:
+                    self._drain()  # heartbeats that came meanwhile are answered now, not after the batch
+                self._handle(msg)
+        finally:
+            self._in_batch = False
         self._schedule()
         self._queued -= len(batch.frames)
         if self._paused and self._queued <= self.config.max_queued // 2:

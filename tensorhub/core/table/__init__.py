@@ -95,7 +95,7 @@ import random
 from typing import Any, Callable, Hashable
 
 from .. import messages as m
-from ..errors import ProtocolError, ReplicaRemoved, TensorHubError
+from ..errors import InvalidArgument, ProtocolError, ReplicaRemoved, TensorHubError
 from .conversions import ConversionMixin
 from .deltas import DeltaMixin
 from .failover import FailoverMixin, ReignMixin
@@ -223,6 +223,21 @@ class ReferenceTable(
             self._out.append((peer, m.Failed.of(getattr(msg, "req", 0), err)))
         self._settle()
         return self._reign_after(peer, msg, self._flush())
+
+    def heartbeat(self, peer: Hashable, msg: m.Heartbeat) -> m.HeartbeatAck:
+        """:meth:`handle` of a heartbeat, for a server alone (``reign`` None: its heartbeats are
+        no votes), without the dispatch around it: the same effect and the same answer, for
+        the server's socket reader, which answers heartbeats as it reads them.
+
+        Raises:
+            InvalidArgument: this table has a reign (a primary's or backup's heartbeats are
+                votes: they go through :meth:`handle`).
+        """
+        if self.reign.role != "solo":
+            raise InvalidArgument(f"heartbeat() is for a server alone; a {self.reign.role} handles heartbeats in handle()")
+        self._on_heartbeat(peer, msg)
+        ((_, ack),) = self._flush()  # a heartbeat answers its sender once and changes nothing to settle
+        return ack  # type: ignore[no-any-return]
 
     def tick(self) -> Outbox:
         """Apply the passage of time up to ``clock()``; return the messages to send."""

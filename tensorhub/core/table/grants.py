@@ -183,15 +183,10 @@ class GrantMixin(TableState):
         token = None if key is None else GrantToken(self.term, g.id, s.id, reader.version, g.created, self.config.grant_ttl).seal(key)
         return g, info, token
 
-    def _twin(self, replica: _Replica) -> _Replica | None:
-        """The replica that shares ``replica``'s host and link: its offload seed replica, or the
-        replica a seed replica seeds for."""
-        name = replica.twin
-        return replica.model.replicas.get(name) if name is not None else None
-
     def _load(self, replica: _Replica) -> int:
         """A source replica's load for selection: the reader replicas it serves, plus those its
-        twin (:meth:`_twin`) serves: they send over the same link."""
+        twin serves (``_Replica.twin``: its offload seed replica, or the replica a seed replica
+        seeds for): they send over the same host and link."""
         name = replica.twin
         twin = replica.model.replicas.get(name) if name is not None else None
         return len(replica.serving) + (len(twin.serving) if twin is not None else 0)
@@ -199,18 +194,28 @@ class GrantMixin(TableState):
     def _reindex(self, replica: _Replica) -> None:
         """The replica's load changed: move its grantable holders (and its twin's) to their new
         buckets."""
-        twin = self._twin(replica)
-        for r in (replica, twin) if twin is not None else (replica,):
-            load = self._load(r)
-            versions = r.model.versions
-            name = r.name
-            for s in r.shards.values():
-                h = s.holder
-                if h is not None and h.state is not None and h.state is not U:
-                    versions[h.version].index[h.shard_idx].put(h.id, name, s.location, load, h.state is not P)
+        name = replica.twin
+        twin = replica.model.replicas.get(name) if name is not None else None
+        if twin is None:
+            self._reindex_one(replica, len(replica.serving))
+            return
+        self._reindex_one(replica, len(replica.serving) + len(twin.serving))
+        self._reindex_one(twin, self._load(twin))
+
+    def _reindex_one(self, r: _Replica, load: int) -> None:
+        versions = r.model.versions
+        name = r.name
+        for s in r.shards.values():
+            h = s.holder
+            if h is not None:
+                state = h.state
+                if state is not None and state is not U:
+                    versions[h.version].index[h.shard_idx].put(h.id, name, s.location, load, state is not P)
+            if s.offloads:
                 for h in s.offloads.values():
-                    if h.state is not None and h.state is not U:
-                        versions[h.version].index[h.shard_idx].put(h.id, name, s.location, load, h.state is not P)
+                    state = h.state
+                    if state is not None and state is not U:
+                        versions[h.version].index[h.shard_idx].put(h.id, name, s.location, load, state is not P)
 
     def _regrant_waiting(self, model: _Model) -> None:
         for h in list(model.waiting_readers):

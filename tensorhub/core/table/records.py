@@ -23,7 +23,6 @@ way), import IO or anything above the core, or hold a hash-ordered set of string
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 import random
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Any, Callable, Hashable, Protocol
 from .. import messages as m
 from ..errors import InvalidArgument, InvalidTransition, TensorHubError, VersionUnavailable
 from ..layout import Layout
-from ..lifecycle import HolderState
+from ..lifecycle import HolderState, IdentityEnum
 from ..naming import MAX_NAME_LEN, SEED_SUFFIX, VersionSpec, delta_owner, seed_owner, seed_replica
 from ..placement import PlacedTensor
 from ..topology import Location
@@ -204,7 +203,7 @@ class _ShardCall:
         self.held: tuple[int, ...] | None = None
 
 
-class CallState(enum.Enum):
+class CallState(IdentityEnum):
     """Where a model-parallel call is in deciding its answer (:data:`CALL_TRANSITIONS`)."""
 
     OPEN = "open"  # undecided: collecting its shards, looking for (or parked until) its version
@@ -212,7 +211,7 @@ class CallState(enum.Enum):
     MOVING = "moving"  # a replicate/update that decided a version and replaces what the replica held
 
 
-class CallEvent(enum.Enum):
+class CallEvent(IdentityEnum):
     DECIDE = "decide"  # its answer (or error) is decided
     MOVE = "move"  # it decided to replace the replica's holding with a version
     STAY = "stay"  # it decided (or will decide) not to move
