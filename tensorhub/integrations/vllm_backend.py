@@ -140,7 +140,10 @@ class TensorHubInitInfo(WeightTransferInitInfo):
         model: the converted model this engine holds (default ``<source_model>:vllm-<dtype>-w<n>``:
             one name per layout, so engines of one layout serve each other).
         server: the reference server's address (None: ``$TENSORHUB_SERVER`` or the embedded default).
-        retain: as :func:`tensorhub.open`.
+        retain: as :func:`tensorhub.open`; default None: the engine's copy of a version is a
+            cache of the trainer's, whose retention is the source model's. With ``"latest"``,
+            the unpublish of the engine's last copy of the version it moves past makes a CPU
+            offload copy of the whole shard first, inside every update's pause.
         timeout: seconds an update may wait for its version and pull it (None: no bound).
         names, dtype_names, shapes: the checkpoint's tensors the trainer publishes (full shapes),
             as vLLM's ``sharded_rdt`` backend takes them; empty: read from the safetensors
@@ -154,7 +157,7 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     replica: str = ""
     model: str = ""
     server: str | None = None
-    retain: str | None = "latest"
+    retain: str | None = None
     timeout: float | None = 600.0
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
