@@ -13,7 +13,8 @@ checksums and the grant token. :class:`Conversion` then:
    only (``only=``), tasks split so that one fits a quarter of the budget;
 2. runs the tasks as a **bounded pipeline**: each task's reads are fetched (grown to whole
    checksum units of the source, so each unit is verified against the source's declared
-   checksum before any of its bytes are used: integrity holds for slices too), then gathered,
+   checksum before any of its bytes are used: integrity holds for slices too; a transport that
+   reports landing has each piece hashed as it lands, while in cache), then gathered,
    transformed (cast, FP8 block quantization) and landed in this shard's registered tensors in
    a worker thread, while the next tasks' reads are on the wire. A task that only moves bytes
    (a copy to its own dtype, each read one run of whole source units that is one contiguous run
@@ -428,9 +429,11 @@ class Conversion:
             units, base, n = self._span(read)
             staging = place if place is not None else torch.empty(n, dtype=torch.uint8, device=self._device)
             try:
-                if n:
-                    await self._read(src, base, staging)
-                bad = await asyncio.to_thread(_first_bad, staging, base, units, src.checksums, src.plan.layout.checksum)
+                digests = await self._read(src, base, staging, units) if n else None
+                if digests is not None:  # hashed as it landed, while in cache: only compared here
+                    bad = next((u.index for u in units if digests.get(u.index) != src.checksums[u.index]), None)
+                else:
+                    bad = await asyncio.to_thread(_first_bad, staging, base, units, src.checksums, src.plan.layout.checksum)
             except (TransportError, InvalidArgument) as err:
                 reason = str(err)[:1000]
                 self._failed(read.shard, src, lambda req: m.SourceFailed(req, self.session, src.grant, src.term, 0, reason))
@@ -475,7 +478,10 @@ class Conversion:
             self.ready[shard].clear()
             self.report(build, False)
 
-    async def _read(self, src: _Source, base: int, staging: torch.Tensor) -> None:
+    async def _read(self, src: _Source, base: int, staging: torch.Tensor, units: Sequence[Unit]) -> dict[int, int] | None:
+        """Read the source's bytes ``[base, base + len(staging))`` into ``staging``. Returns the
+        units' checksums when the transport reported each piece as it landed (hashed then, while
+        in cache: :class:`~tensorhub.runtime.checksum.LandingHasher`), else None (verify after)."""
         if src.peer is None:
             src.peer = self.pick(src.info)
         transport, peer, region = src.peer
@@ -483,9 +489,14 @@ class Conversion:
         if getattr(transport, "checks_grants", False):
             kw["token"] = src.token
         window = _Window(src.plan, base, staging)
+        hasher = None
+        if getattr(transport, "reports_landing", False) and checksum.lands(window):
+            hasher = checksum.LandingHasher(window, units)
+            kw["landed"] = hasher.landed
         gen = await transport.read(peer, region, self.version, base, staging.numel(), window, src.generation, **kw)
         if src.generation is None and isinstance(gen, int):
             src.generation = gen
+        return hasher.digests if hasher is not None and hasher.complete else None
 
 
 def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
