@@ -27,8 +27,8 @@ Data flow
                 process_weights_after_loading (CPU GEMM dispatch/repacking): beside the live
                 modules, which keep serving
         SWAP    the shadow's processed tensors and attributes into the live modules; the
-                modules of other kinds (fused MoE, quantized) replayed here under vLLM's
-                layerwise reload; the attention layers processed
+                modules of other kinds (quantized, fused MoE off the CPU backend) replayed
+                here under vLLM's layerwise reload; the attention layers processed
 
 Lifetimes
 ---------
@@ -47,15 +47,18 @@ Lifetimes
 - **BUILD, every update**: with ``{"prefetch": true}`` right after the pull, in the background,
   while the engine serves; else in the update. Per traced module whose weight processing only
   touches the module itself (:func:`_shadowable`: norms, vLLM's unquantized linear and embedding
-  methods), a copy of the module is filled from staging and processed; memory: one more copy of
-  those modules' processed tensors (309 MiB for a 309 MiB bf16 Qwen3 on the CPU build), in the
-  buffers the previous swap retired (kept for that: no allocation, no free, in the pause).
+  methods, its unquantized fused-MoE experts on the CPU backend once their kernel exists), a
+  copy of the module is filled from staging and processed; memory: one more copy of those
+  modules' processed tensors (309 MiB for a 309 MiB bf16 Qwen3 on the CPU build), in the buffers
+  the previous swap retired (kept for that: no allocation, no free, in the pause; the first
+  build's are made and written at init, with the staging set).
 - **SWAP, every update** (the pause of an update with a finished prefetch): each live parameter
   takes its shadow's storage where no captured graph holds the old one (the CPU build, or CUDA
   graphs off: compiled graphs read the parameters at each call), else the shadow is copied into
   the kernel tensors (vLLM's ``_copy_and_restore_kernel_tensors``: CUDA graphs stay valid); the
-  attributes processing set (``cpu_linear``) move over. Modules of other kinds (a fused-MoE
-  method keeps a kernel of its own; quantized methods) are loaded and processed in the pause as
+  attributes processing set (``cpu_linear``) move over. Modules of other kinds (quantized
+  methods; fused-MoE backends whose conversion shuffles the experts, pads the shared config or
+  stashes layouts on the layer) are loaded and processed in the pause as
   vLLM's layerwise reload does, then every attention layer's ``process_weights_after_loading``
   (MLA derives its matrices from ``kv_b_proj``). ``swap = False`` on the engine loads every
   module through vLLM's layerwise reload instead.
