@@ -19,6 +19,9 @@ pause: the time during which the engine cannot generate:
   while the engine keeps generating (not counted; the prefetch also builds the version's processed
   layers), then the same three calls: the pause is the swap.
 
+``--experts N``: a Qwen3-MoE with N experts per layer instead (stacked ``w13``/``w2``: the fused-MoE
+layers' processing is part of each route).
+
 After each round the engine's greedy tokens must equal the ``vllm-reload`` ones of that version
 (checked). Prints the median pause of each and their ratios to ``vllm-reload`` measured in the
 same run. Run it with the vLLM environment: ``bash scripts/vllm_env.sh python benchmarks/bench_vllm.py``.
@@ -96,6 +99,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE with this many experts per layer (0: dense Qwen3)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (default: vLLM's compiled mode)")
     ap.add_argument("--serve", action="store_true", help="through vLLM's HTTP server and its RL routes")
@@ -103,29 +107,17 @@ def main() -> int:
     if args.serve:
         return serve_main(args)
 
-    import safetensors.torch
-    import torch
-    import transformers
     import vllm
 
     import tensorhub
     from tensorhub.core.placement import REPLICATE, TensorPlacement
     from tests.procs import ServerProcess
 
-    config = transformers.Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                                      num_key_value_heads=max(1, args.hidden // 256), head_dim=64,
-                                      max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
     tmp = tempfile.mkdtemp(prefix="bench_vllm-")
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(os.path.join(tmp, "v0"))
-    (ckpt,) = glob.glob(os.path.join(tmp, "v0", "*.safetensors"))
-    weights = {n: t.contiguous() for n, t in safetensors.torch.load_file(ckpt).items()}
-    del model
+    weights = _model(args, tmp)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    print(f"model: Qwen3 {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {nbytes / 2**20:.0f} MiB bf16, "
-          f"{len(weights)} tensors; {'eager' if args.eager else 'compiled'}", flush=True)  # fmt: skip
+    print(f"model: {_what(args)}: {nbytes / 2**20:.0f} MiB bf16, {len(weights)} tensors; "
+          f"{'eager' if args.eager else 'compiled'}", flush=True)  # fmt: skip
 
     server = ServerProcess()
     trainer = tensorhub.open("bench", "trainer", num_shards=1, shard_idx=0, server=server.address)
@@ -190,18 +182,29 @@ def main() -> int:
     return 0
 
 
+def _what(args: argparse.Namespace) -> str:
+    kind = f"Qwen3-MoE ({args.experts} experts, 2 per token)" if args.experts else "Qwen3"
+    return f"{kind} {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}"
+
+
 def _model(args: argparse.Namespace, tmp: str) -> dict:
-    """A random-initialized Qwen3 saved in ``tmp``/v0; its tensors (bf16)."""
+    """A random-initialized Qwen3 (or Qwen3-MoE with ``--experts``, each expert's width
+    ``hidden / 2``) saved in ``tmp``/v0; its tensors (bf16)."""
     import safetensors.torch
     import torch
     import transformers
 
-    config = transformers.Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                                      num_key_value_heads=max(1, args.hidden // 256), head_dim=64,
-                                      max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256), head_dim=64,
+                  max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+    if args.experts:
+        config = transformers.Qwen3MoeConfig(intermediate_size=3 * args.hidden, moe_intermediate_size=args.hidden // 2,
+                                             num_experts=args.experts, num_experts_per_tok=2, decoder_sparse_step=1,
+                                             mlp_only_layers=[], **common)  # fmt: skip
+        model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(intermediate_size=3 * args.hidden, **common)).to(torch.bfloat16)
     model.save_pretrained(os.path.join(tmp, "v0"))
     (ckpt,) = glob.glob(os.path.join(tmp, "v0", "*.safetensors"))
     return {n: t.contiguous() for n, t in safetensors.torch.load_file(ckpt).items()}
@@ -225,8 +228,8 @@ def serve_main(args: argparse.Namespace) -> int:
     tmp = tempfile.mkdtemp(prefix="bench_vllm-")
     weights = _model(args, tmp)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    print(f"model: Qwen3 {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {nbytes / 2**20:.0f} MiB bf16, "
-          f"{len(weights)} tensors; {'eager' if args.eager else 'compiled'}; through vLLM's HTTP server", flush=True)  # fmt: skip
+    print(f"model: {_what(args)}: {nbytes / 2**20:.0f} MiB bf16, {len(weights)} tensors; "
+          f"{'eager' if args.eager else 'compiled'}; through vLLM's HTTP server", flush=True)  # fmt: skip
     server = ServerProcess()
     trainer = tensorhub.open("bench", "trainer", num_shards=1, shard_idx=0, server=server.address)
     trainer.register(weights, placements={n: TensorPlacement(n, "bfloat16", tuple(t.shape), (1,), (REPLICATE,))

@@ -197,7 +197,9 @@ def test_moe_compiled_in_process(tmp_path, server):
         seen: set[str] = set()
         last = _round_trip(llm, tmp_path, server, "qwen-moe", transformers.Qwen3MoeForCausalLM, moe_config(),
                            lambda: seen.update(traced(llm)))  # fmt: skip
-        assert last["in_pause_modules"] == 2  # the fused-MoE method keeps a kernel of its own: its experts processed in the pause
+        # the experts too are built beside the live ones (vLLM's fused-MoE method on CPU, once
+        # its kernel exists, converts only the layer's own tensors): nothing processed in the pause
+        assert last["in_pause_modules"] == 0, last
         # the experts, stacked: gate and up of every expert in w13, down in w2
         assert {p for p in seen if p.endswith(("w13_weight", "w2_weight"))} >= {
             f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in range(2) for w in ("w13_weight", "w2_weight")}

@@ -27,8 +27,8 @@ Data flow
                 process_weights_after_loading (CPU GEMM dispatch/repacking): beside the live
                 modules, which keep serving
         SWAP    the shadow's processed tensors and attributes into the live modules; the
-                modules of other kinds (fused MoE, quantized) replayed here under vLLM's
-                layerwise reload; the attention layers processed
+                modules of other kinds (quantized, fused MoE off the CPU backend) replayed
+                here under vLLM's layerwise reload; the attention layers processed
 
 Lifetimes
 ---------
@@ -47,15 +47,18 @@ Lifetimes
 - **BUILD, every update**: with ``{"prefetch": true}`` right after the pull, in the background,
   while the engine serves; else in the update. Per traced module whose weight processing only
   touches the module itself (:func:`_shadowable`: norms, vLLM's unquantized linear and embedding
-  methods), a copy of the module is filled from staging and processed; memory: one more copy of
-  those modules' processed tensors (309 MiB for a 309 MiB bf16 Qwen3 on the CPU build), in the
-  buffers the previous swap retired (kept for that: no allocation, no free, in the pause).
+  methods, its unquantized fused-MoE experts on the CPU backend once their kernel exists), a
+  copy of the module is filled from staging and processed; memory: one more copy of those
+  modules' processed tensors (309 MiB for a 309 MiB bf16 Qwen3 on the CPU build), in the buffers
+  the previous swap retired (kept for that: no allocation, no free, in the pause; the first
+  build's are made and written at init, with the staging set).
 - **SWAP, every update** (the pause of an update with a finished prefetch): each live parameter
   takes its shadow's storage where no captured graph holds the old one (the CPU build, or CUDA
   graphs off: compiled graphs read the parameters at each call), else the shadow is copied into
   the kernel tensors (vLLM's ``_copy_and_restore_kernel_tensors``: CUDA graphs stay valid); the
-  attributes processing set (``cpu_linear``) move over. Modules of other kinds (a fused-MoE
-  method keeps a kernel of its own; quantized methods) are loaded and processed in the pause as
+  attributes processing set (``cpu_linear``) move over. Modules of other kinds (quantized
+  methods; fused-MoE backends whose conversion shuffles the experts, pads the shared config or
+  stashes layouts on the layer) are loaded and processed in the pause as
   vLLM's layerwise reload does, then every attention layer's ``process_weights_after_loading``
   (MLA derives its matrices from ``kv_b_proj``). ``swap = False`` on the engine loads every
   module through vLLM's layerwise reload instead.
@@ -140,7 +143,10 @@ class TensorHubInitInfo(WeightTransferInitInfo):
         model: the converted model this engine holds (default ``<source_model>:vllm-<dtype>-w<n>``:
             one name per layout, so engines of one layout serve each other).
         server: the reference server's address (None: ``$TENSORHUB_SERVER`` or the embedded default).
-        retain: as :func:`tensorhub.open`.
+        retain: as :func:`tensorhub.open`; default None: the engine's copy of a version is a
+            cache of the trainer's, whose retention is the source model's. With ``"latest"``,
+            the unpublish of the engine's last copy of the version it moves past makes a CPU
+            offload copy of the whole shard first, inside every update's pause.
         timeout: seconds an update may wait for its version and pull it (None: no bound).
         names, dtype_names, shapes: the checkpoint's tensors the trainer publishes (full shapes),
             as vLLM's ``sharded_rdt`` backend takes them; empty: read from the safetensors
@@ -154,7 +160,7 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     replica: str = ""
     model: str = ""
     server: str | None = None
-    retain: str | None = "latest"
+    retain: str | None = None
     timeout: float | None = 600.0
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
@@ -378,6 +384,29 @@ def _casts(staged: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[Cast
     return (*(Cast(n, d) for n, d in dtypes.items() if d != common), Cast("{name:path}", common))
 
 
+def _first_spares(trace: LoaderTrace) -> dict[tuple[int, str, str], torch.Tensor]:
+    """The first build's buffers, made and written at init (the memory every later build reuses,
+    :meth:`TensorHubWeightTransferEngine._swap`): per module built beside the live one, its
+    tensors in the checkpoint layout. Without them the first update's build first-touches a copy
+    of those layers (~300 ms for 309 MiB here) in the pause."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+
+    out: dict[tuple[int, str, str], torch.Tensor] = {}
+    for mod in trace.modules:
+        info = LAYERWISE_INFO.get(mod)
+        if info is None or not _shadowable(mod):
+            continue
+        restore_params, restore_buffers = info.restore_metadata
+        with info.restore_device:
+            for kind, metas in (("p", restore_params), ("b", restore_buffers)):
+                for n, meta in metas.items():
+                    t = materialize_meta_tensor(meta)
+                    t.data.zero_()
+                    out[(id(mod), kind, n)] = t
+    return out
+
+
 # --- the worker-side engine ---------------------------------------------------------------------
 
 
@@ -439,7 +468,9 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         replica = info.replica if dp <= 1 else f"{info.replica}-dp{self.parallel_config.data_parallel_rank}"
         dtype = str(self.model_config.dtype).removeprefix("torch.")
         model = info.model or f"{info.source_model}:vllm-{dtype}-w{num_shards}"
-        staging = {n: torch.empty(shape, dtype=d, device=self.device) for n, (d, shape) in trace.staged.items()}
+        # written once here: the pages are this process's before the first pull lands in them
+        # (a first touch costs ~1 ms per MiB on the CPU: in the first update's pause otherwise)
+        staging = {n: torch.empty(shape, dtype=d, device=self.device).zero_() for n, (d, shape) in trace.staged.items()}
         placements = {n: TensorPlacement(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), (num_shards,), (REPLICATE,))
                       for n, t in staging.items()}  # fmt: skip
         mapping = Mapping(casts=_casts(trace.staged), ignore=(*(n for n in trace.skipped), *info.ignore))
@@ -451,6 +482,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             h.close()
             raise
         self.handle, self.trace, self.staging, self._timeout = h, trace, staging, info.timeout
+        if self.swap:
+            self._spare.update(_first_spares(trace))
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the parameters are only touched by ``update_weights``' swap."""
@@ -528,9 +561,13 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             return
         with self._lock:
             t0 = time.perf_counter()
+            held = self._need_handle().version
             version = self._pull(update_info.version)
             t1 = time.perf_counter()
             self.last = {"pull_s": t1 - t0}
+            conv = self._need_handle().last_conversion
+            if held != version and conv is not None and conv.version == version:  # converted here, now (else: a peer's bytes)
+                self.last.update(convert_s=conv.seconds, convert_tasks=float(conv.tasks), in_place_tasks=float(conv.in_place))
             shadow, self._shadow = self._shadow, None
             if shadow is None or shadow.version != version:
                 shadow = self._build_shadow(version) if self.swap else None

@@ -44,9 +44,9 @@ def _shadowable(mod: torch.nn.Module) -> bool:
     """Whether ``mod``'s weight processing may run on a copy of it while it serves: no
     processing at all (norms), or vLLM's unquantized linear and embedding methods, whose
     ``process_weights_after_loading`` (vLLM 0.32) reads the layer's own tensors and sets the
-    layer's own attributes only (CPU: ``dispatch_cpu_unquantized_gemm``). Other methods keep
-    state of their own (the fused-MoE method's kernel) or read other layers (attention): those
-    modules are processed in the pause."""
+    layer's own attributes only (CPU: ``dispatch_cpu_unquantized_gemm``), or the unquantized
+    fused-MoE method on a weight update (:func:`_experts_alone`). Other methods keep state of
+    their own or read other layers (attention): those modules are processed in the pause."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
@@ -56,7 +56,25 @@ def _shadowable(mod: torch.nn.Module) -> bool:
     if is_deferred_attention_layer(mod) or type(mod).__name__ in SKIP_MODULES:
         return False
     quant = getattr(mod, "quant_method", None)
-    return not isinstance(quant, QuantizeMethodBase) or type(quant) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    if not isinstance(quant, QuantizeMethodBase) or type(quant) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+        return True
+    return _experts_alone(quant)
+
+
+def _experts_alone(quant: Any) -> bool:
+    """Whether a fused-MoE layer's processing, run again, touches only that layer's own tensors:
+    vLLM's (0.32) ``UnquantizedFusedMoEMethod`` once its kernel exists (a weight update: it then
+    converts the layer's ``w13``/``w2`` into its kernel's format, copied into the layer's own
+    parameters, and neither rebuilds the kernel nor prepacks), weights not pre-processed (which
+    rebuilds the kernel), on the CPU backend, whose conversion only makes them contiguous (other
+    backends shuffle, pad the shared config or stash layouts on the layer: processed in the pause)."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.utils import is_weights_pre_processed
+
+    return (type(quant) is UnquantizedFusedMoEMethod and getattr(quant, "moe_kernel", None) is not None
+            and getattr(quant, "unquantized_backend", None) == UnquantizedMoeBackend.CPU
+            and not is_weights_pre_processed())  # fmt: skip
 
 
 def _materialize(meta: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:

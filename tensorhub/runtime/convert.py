@@ -13,15 +13,22 @@ checksums and the grant token. :class:`Conversion` then:
    only (``only=``), tasks split so that one fits a quarter of the budget;
 2. runs the tasks as a **bounded pipeline**: each task's reads are fetched (grown to whole
    checksum units of the source, so each unit is verified against the source's declared
-   checksum before any of its bytes are used: integrity holds for slices too), then gathered,
+   checksum before any of its bytes are used: integrity holds for slices too; a transport that
+   reports landing has each piece hashed as it lands, while in cache), then gathered,
    transformed (cast, FP8 block quantization) and landed in this shard's registered tensors in
-   a worker thread, while the next tasks' reads are on the wire. Reads are staged on the device
+   a worker thread, while the next tasks' reads are on the wire. A task that only moves bytes
+   (a copy to its own dtype, each read one run of whole source units that is one contiguous run
+   of the destination tensor: a same-dtype rename, a row block of a dim-0 shard) lands its
+   reads **in place**: straight into the destination's bytes, verified there, with no staging
+   buffer, no gather and no copy after; those units' verified checksums are the destination's
+   own (the same bytes), so step 3 hashes only the rest. Reads are staged on the device
    of this shard: a GPU shard's reads land in GPU memory (``local`` copies GPU to GPU, ``tcp``
    through its pinned staging), are verified there (``wordmix-64``: one kernel per read) and
    gathered and quantized by the GPU; nothing but checksums comes back to the CPU. A task starts only when its
    temporary bytes (staged reads + the gathered region + the result) fit in what the budget has
    left, or when nothing else runs (a task larger than the budget runs alone; the peak says so);
-3. packs the tiny tensors, hashes its own bytes and reports ``Converted`` with those checksums.
+3. packs the tiny tensors, hashes its own bytes (those not landed in place) and reports
+   ``Converted`` with those checksums.
    From then on the shard is an ordinary complete holder: its peers of the same layout pull the
    converted bytes from it, pipelined, and never convert again.
 
@@ -54,8 +61,8 @@ from tensorhub.core.errors import InvalidArgument, TransportError
 from tensorhub.core.layout import Plan, Unit, plan_of
 from tensorhub.core.placement import PlacedTensor, ReplicaLayout
 from tensorhub.reshard.transforms import run_task, torch_dtype
-from tensorhub.scheduling.mapping import IDENTITY, Mapping
-from tensorhub.scheduling.reshard import Read, ShardPlan, Task, plan
+from tensorhub.scheduling.mapping import COPY, IDENTITY, Mapping
+from tensorhub.scheduling.reshard import VALUES, Read, ShardPlan, Task, plan
 from tensorhub.transports.buffers import Segment, ShardBuffers, memory_of
 
 from . import checksum, wordmix
@@ -100,6 +107,7 @@ class ConversionStats:
 
     version: int
     tasks: int = 0
+    in_place: int = 0  #: tasks whose reads landed in the destination's bytes as they are
     read_bytes: int = 0  #: bytes fetched from sources (whole checksum units)
     needed_bytes: int = 0  #: bytes the plan's reads needed
     peak_bytes: int = 0  #: the most temporary bytes held at once (accounted)
@@ -237,6 +245,8 @@ class Conversion:
         self._layouts: dict[int, tuple[PlacedTensor, ...]] = {}  # each source shard's placements
         self._plans: dict[int, Plan] = {}  # and packing plan (the same for every holder of the shard)
         self._names: dict[int, dict[str, int]] = {}
+        #: the verified checksums of units landed in place, by (destination tensor, byte start, length)
+        self._landed: dict[tuple[str, int, int], int] = {}
         self.sums: tuple[int, ...] | None = None
         self.regrant(msg)
 
@@ -303,9 +313,11 @@ class Conversion:
         running: set[asyncio.Task] = set()
         try:
             for task in shard_plan.tasks:
-                cost = self._cost(task)
+                places = self._in_place(task, dest_tensors)
+                cost = 0 if places is not None else self._cost(task)
+                self.stats.in_place += places is not None
                 await budget.take(cost)
-                t = asyncio.ensure_future(self._task(task, dest_tensors, budget, cost))
+                t = asyncio.ensure_future(self._task(task, dest_tensors, budget, cost, places))
                 running.add(t)
                 t.add_done_callback(running.discard)
                 failed = [err for x in list(running) if x.done() and (err := x.exception()) is not None]
@@ -323,7 +335,7 @@ class Conversion:
         if b.packed:
             await asyncio.to_thread(b.pack)
         b.progress.advance(b.total_bytes)
-        sums = tuple(await asyncio.to_thread(checksum.compute, b))
+        sums = tuple(await asyncio.to_thread(self._own_sums, b))
         self.stats.peak_bytes = budget.peak
         self.stats.seconds = time.perf_counter() - t0
         self.done = True
@@ -331,6 +343,44 @@ class Conversion:
         per_source = tuple(self.read_by_source.get(i, 0) for i in range(max(self.read_by_source, default=-1) + 1))
         self.report(lambda req: m.Converted(req, session, term, version, sums, per_source), False)
         self.sums = sums
+
+    def _own_sums(self, b: ShardBuffers) -> list[int]:
+        """This shard's checksums: a unit landed in place has its verified source unit's (the
+        same bytes under the same algorithm); the others are hashed."""
+        names = [t.name for t in b.layout.tensors]
+        units = b.plan.units
+        sums: list[int | None] = [self._landed.get((names[u.tensor], u.start, u.length)) for u in units]
+        rest = [u.index for u in units if sums[u.index] is None]
+        for i, v in zip(rest, checksum.compute(b, rest) if rest else ()):
+            sums[i] = v
+        return [v for v in sums if v is not None]
+
+    def _in_place(self, task: Task, dest: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
+        """Per read of ``task``, the destination bytes it lands in as they are (flat uint8
+        views), or None when the task must be staged: it casts or quantizes, its output is not
+        its whole region, or a read is not one run of whole source units (then its bytes could
+        not all be verified where they land) that is one contiguous run of the destination."""
+        if task.op != COPY or task.out_dtype != task.dtype or len(task.outputs) != 1:
+            return None
+        (o,) = task.outputs
+        shape = task.region.shape
+        if o.kind != VALUES or any(o.take.start) or tuple(o.take.shape) != tuple(shape):
+            return None
+        whole = dest.get(o.tensor)
+        if whole is None or whole.dtype != torch_dtype(task.dtype) or whole.device != self._device:
+            return None
+        out = whole[tuple(slice(a, a + n) for a, n in zip(o.at, shape))]
+        places = []
+        for read in task.reads:
+            units, _base, n = self._span(read)
+            box = read.box.shape
+            if read.counts or n != read.length or (units and units[0].start != read.start) or read.strides != _row_major(box):
+                return None
+            at = out[tuple(slice(a - r, a - r + k) for a, r, k in zip(read.box.start, task.region.start, box))]
+            if not at.is_contiguous() or at.numel() * at.element_size() != n:
+                return None
+            places.append(at.reshape(-1).view(torch.uint8))
+        return places
 
     def _cost(self, task: Task) -> int:
         staged = sum(self._span(r)[2] for r in task.reads)
@@ -348,27 +398,42 @@ class Conversion:
         first = units[0].offset
         return units, first, units[-1].offset + units[-1].length - first
 
-    async def _task(self, task: Task, dest: dict[str, torch.Tensor], budget: _Budget, cost: int) -> None:
+    async def _task(
+        self, task: Task, dest: dict[str, torch.Tensor], budget: _Budget, cost: int, places: list[torch.Tensor] | None
+    ) -> None:
         try:
             views = []
-            for read in task.reads:
-                views.append(await self._fetch(read, task.dtype))
-            await asyncio.to_thread(run_task, task, views, dest)
+            for k, read in enumerate(task.reads):
+                if places is None:
+                    views.append(await self._fetch(read, task.dtype))
+                    continue
+                tensor = task.outputs[0].tensor
+                # where the read's first source byte lands in the destination tensor, in bytes
+                await self._fetch(read, task.dtype, places[k], (tensor, places[k].data_ptr() - dest[tensor].data_ptr()))
+            if places is None:
+                await asyncio.to_thread(run_task, task, views, dest)
         finally:
             await budget.give(cost)
 
-    async def _fetch(self, read: Read, dtype: str) -> torch.Tensor:
-        """``read``'s box of the source tensor, as a view of verified staged bytes."""
+    async def _fetch(
+        self, read: Read, dtype: str, place: torch.Tensor | None = None, at: tuple[str, int] | None = None
+    ) -> torch.Tensor:
+        """``read``'s box of the source tensor, as a view of verified staged bytes: landed in
+        ``place`` when given (the destination's own bytes, ``at``: its tensor and the byte
+        offset there of the read's first byte), whose units' checksums are then noted as this
+        shard's own."""
         self.stats.needed_bytes += read.nbytes
         for _attempt in range(_ATTEMPTS):
             await self.ready[read.shard].wait()
             src = self.sources[read.shard]
             units, base, n = self._span(read)
-            staging = torch.empty(n, dtype=torch.uint8, device=self._device)
+            staging = place if place is not None else torch.empty(n, dtype=torch.uint8, device=self._device)
             try:
-                if n:
-                    await self._read(src, base, staging)
-                bad = await asyncio.to_thread(_first_bad, staging, base, units, src.checksums, src.plan.layout.checksum)
+                digests = await self._read(src, base, staging, units) if n else None
+                if digests is not None:  # hashed as it landed, while in cache: only compared here
+                    bad = next((u.index for u in units if digests.get(u.index) != src.checksums[u.index]), None)
+                else:
+                    bad = await asyncio.to_thread(_first_bad, staging, base, units, src.checksums, src.plan.layout.checksum)
             except (TransportError, InvalidArgument) as err:
                 reason = str(err)[:1000]
                 self._failed(read.shard, src, lambda req: m.SourceFailed(req, self.session, src.grant, src.term, 0, reason))
@@ -381,6 +446,12 @@ class Conversion:
                 continue
             self.stats.read_bytes += n
             self.read_by_source[read.shard] = self.read_by_source.get(read.shard, 0) + n
+            if place is not None:
+                if at is not None and src.plan.layout.checksum == self.buffers.layout.checksum:
+                    name, offset = at
+                    for u in units:  # verified where they stay: these bytes' checksums, as the source declared them
+                        self._landed[(name, offset + u.start - read.start, u.length)] = src.checksums[u.index]
+                return place
             elem = torch.empty((), dtype=torch_dtype(dtype)).element_size()
             tensor = staging.view(torch_dtype(dtype)) if n else torch.empty(0, dtype=torch_dtype(dtype))
             offset = (read.start - (units[0].start if units else 0)) // elem
@@ -407,7 +478,10 @@ class Conversion:
             self.ready[shard].clear()
             self.report(build, False)
 
-    async def _read(self, src: _Source, base: int, staging: torch.Tensor) -> None:
+    async def _read(self, src: _Source, base: int, staging: torch.Tensor, units: Sequence[Unit]) -> dict[int, int] | None:
+        """Read the source's bytes ``[base, base + len(staging))`` into ``staging``. Returns the
+        units' checksums when the transport reported each piece as it landed (hashed then, while
+        in cache: :class:`~tensorhub.runtime.checksum.LandingHasher`), else None (verify after)."""
         if src.peer is None:
             src.peer = self.pick(src.info)
         transport, peer, region = src.peer
@@ -415,9 +489,22 @@ class Conversion:
         if getattr(transport, "checks_grants", False):
             kw["token"] = src.token
         window = _Window(src.plan, base, staging)
+        hasher = None
+        if getattr(transport, "reports_landing", False) and checksum.lands(window):
+            hasher = checksum.LandingHasher(window, units)
+            kw["landed"] = hasher.landed
         gen = await transport.read(peer, region, self.version, base, staging.numel(), window, src.generation, **kw)
         if src.generation is None and isinstance(gen, int):
             src.generation = gen
+        return hasher.digests if hasher is not None and hasher.complete else None
+
+
+def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
 
 
 def _first_bad(staging: torch.Tensor, base: int, units: Sequence[Unit], expected: Sequence[int], algorithm: str) -> int | None:
