@@ -8,6 +8,8 @@ left behind (no "Future exception was never retrieved" when objects are collecte
 
 from __future__ import annotations
 
+import contextlib
+
 import gc
 import logging
 import time
@@ -171,6 +173,46 @@ def test_a_frame_that_only_begins_like_a_heartbeat_gets_its_typed_error(srv):
         ctx.term()
 
 
+
+class StandInSocket:
+    """The server's raw socket, in memory: ``waiting`` frames to read (then ``zmq.Again``),
+    what was sent, and how many reads were tried."""
+
+    def __init__(self, waiting: list[list[bytes]]) -> None:
+        self.waiting = waiting
+        self.sent: list[bytes] = []
+        self.reads: list[int] = []
+
+    def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[bytes]:
+        self.reads.append(1)
+        if not self.waiting:
+            raise zmq.Again()
+        return self.waiting.pop(0)
+
+    def send(self, data: bytes, flags: int = 0) -> None:
+        self.sent.append(data)
+
+    def getsockopt(self, option: int) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def serving_on(sock: StandInSocket):
+    """A server actor that never started, reading ``sock``, with an event loop of its own."""
+    import asyncio
+
+    from tensorhub.runtime.server import ServerActor, ServerConfig
+
+    server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0"))
+    loop = asyncio.new_event_loop()
+    try:
+        server.loop = loop
+        server._raw = sock  # type: ignore[assignment]
+        yield server, loop
+    finally:
+        loop.close()
+        server.ctx.term()  # the actor made its context; it never started, so nothing else to stop
+
 def test_frames_read_between_a_batchs_frames_reach_the_mailbox_after_the_loop_ran():
     """During a batch the server looks at its socket: heartbeats are answered at once, the
     other frames wait for the loop to run once (a mailbox that never empties would keep the
@@ -178,29 +220,12 @@ def test_frames_read_between_a_batchs_frames_reach_the_mailbox_after_the_loop_ra
     import asyncio
 
     from tensorhub.core.wire import decode, encode
-    from tensorhub.runtime.server import _BATCH, _POLL_EVERY, ServerActor, ServerConfig, _Batch, _Frames
+    from tensorhub.runtime.server import _BATCH, _POLL_EVERY, _Batch, _Frames
 
-    waiting = [[b"peer-a", encode(m.ListVersions(i, 1, None))] for i in range(1, 41)]
-    waiting.append([b"peer-b", encode(m.Heartbeat(99, (12345,)))])
-    sent: list[bytes] = []
-
-    class Socket:
-        def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[bytes]:
-            if not waiting:
-                raise zmq.Again()
-            return waiting.pop(0)
-
-        def send(self, data: bytes, flags: int = 0) -> None:
-            sent.append(data)
-
-        def getsockopt(self, option: int) -> int:
-            return 0
-
-    server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0"))
-    loop = asyncio.new_event_loop()
-    try:
-        server.loop = loop
-        server._raw = Socket()  # type: ignore[assignment]
+    sock = StandInSocket([[b"peer-a", encode(m.ListVersions(i, 1, None))] for i in range(1, 41)])
+    sock.waiting.append([b"peer-b", encode(m.Heartbeat(99, (12345,)))])
+    sent = sock.sent
+    with serving_on(sock) as (server, loop):
         told: list[_Batch] = []
         server.tell = told.append  # type: ignore[method-assign]
         assert 2 * _POLL_EVERY <= 41 < _BATCH
@@ -215,37 +240,17 @@ def test_frames_read_between_a_batchs_frames_reach_the_mailbox_after_the_loop_ra
         loop.run_until_complete(asyncio.sleep(0))
         assert len(told) == 1
         assert [decode(f.frames[0]).req for f in told[0].frames] == list(range(1, 41))
-    finally:
-        loop.close()
-        server.ctx.term()  # the actor made its context; it never started, so nothing else to stop
 
 
 def test_a_batch_behind_a_long_backlog_leaves_the_socket_to_its_queues():
     """Past ``_EAGER_QUEUED`` frames waiting the server is behind: a batch does not read more
     (the backlog waits in ZeroMQ's per-connection queues, not in one FIFO)."""
-    import asyncio
-
     from tensorhub.core.wire import encode
-    from tensorhub.runtime.server import _EAGER_QUEUED, _POLL_EVERY, ServerActor, ServerConfig, _Batch, _Frames
+    from tensorhub.runtime.server import _EAGER_QUEUED, _POLL_EVERY, _Batch, _Frames
 
-    reads = []
-
-    class Socket:
-        def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[bytes]:
-            reads.append(1)
-            raise zmq.Again()
-
-        def send(self, data: bytes, flags: int = 0) -> None:
-            pass
-
-        def getsockopt(self, option: int) -> int:
-            return 0
-
-    server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0"))
-    loop = asyncio.new_event_loop()
-    try:
-        server.loop = loop
-        server._raw = Socket()  # type: ignore[assignment]
+    sock = StandInSocket([])
+    reads = sock.reads
+    with serving_on(sock) as (server, _):
         frames = [_Frames(b"p", [encode(m.ListVersions(i, 1, None))], None, 0.0) for i in range(1, 2 * _POLL_EVERY + 1)]
         server._queued = _EAGER_QUEUED + len(frames)
         server.on__Batch(_Batch(frames))
@@ -253,6 +258,3 @@ def test_a_batch_behind_a_long_backlog_leaves_the_socket_to_its_queues():
         server._queued = len(frames)
         server.on__Batch(_Batch(frames))
         assert len(reads) >= 1
-    finally:
-        loop.close()
-        server.ctx.term()
