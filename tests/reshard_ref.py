@@ -120,24 +120,33 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def convert_poisoned(
+    plan: ReshardPlan, source: ReplicaLayout, full: dict[str, torch.Tensor], device=None
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Run ``plan`` through the real converter from the source shards cut from ``full``, into
+    destination buffers poisoned with a byte the data path never writes by chance, on ``device``."""
+    sources = [{k: v.to(device) for k, v in shard.items()} for shard in shard_all(source, full)]
+    poisoned = {}
+    for sp in plan.shards:
+        bufs = {}
+        for spec in sp.tensors:
+            t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=device)
+            t.reshape(-1).view(torch.uint8).fill_(0xA5)
+            bufs[spec.name] = t
+        poisoned[sp.shard] = bufs
+    got = convert_in_process(plan, sources, poisoned, device)
+    assert sorted(got) == [sp.shard for sp in plan.shards]
+    return got
+
+
 def run_and_compare(
     plan: ReshardPlan, source: ReplicaLayout, dest: ReplicaLayout, mapping, full, device=None
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Simulate the data path (cut the plan's byte segments from the source shards' bytes,
     land them, transform, write into poisoned destination buffers, all on ``device``) and check
     every destination byte against the reference, computed on the CPU."""
-    sources = [{k: v.to(device) for k, v in shard.items()} for shard in shard_all(source, full)]
     want = expected(source, dest, mapping, full)
-    poisoned = {}
-    for sp in plan.shards:
-        bufs = {}
-        for spec in sp.tensors:
-            t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=device)
-            t.reshape(-1).view(torch.uint8).fill_(0xA5)  # a byte the data path never writes by chance
-            bufs[spec.name] = t
-        poisoned[sp.shard] = bufs
-    got = convert_in_process(plan, sources, poisoned, device)
-    assert sorted(got) == [sp.shard for sp in plan.shards]
+    got = convert_poisoned(plan, source, full, device)
     for j, g in got.items():
         w = want[j]
         assert g.keys() == w.keys(), j

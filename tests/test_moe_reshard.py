@@ -19,12 +19,11 @@ import torch
 
 from tensorhub.core.errors import InvalidArgument, MappingMismatch
 from tensorhub.core.placement import ReplicaLayout
-from tensorhub.reshard import convert_in_process, torch_dtype
 from tensorhub.scheduling.decoders import DecoderShape, hf_layout, hf_tensors, vllm_placements
 from tensorhub.scheduling.mapping import Fuse, Mapping, preset, resolve
 from tensorhub.scheduling.reshard import plan
 
-from .reshard_ref import random_full, reference_quant, same_bytes, shard_all
+from .reshard_ref import convert_poisoned, random_full, reference_quant, same_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,18 +69,8 @@ def rank_slice(name: str, whole: torch.Tensor, rank: int, tp: int, expert_parall
 
 
 def convert(src: ReplicaLayout, dst: ReplicaLayout, mapping: Mapping, seed: int) -> tuple[dict, dict[int, dict]]:
-    p = plan(src, dst, mapping)
     full = random_full(src, torch.Generator().manual_seed(seed))
-    sources = shard_all(src, full)
-    bufs = {}
-    for sp in p.shards:
-        bufs[sp.shard] = {}
-        for spec in sp.tensors:
-            t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
-            t.reshape(-1).view(torch.uint8).fill_(0xA5)
-            bufs[sp.shard][spec.name] = t
-    got = convert_in_process(p, sources, bufs, None)
-    return full, got
+    return full, convert_poisoned(plan(src, dst, mapping), src, full)
 
 
 @pytest.mark.parametrize(

@@ -151,6 +151,8 @@ def _hash_pool(threads: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < threads:
+            if _pool is not None:
+                _pool.shutdown(wait=False)  # its idle threads leave; running hashes finish
             _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tensorhub-hash")
         return _pool
 
