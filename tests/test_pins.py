@@ -8,8 +8,11 @@ source. Without pins that race aborts the update and leaves the replica empty; w
 
 - 0 aborted updates and 0 empty handles over every version;
 - every rollout ends byte-identical to the trainer's last version;
+- every update ends at a version at least as new as the trainer's latest published version when
+  the update was called (an update never goes back in time, whatever the machine's load);
 - each rollout's staleness (the trainer's latest published version minus the version it holds
-  after an update) is printed and stays bounded.
+  after an update) is printed: how far the trainer ran ahead during the update depends on how
+  fast this machine runs the rollout, so it is not asserted.
 
 The same run against a server whose pins expire at once (``--pin-timeout``) is the baseline:
 it is printed, not asserted (whether the race is hit is up to the scheduler).
@@ -29,7 +32,6 @@ from .procs import RemoteError, ServerProcess
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 VERSIONS = 12
-MAX_STALENESS = 4  # versions; the trainer publishes about one per rollout round here
 
 
 def _run(handles, server: ServerProcess) -> dict:
@@ -43,7 +45,7 @@ def _run(handles, server: ServerProcess) -> dict:
     published = [0]
     done = threading.Event()
     errors: list[BaseException] = []
-    report = {name: {"aborts": 0, "empty": 0, "staleness": [], "rounds": 0} for name in rollouts}
+    report = {name: {"aborts": 0, "empty": 0, "staleness": [], "behind_call": [], "rounds": 0} for name in rollouts}
 
     def train() -> None:
         try:
@@ -74,6 +76,7 @@ def _run(handles, server: ServerProcess) -> dict:
             for _ in range(2000):
                 if done.is_set() and all(s.call("state")[0] == VERSIONS for s in (s0, s1)):
                     return
+                at_call = published[0]
                 s0.send("update", "latest", 60.0)
                 time.sleep(0.02)  # shard 1 comes a little later
                 s1.send("update", "latest", 60.0)
@@ -92,6 +95,7 @@ def _run(handles, server: ServerProcess) -> dict:
                 held = states[0][0]
                 if held is not None:
                     r["staleness"].append(published[0] - held)
+                    r["behind_call"].append(at_call - held)
                 r["rounds"] += 1
                 time.sleep(0.01)  # inference
             raise AssertionError(f"{name} did not reach version {VERSIONS} in 2000 rounds")
@@ -133,7 +137,9 @@ def test_a_fast_trainer_never_leaves_a_rollout_empty(handles):
     for name, r in report["rollouts"].items():
         assert r["aborts"] == 0 and r["empty"] == 0, (name, r)
         assert r["identical"], name
-        assert r["staleness"] and max(r["staleness"]) <= MAX_STALENESS, (name, r["staleness"])
+        # "latest" resolves on the server when shard 0 asks, after the trainer's publish of
+        # ``at_call`` was acknowledged: an update that returns an older version went back in time
+        assert r["behind_call"] and max(r["behind_call"]) <= 0, (name, r["behind_call"])
 
 
 def test_the_same_job_without_pins_is_the_baseline(handles):
