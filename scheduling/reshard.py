@@ -370,6 +370,9 @@ def plan(
     slots: list[_Slot] = []
     drafts: list[tuple[int, tuple[TensorSpec, ...], list[tuple[Task, list[int]]]]] = []
     geometry: dict[tuple[Any, ...], tuple[int, Any]] = {}  # many reads share a geometry: compute it once
+    # Destination shards with the same piece of a tensor (data-parallel attention: 128 ranks each
+    # holding every replicated tensor whole) cut the same region into the same reads: cut once.
+    cuts: dict[tuple[Any, ...], list[tuple[Box, list[_Option]]]] = {}
     for j, tensors in enumerate(dest.shards):
         if only is not None and j not in only:
             continue
@@ -385,16 +388,19 @@ def plan(
                 members.append((held[d.partner], derivations[d.partner]))
             done.update(m.name for m, _ in members)
             for task in _tasks_of(members, derivations, src, max_task_bytes):
-                ids = []
                 lo, hi = task.region.start, task.region.stop
-                for h in _overlapping(rows, index, task.source, lo, hi):
-                    start = tuple(map(max, lo, h.box.start))
-                    stop = tuple(map(min, hi, h.box.stop))
-                    if all(a < b for a, b in zip(start, stop)):
-                        ids.append(len(slots))
-                        slots.append(
-                            _slot(task.source, _box(start, stop), h, DTYPE_SIZES[task.dtype], max_gap, geometry)
-                        )
+                key = (task.source, lo, hi)
+                cut = cuts.get(key)
+                if cut is None:
+                    cut = cuts[key] = []
+                    for h in _overlapping(rows, index, task.source, lo, hi):
+                        start = tuple(map(max, lo, h.box.start))
+                        stop = tuple(map(min, hi, h.box.stop))
+                        if all(a < b for a, b in zip(start, stop)):
+                            box = _box(start, stop)
+                            cut.append((box, _options(box, h, DTYPE_SIZES[task.dtype], max_gap, geometry)))
+                ids = list(range(len(slots), len(slots) + len(cut)))
+                slots.extend(_Slot(task.source, box, options) for box, options in cut)  # options: shared, read-only
                 tasks.append((task, ids))
         drafts.append((j, tuple(pt.spec() for pt in tensors), tasks))
     final = _balance(slots, list(loads) if loads else [0] * source.num_shards)
@@ -450,9 +456,10 @@ def _overlapping(
     return [by_row[k] for k in sorted(range(a, b), key=order.__getitem__)]  # the index's order: balancing's ties follow it
 
 
-def _slot(
-    tensor: str, box: Box, h: _Holding, itemsize: int, max_gap: int, cache: dict[tuple[Any, ...], tuple[int, Any]]
-) -> _Slot:
+def _options(
+    box: Box, h: _Holding, itemsize: int, max_gap: int, cache: dict[tuple[Any, ...], tuple[int, Any]]
+) -> list[_Option]:
+    """Where ``box`` (inside holding ``h``) can be read from: one option per holder."""
     options: list[_Option] = []
     for shard, piece, local in h.holders:
         start = tuple(a - b + c for a, b, c in zip(box.start, piece.box.start, piece.at))
@@ -464,7 +471,7 @@ def _slot(
             geometry = segments_of(moved, local, itemsize, max_gap)
             got = cache[key] = (geometry[1] * math.prod(geometry[2]), geometry)
         options.append(_Option(shard, got[0], got[1]))
-    return _Slot(tensor, box, options)
+    return options
 
 
 def _tasks_of(members: list[Any], derivations: dict[str, Derivation], src: dict[str, Any], max_task_bytes: int | None) -> list[Task]:
@@ -541,15 +548,20 @@ def _balance(slots: list[_Slot], load: list[int]) -> list[int]:
     """Assign every slot to one of its options (see "Balancing" in the module docstring),
     adding to ``load`` (bytes per source shard)."""
     num_shards = len(load)
+    # on[s]: the slots on shard s that could move (a read with one holder never can)
     on: list[set[int]] = [set() for _ in range(num_shards)]
-    for i in sorted(range(len(slots)), key=lambda i: (-max(o.nbytes for o in slots[i].options), i)):
+    largest = [-max(o.nbytes for o in slot.options) if len(slot.options) > 1 else -slot.options[0].nbytes for slot in slots]
+    for i in sorted(range(len(slots)), key=largest.__getitem__):  # stable: ties in slot order
         slot = slots[i]
-        best = min(
-            range(len(slot.options)),
-            key=lambda k: (load[slot.options[k].shard] + slot.options[k].nbytes, slot.options[k].shard),
-        )
+        options = slot.options
+        if len(options) == 1:
+            slot.chosen = 0
+            o = options[0]
+            load[o.shard] += o.nbytes
+            continue
+        best = min(range(len(options)), key=lambda k: (load[options[k].shard] + options[k].nbytes, options[k].shard))
         slot.chosen = best
-        o = slot.options[best]
+        o = options[best]
         load[o.shard] += o.nbytes
         on[o.shard].add(i)
     for _ in range(8 * len(slots) + 64):  # each move lowers the sum of squared loads: this ends
