@@ -29,13 +29,24 @@ an up part per expert, ``w2`` split along its columns) or, with ``expert_paralle
 (rank ``r`` holds experts ``r x E/tp ...``). On the trainer's side :func:`hf_layout` with ``ep``
 places the experts on their own mesh as in the Perplexity write-up: expert-parallel group ``g``
 (of ``ep``) holds experts ``g x E/ep ...``, each FSDP-sharded over the group's ranks only, while
-every other tensor is FSDP-sharded over all ranks. Multi-head latent attention (DeepSeek,
-Kimi) is not described: grouped-query attention of the same head count stands in for it. No IO.
+every other tensor is FSDP-sharded over all ranks. The trainer's names are the checkpoints' (one
+tensor per expert); transformers 5 keeps a loaded model's routed experts fused instead
+(``mlp.experts.gate_up_proj`` ``[experts, 2 x width, hidden]``, ``down_proj`` ``[experts, hidden,
+width]``: vLLM's ``w13``/``w2`` layout), which these shapes do not describe.
+
+**Multi-head latent attention** (``kv_lora_rank`` > 0: DeepSeek-V2/V3, Kimi-K2): the trainer holds
+Hugging Face's ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` (or, without ``q_lora_rank``, one
+``q_proj``), ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` and ``o_proj``. vLLM fuses
+``q_a_proj`` and ``kv_a_proj_with_mqa`` along dim 0 into ``fused_qkv_a_proj`` and replicates it
+on every rank (as the two norms), cuts ``q_b_proj`` / ``q_proj`` and ``kv_b_proj`` by heads (rows)
+and ``o_proj`` by its columns. The router's score-correction bias is float32 on both sides, as
+in the checkpoints and in vLLM. No IO.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tensorhub.core.errors import InvalidArgument
 from tensorhub.core.placement import REPLICATE, PlacedTensor, ReplicaLayout, TensorPlacement
@@ -62,6 +73,10 @@ class DecoderShape:
             (``n_shared_experts x moe_intermediate_size``); 0: none (Qwen3-MoE).
         dense_layers: leading layers with a dense MLP of ``intermediate`` (``first_k_dense_replace``).
         router_bias: the router has DeepSeek's ``e_score_correction_bias`` (``noaux_tc``).
+        kv_lora_rank: multi-head latent attention's compressed KV width; 0: not MLA (then the
+            four sizes below are 0 too). With MLA, ``kv_heads`` and ``head_dim`` are not used.
+        q_lora_rank: MLA's compressed query width; 0: queries projected directly (``q_proj``).
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA's per-head widths.
     """
 
     layers: int
@@ -79,8 +94,23 @@ class DecoderShape:
     shared_intermediate: int = 0
     dense_layers: int = 0
     router_bias: bool = False
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
+        mla = (self.q_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        if self.kv_lora_rank < 0 or any(n < 0 for n in mla):
+            raise InvalidArgument(f"{self}: MLA's sizes must be >= 0")
+        if self.kv_lora_rank and (min(mla[1:]) < 1 or self.qkv_bias or self.qk_norm):
+            raise InvalidArgument(
+                f"{self}: multi-head latent attention needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim >= 1 "
+                "(and has no q/k/v biases or q/k norms)"
+            )
+        if not self.kv_lora_rank and any(mla):
+            raise InvalidArgument(f"{self}: MLA sizes without kv_lora_rank")
         if self.experts < 0 or self.dense_layers < 0 or self.shared_intermediate < 0:
             raise InvalidArgument(f"{self}: experts, dense_layers and shared_intermediate must be >= 0")
         if self.experts and self.expert_intermediate < 1:
@@ -89,6 +119,11 @@ class DecoderShape:
             raise InvalidArgument(f"{self}: expert sizes without experts")
         if self.dense_layers > self.layers:
             raise InvalidArgument(f"{self}: more dense layers than layers")
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention."""
+        return self.kv_lora_rank > 0
 
     def moe(self, layer: int) -> bool:
         """Whether layer ``layer`` is a mixture of experts."""
@@ -99,28 +134,55 @@ class DecoderShape:
         """A shape with ``family``'s switches (Qwen2: q/k/v biases; Qwen3: q/k norms)."""
         return cls(**sizes, qkv_bias=family == "qwen2", qk_norm=family == "qwen3")  # type: ignore[arg-type]  # sizes: the int fields only
 
+    @classmethod
+    def from_config(cls, config: Any, family: str) -> DecoderShape:
+        """The shape of a Hugging Face config (any object with its attributes): Llama, Qwen2,
+        Qwen3, Qwen3-MoE (``num_experts``), DeepSeek-V2/V3 and Kimi-K2 (``n_routed_experts``, MLA).
+
+        Raises:
+            InvalidArgument: a config these shapes do not describe (MoE layers that are not
+                "every layer after the first k", attention biases with MLA), naming the field.
+        """
+        c = config
+        heads = c.num_attention_heads
+
+        def get(name: str, default: Any = 0) -> Any:  # None and 0 alike
+            return getattr(c, name, None) or default
+
+        sizes: dict[str, Any] = dict(
+            layers=c.num_hidden_layers, hidden=c.hidden_size, intermediate=c.intermediate_size, heads=heads,
+            kv_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", c.hidden_size // heads),
+            vocab=c.vocab_size, tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+        )  # fmt: skip
+        experts = get("num_experts") or get("n_routed_experts")
+        if experts:
+            if get("mlp_only_layers", []) or get("decoder_sparse_step", 1) != 1 or get("moe_layer_freq", 1) != 1:
+                raise InvalidArgument(
+                    f"{type(c).__name__}: mixture-of-experts layers other than every layer after the first "
+                    "first_k_dense_replace (mlp_only_layers, decoder_sparse_step, moe_layer_freq) are not described"
+                )
+            sizes.update(experts=experts, expert_intermediate=c.moe_intermediate_size,
+                         shared_intermediate=get("n_shared_experts") * c.moe_intermediate_size,
+                         dense_layers=get("first_k_dense_replace"), router_bias=getattr(c, "topk_method", None) == "noaux_tc")  # fmt: skip
+        if get("kv_lora_rank"):
+            if getattr(c, "attention_bias", False):
+                raise InvalidArgument(f"{type(c).__name__}: attention_bias with multi-head latent attention is not described")
+            sizes.update(kv_lora_rank=c.kv_lora_rank, q_lora_rank=get("q_lora_rank"), qk_nope_head_dim=c.qk_nope_head_dim,
+                         qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, qkv_bias=False, qk_norm=False)  # fmt: skip
+        return cls(**sizes)
+
 
 def hf_tensors(shape: DecoderShape) -> list[tuple[str, tuple[int, ...]]]:
     """Hugging Face's parameter names and global shapes, in ``named_parameters`` order."""
     s = shape
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (s.vocab, s.hidden))]
     for i in range(s.layers):
         p = f"model.layers.{i}"
-        out += [
-            (f"{p}.self_attn.q_proj.weight", (q, s.hidden)),
-            (f"{p}.self_attn.k_proj.weight", (kv, s.hidden)),
-            (f"{p}.self_attn.v_proj.weight", (kv, s.hidden)),
-        ]
-        if s.qkv_bias:
-            out += [
-                (f"{p}.self_attn.q_proj.bias", (q,)),
-                (f"{p}.self_attn.k_proj.bias", (kv,)),
-                (f"{p}.self_attn.v_proj.bias", (kv,)),
-            ]
-        out.append((f"{p}.self_attn.o_proj.weight", (s.hidden, q)))
-        if s.qk_norm:
-            out += [(f"{p}.self_attn.q_norm.weight", (s.head_dim,)), (f"{p}.self_attn.k_norm.weight", (s.head_dim,))]
+        if s.mla:
+            out += _hf_mla(s, p)
+        else:
+            out += _hf_attention(s, p)
         if s.moe(i):
             out += _hf_experts(s, p)
         else:
@@ -130,6 +192,42 @@ def hf_tensors(shape: DecoderShape) -> list[tuple[str, tuple[int, ...]]]:
     if not s.tie_embeddings:
         out.append(("lm_head.weight", (s.vocab, s.hidden)))
     return out
+
+
+def _hf_attention(s: DecoderShape, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    out: list[tuple[str, tuple[int, ...]]] = [
+        (f"{p}.self_attn.q_proj.weight", (q, s.hidden)),
+        (f"{p}.self_attn.k_proj.weight", (kv, s.hidden)),
+        (f"{p}.self_attn.v_proj.weight", (kv, s.hidden)),
+    ]
+    if s.qkv_bias:
+        out += [
+            (f"{p}.self_attn.q_proj.bias", (q,)),
+            (f"{p}.self_attn.k_proj.bias", (kv,)),
+            (f"{p}.self_attn.v_proj.bias", (kv,)),
+        ]
+    out.append((f"{p}.self_attn.o_proj.weight", (s.hidden, q)))
+    if s.qk_norm:
+        out += [(f"{p}.self_attn.q_norm.weight", (s.head_dim,)), (f"{p}.self_attn.k_norm.weight", (s.head_dim,))]
+    return out
+
+
+def _hf_mla(s: DecoderShape, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Hugging Face's DeepSeek attention tensors, in ``named_parameters`` order."""
+    a, qk = f"{p}.self_attn", s.heads * (s.qk_nope_head_dim + s.qk_rope_head_dim)
+    out: list[tuple[str, tuple[int, ...]]] = []
+    if s.q_lora_rank:
+        out += [(f"{a}.q_a_proj.weight", (s.q_lora_rank, s.hidden)), (f"{a}.q_a_layernorm.weight", (s.q_lora_rank,)),
+                (f"{a}.q_b_proj.weight", (qk, s.q_lora_rank))]  # fmt: skip
+    else:
+        out.append((f"{a}.q_proj.weight", (qk, s.hidden)))
+    return out + [
+        (f"{a}.kv_a_proj_with_mqa.weight", (s.kv_lora_rank + s.qk_rope_head_dim, s.hidden)),
+        (f"{a}.kv_a_layernorm.weight", (s.kv_lora_rank,)),
+        (f"{a}.kv_b_proj.weight", (s.heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)),
+        (f"{a}.o_proj.weight", (s.hidden, s.heads * s.v_head_dim)),
+    ]
 
 
 def _mlp(prefix: str, width: int, hidden: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -221,11 +319,19 @@ def vllm_placements(
     ranks = dp * tp
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     dense = s.experts == 0 or s.dense_layers > 0
-    if s.heads % tp or (s.kv_heads % tp and tp % s.kv_heads) or (dense and s.intermediate % tp) or s.vocab % 64 or s.vocab % tp:
+    kv_split = not s.mla and s.kv_heads % tp and tp % s.kv_heads
+    if s.heads % tp or kv_split or (dense and s.intermediate % tp) or s.vocab % 64 or s.vocab % tp:
         raise InvalidArgument(
             f"vLLM cannot shard {s} over {tp} ranks (heads, KV heads, intermediate size, vocabulary / 64)"
         )
-    if fp8 and (s.head_dim % block or (q // tp) % block or (dense and (s.intermediate // tp) % block)):
+    widths: tuple[int, ...]
+    if s.mla:  # each rank's rows of q_b/q_proj and kv_b, its columns of o_proj; fused_qkv_a's q part
+        local = s.heads // tp
+        widths = (local * (s.qk_nope_head_dim + s.qk_rope_head_dim), local * (s.qk_nope_head_dim + s.v_head_dim),
+                  local * s.v_head_dim, s.q_lora_rank)  # fmt: skip
+    else:
+        widths = (s.head_dim, q // tp)
+    if fp8 and (any(w % block for w in widths) or (dense and (s.intermediate // tp) % block)):
         raise InvalidArgument(
             f"block FP8 needs every rank's rows and columns in whole {block}-blocks: {s} over {tp} ranks"
         )
@@ -281,8 +387,8 @@ def vllm_placements(
     def experts(p: str) -> list[TensorPlacement]:
         e, w, h = s.experts, s.expert_intermediate, s.hidden
         out = [TensorPlacement(f"{p}.mlp.gate.weight", dtype, (e, h), mesh, rep)]
-        if s.router_bias:
-            out.append(TensorPlacement(f"{p}.mlp.gate.e_score_correction_bias", dtype, (e,), mesh, rep))
+        if s.router_bias:  # float32 in vLLM whatever the model's dtype
+            out.append(TensorPlacement(f"{p}.mlp.gate.e_score_correction_bias", "float32", (e,), mesh, rep))
         routed = f"{p}.mlp.experts.routed_experts"
         if expert_parallel:  # rank r: experts r*E/ranks ... whole
             out += stacked(f"{routed}.w13_weight", (e * 2 * w, h), (0,), (), (ranks,))
@@ -296,10 +402,8 @@ def vllm_placements(
             out += linear(f"{p}.mlp.shared_experts.down_proj", (h, n), row)
         return out
 
-    out = [TensorPlacement("model.embed_tokens.weight", dtype, (s.vocab, s.hidden), mesh, col)]
-    for i in range(s.layers):
-        p = f"model.layers.{i}"
-        out += linear(f"{p}.self_attn.qkv_proj", (q + 2 * kv, s.hidden), col, (q, kv, kv), s.head_dim)
+    def attention(p: str) -> list[TensorPlacement]:
+        out = linear(f"{p}.self_attn.qkv_proj", (q + 2 * kv, s.hidden), col, (q, kv, kv), s.head_dim)
         if s.qkv_bias:
             out.append(
                 TensorPlacement(
@@ -309,6 +413,26 @@ def vllm_placements(
         out += linear(f"{p}.self_attn.o_proj", (s.hidden, q), row)
         if s.qk_norm:
             out += [TensorPlacement(f"{p}.self_attn.{n}_norm.weight", dtype, (s.head_dim,), mesh, rep) for n in "qk"]
+        return out
+
+    def mla(p: str) -> list[TensorPlacement]:
+        a, h = f"{p}.self_attn", s.hidden
+        qk, kv_b = s.heads * (s.qk_nope_head_dim + s.qk_rope_head_dim), s.heads * (s.qk_nope_head_dim + s.v_head_dim)
+        kv_a = s.kv_lora_rank + s.qk_rope_head_dim
+        if s.q_lora_rank:  # q_a and kv_a fused, the same on every rank
+            out = linear(f"{a}.fused_qkv_a_proj", (s.q_lora_rank + kv_a, h), rep)
+            out.append(TensorPlacement(f"{a}.q_a_layernorm.weight", dtype, (s.q_lora_rank,), mesh, rep))
+            out += linear(f"{a}.q_b_proj", (qk, s.q_lora_rank), col)
+        else:
+            out = linear(f"{a}.q_proj", (qk, h), col) + linear(f"{a}.kv_a_proj_with_mqa", (kv_a, h), rep)
+        out.append(TensorPlacement(f"{a}.kv_a_layernorm.weight", dtype, (s.kv_lora_rank,), mesh, rep))
+        out += linear(f"{a}.kv_b_proj", (kv_b, s.kv_lora_rank), col)
+        return out + linear(f"{a}.o_proj", (h, s.heads * s.v_head_dim), row)
+
+    out = [TensorPlacement("model.embed_tokens.weight", dtype, (s.vocab, s.hidden), mesh, col)]
+    for i in range(s.layers):
+        p = f"model.layers.{i}"
+        out += mla(p) if s.mla else attention(p)
         if s.moe(i):
             out += experts(p)
         else:

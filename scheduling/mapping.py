@@ -84,7 +84,7 @@ FP8_DTYPES = ("float8_e4m3fn",)
 _FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16"}
 
 #: The names a preset knows (the Hugging Face decoder families).
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "deepseek_v3")
 
 _CAPTURE = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(:path)?\}")
 
@@ -161,12 +161,16 @@ class Fuse:
     """Renamed tensors matching ``parts`` (patterns capturing the same names) are concatenated
     along ``dim``, in the parts' order, into ``target`` (a template). With ``stack`` (a capture
     of the parts that the target does not use), every index ``0..n-1`` of that capture goes into
-    the one target, in index order (see the module's docstring)."""
+    the one target, in index order (see the module's docstring). An ``optional`` fusion whose
+    target the destination does not have leaves its parts to the other rules, one by one (as
+    vLLM loads ``q_a_proj`` and ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj`` only when the
+    model has it)."""
 
     target: str
     parts: tuple[str, ...]
     dim: int = 0
     stack: str = ""
+    optional: bool = False
 
     def __post_init__(self) -> None:
         what = f"Fuse({self.target!r})"
@@ -185,6 +189,8 @@ class Fuse:
         if self.stack:
             if self.stack not in captured:
                 raise InvalidArgument(f"{what}: stack {self.stack!r} is not captured by its parts {list(self.parts)}")
+            if self.optional:
+                raise InvalidArgument(f"{what}: a stacking fusion cannot be optional")
             if any(m.group(1) == self.stack for m in _CAPTURE.finditer(self.target)):
                 raise InvalidArgument(f"{what}: the target may not use the stacked capture {{{self.stack}}}")
             captured = captured - {self.stack}
@@ -363,6 +369,7 @@ def resolve(mapping: Mapping, sources: TMapping[str, Any], targets: TMapping[str
     # 2. fusions: group parts by (rule, captures), each by (stacked index, part)
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[tuple[str, int], list[str]]] = {}
     plain: dict[str, list[str]] = {}
+    new_name = dict(renamed)
     for src, new in renamed:
         for fi, f in enumerate(mapping.fusions):
             hit = next(((pi, c) for pi, p in enumerate(f.parts) if (c := _match(p, new)) is not None), None)
@@ -373,6 +380,10 @@ def resolve(mapping: Mapping, sources: TMapping[str, Any], targets: TMapping[str
                 break
         else:
             plain.setdefault(new, []).append(src)
+    for key in [k for k in groups if mapping.fusions[k[0]].optional]:
+        if _fill(mapping.fusions[key[0]].target, dict(key[1])) not in targets:
+            for src in (s for srcs in groups.pop(key).values() for s in srcs):
+                plain.setdefault(new_name[src], []).append(src)
     derived: dict[str, list[Derivation]] = {}
 
     def copy_of(target: str, dim: int, part_names: list[str]) -> Derivation | None:
@@ -519,7 +530,7 @@ def preset(
 ) -> Mapping:
     """Hugging Face decoder names -> vLLM names, for ``family`` in :data:`FAMILIES`.
 
-    The three families share vLLM's ``packed_modules_mapping``: ``q_proj, k_proj, v_proj`` ->
+    The families share vLLM's ``packed_modules_mapping``: ``q_proj, k_proj, v_proj`` ->
     ``qkv_proj`` (weights, and Qwen2's biases) and ``gate_proj, up_proj`` -> ``gate_up_proj``,
     fused along dim 0; every other name (norms, Qwen3's ``q_norm``/``k_norm``, embeddings,
     ``lm_head``, ``o_proj``, ``down_proj``) is kept. A destination sharded by tensor parallelism
@@ -532,6 +543,14 @@ def preset(
     up_proj`` into ``mlp.shared_experts.gate_up_proj``; the router is kept. With ``fp8`` the
     stacked weights are quantized expert by expert, their scales in ``w13_weight_scale_inv`` /
     ``w2_weight_scale_inv`` (vLLM's block-FP8 names), as the routed experts' linear layers.
+    DeepSeek's router bias (``mlp.gate.e_score_correction_bias``) is cast to float32, as vLLM
+    holds it.
+
+    And multi-head latent attention (``deepseek_v3``: DeepSeek-V2/V3, Kimi-K2): ``q_a_proj,
+    kv_a_proj_with_mqa`` -> ``fused_qkv_a_proj`` along dim 0; ``q_b_proj``, ``kv_b_proj``, the
+    two latent norms and ``o_proj`` kept (with ``fp8``, each linear weight quantized as above).
+    The two attention fusions are optional, as in vLLM: a model without a compressed query
+    (DeepSeek-V2-Lite) keeps ``q_proj`` and ``kv_a_proj_with_mqa`` as they are.
 
     Args:
         fp8: quantize every linear layer's weight (``*_proj.weight``) to FP8 e4m3 with 128x128
@@ -550,7 +569,9 @@ def preset(
     expert = layer + ".mlp.experts.{e}"
     routed = out + ".mlp.experts.routed_experts"
     fusions = (
-        Fuse(out + ".self_attn.qkv_proj.{t}", tuple(f"{layer}.self_attn.{p}_proj.{{t}}" for p in "qkv")),
+        Fuse(out + ".self_attn.qkv_proj.{t}", tuple(f"{layer}.self_attn.{p}_proj.{{t}}" for p in "qkv"), optional=True),
+        Fuse(out + ".self_attn.fused_qkv_a_proj.{t}",
+             (layer + ".self_attn.q_a_proj.{t}", layer + ".self_attn.kv_a_proj_with_mqa.{t}"), optional=True),
         Fuse(out + ".mlp.gate_up_proj.{t}", (layer + ".mlp.gate_proj.{t}", layer + ".mlp.up_proj.{t}")),
         Fuse(out + ".mlp.shared_experts.gate_up_proj.{t}",
              (layer + ".mlp.shared_experts.gate_proj.{t}", layer + ".mlp.shared_experts.up_proj.{t}")),
@@ -560,13 +581,15 @@ def preset(
     quantize = (
         (
             Quantize(layer + ".{block}.{proj}_proj.weight", out + ".{block}.{proj}_proj.weight_scale_inv"),
+            Quantize(layer + ".self_attn.kv_a_proj_with_mqa.weight", out + ".self_attn.kv_a_proj_with_mqa.weight_scale_inv"),
             Quantize(layer + ".mlp.shared_experts.{proj}_proj.weight", out + ".mlp.shared_experts.{proj}_proj.weight_scale_inv"),
             Quantize(layer + ".mlp.experts.routed_experts.{w}_weight", out + ".mlp.experts.routed_experts.{w}_weight_scale_inv"),
         )
         if fp8
         else ()
     )  # fmt: skip
-    casts = (Cast("{name:path}", dtype),) if dtype else ()
+    # vLLM keeps DeepSeek's router bias in float32 whatever the model's dtype
+    casts = (Cast(layer + ".mlp.gate.e_score_correction_bias", "float32"),) + ((Cast("{name:path}", dtype),) if dtype else ())
     return Mapping(tuple(renames), fusions, quantize, casts, ("{prefix:path}.rotary_emb.inv_freq", *ignore))
 
 

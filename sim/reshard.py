@@ -27,9 +27,11 @@ What comes from where:
   ``w13``/``w2`` under expert parallelism (each inference GPU holds ``experts / tp`` whole
   experts, their block-FP8 scales beside them; attention and the shared expert tensor-parallel).
   On the trainer the experts are FSDP-sharded over every GPU, or (``source_ep``) on their own
-  expert-parallel mesh as in the write-up: each expert only on its group's GPUs. Kimi-K2's MLA
-  attention is stood in for by grouped-query attention of the same head count (attention is
-  about 1 % of its bytes); the parameter counts are printed.
+  expert-parallel mesh as in the write-up: each expert only on its group's GPUs.
+- **Multi-head latent attention** as Kimi-K2 has it: the trainer's ``q_a_proj`` and
+  ``kv_a_proj_with_mqa`` fused into vLLM's replicated ``fused_qkv_a_proj`` (every inference GPU
+  reads it whole), ``q_b_proj``/``kv_b_proj`` cut by heads, ``o_proj`` by columns. The parameter
+  counts are printed.
 - **Hardware and conversion** are stated inputs (:class:`ReshardInputs`), not measurements: a
   NIC per GPU each way at ``nic_gbps`` (the write-up's 400 Gbps), the data plane's
   ``efficiency``, and conversion at ``convert_gbps`` of source bytes per GPU, overlapped with
@@ -124,13 +126,15 @@ MODELS = {
     ),
     # Kimi-K2's config: 61 layers, hidden 7168, 64 heads, 384 routed experts of width 2048 and one
     # shared expert, the first layer dense (width 18432), the router's score-correction bias,
-    # vocabulary 163,840 (MLA stood in for by 8 KV heads of 128).
+    # vocabulary 163,840; multi-head latent attention (queries compressed to 1536, keys and values
+    # to 512, heads of 128 + 64 rotary, values of 128).
     "Kimi-K2 1T": Decoder(
         "Kimi-K2 1T",
-        "llama",
-        DecoderShape(layers=61, hidden=7168, intermediate=18432, heads=64, kv_heads=8, head_dim=128, vocab=163840,
+        "deepseek_v3",
+        DecoderShape(layers=61, hidden=7168, intermediate=18432, heads=64, kv_heads=64, head_dim=192, vocab=163840,
                      experts=384, expert_intermediate=2048, shared_intermediate=2048, dense_layers=1,
-                     router_bias=True),  # fmt: skip
+                     router_bias=True, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                     v_head_dim=128),  # fmt: skip
     ),
 }
 

@@ -135,6 +135,24 @@ def test_a_fusion_missing_a_part_names_it():
     assert "lacks its parts ['l.0.k']" in str(err) and "l.0.k" in err.tensors and "l.0.qkv" in err.tensors
 
 
+def test_an_optional_fusion_the_destination_lacks_leaves_its_parts_alone():
+    """As vLLM's DeepSeek loader: ``fused_qkv_a_proj`` only when the model has it."""
+    opt = Fuse("l.{i}.qkv", ("l.{i}.q", "l.{i}.k", "l.{i}.v"), optional=True)
+    src = metas(l__0__q=("float32", (4, 2)), l__0__k=("float32", (2, 2)), l__0__v=("float32", (2, 2)))
+    fused = resolve(Mapping(fusions=(opt,)), src, metas(l__0__qkv=("float32", (8, 2))))
+    assert [p.source for p in fused["l.0.qkv"].parts] == ["l.0.q", "l.0.k", "l.0.v"]
+    apart = resolve(Mapping(fusions=(opt,)), src, dict(src))
+    assert {n: [p.source for p in d.parts] for n, d in apart.items()} == {n: [n] for n in src}
+    # neither the fused tensor nor the parts: each part is named, not silently dropped
+    err = refused(Mapping(fusions=(opt,)), src, metas(l__0__q=("float32", (4, 2))))
+    assert "'l.0.k' (from 'l.0.k') is not a tensor of the destination" in str(err) and "l.0.v" in err.tensors
+    # the fused tensor is there and a part is missing: refused as for any fusion
+    err = refused(Mapping(fusions=(opt,)), metas(l__0__q=("float32", (4, 2))), metas(l__0__qkv=("float32", (8, 2))))
+    assert "lacks its parts" in str(err)
+    with pytest.raises(InvalidArgument, match="stacking fusion cannot be optional"):
+        Fuse("w", ("e.{e}.a",), stack="e", optional=True)
+
+
 def test_fusion_parts_that_do_not_concatenate():
     src = metas(l__0__q=("float32", (4, 2)), l__0__k=("float32", (2, 3)), l__0__v=("float32", (2, 2)))
     err = refused(Mapping(fusions=(QKV,)), src, metas(l__0__qkv=("float32", (8, 2))))

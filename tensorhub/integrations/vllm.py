@@ -51,15 +51,9 @@ EXTENSION = "tensorhub.integrations.vllm.WorkerExtension"
 
 
 def decoder_shape(hf_config: Any, family: str) -> DecoderShape:
-    """The :class:`DecoderShape` of a Hugging Face decoder config (Llama, Qwen2, Qwen3)."""
-    c = hf_config
-    heads = c.num_attention_heads
-    return DecoderShape(
-        layers=c.num_hidden_layers, hidden=c.hidden_size, intermediate=c.intermediate_size, heads=heads,
-        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab=c.vocab_size,
-        qkv_bias=family == "qwen2", qk_norm=family == "qwen3", tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-    )  # fmt: skip
+    """The :class:`DecoderShape` of a Hugging Face decoder config (Llama, Qwen2, Qwen3, their
+    mixtures of experts, DeepSeek's MLA): :meth:`DecoderShape.from_config`."""
+    return DecoderShape.from_config(hf_config, family)
 
 
 def _take_over_cpu_linears(net: torch.nn.Module, placements: dict[str, Any] | None, rank: int) -> int:
