@@ -93,6 +93,17 @@ def _compiled(worker: Any) -> bool:
     return bool(mode) and not getattr(getattr(config, "model_config", None), "enforce_eager", False)
 
 
+def _cpu_experts(net: torch.nn.Module) -> list[str]:
+    """The fused-MoE layers whose experts live in CPU memory: vLLM's CPU backend prepacks them into
+    its grouped-GEMM layout after loading and computes from that copy, so bytes landed in
+    ``w13_weight``/``w2_weight`` would never be read."""
+    return [
+        name
+        for name, mod in net.named_modules()
+        if isinstance(getattr(mod, "w13_weight", None), torch.Tensor) and mod.w13_weight.device.type == "cpu"
+    ]
+
+
 def _cpu_linears(net: torch.nn.Module) -> bool:
     """Whether any layer computes through vLLM's CPU linear dispatch (``cpu_linear``)."""
     return any(hasattr(mod, "cpu_linear") for mod in net.modules())
@@ -157,6 +168,14 @@ class WorkerExtension:
             if family is None:
                 raise InvalidArgument("convert_from= needs family= (the mapping preset and the placements)")
             mapping = preset(family, fp8=fp8)
+        experts = _cpu_experts(net)
+        if experts:
+            raise UsageError(
+                f"tensorhub_open: {experts[0]} (and {len(experts) - 1} more) are fused-MoE layers on vLLM's CPU "
+                "backend, which computes from a prepacked copy of the experts: weights landed in place would never be "
+                "read. Use the weight-transfer backend, which rebuilds them: "
+                'LLM(..., weight_transfer_config={"backend": "tensorhub"}) (README "vLLM")'
+            )
         if _compiled(self) and _cpu_linears(net):
             raise UsageError(
                 "tensorhub_open: this engine runs vLLM's compiled mode, and its CPU linear layers read repacked "
