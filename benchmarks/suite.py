@@ -98,7 +98,7 @@ from benchmarks.suite_systems import (
     systems,
 )
 
-PARTS = ("tensorhub", "memcpy", "socket", "gloo", "ray", "nixl", "mooncake")
+PARTS = ("tensorhub", "memcpy", "floor", "socket", "gloo", "ray", "nixl", "mooncake")
 RESULTS = _HERE / "results"
 QUICK = {"size_mib": 64, "readers": "1,2,4", "repeats": 2, "warmup": 1, "rounds": 1}
 FULL = {"size_mib": 1024, "readers": "1,2,4", "repeats": 3, "warmup": 1, "rounds": 1}
