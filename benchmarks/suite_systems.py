@@ -503,6 +503,7 @@ class VerifiedCopyHolder(Side):
         import numpy as np
         from concurrent.futures import ThreadPoolExecutor
 
+        self.tensors = tensors  # the pieces are addresses in them
         self.pieces = floor_pieces(_spans(tensors))
         self.posted = np.zeros(1 + len(self.pieces), dtype=np.uint64)  # [0]: round posted; then the checksums
         self.threads = _floor_threads(8)
@@ -543,6 +544,7 @@ class VerifiedCopyReader(Side):
         theirs = [(int(a), int(n)) for a, n in info["tensors"]]
         if [n for _, n in theirs] != [n for _, n in _spans(tensors)]:
             raise BenchmarkError("verified copy: the holder's tensors differ from this reader's")
+        self.tensors = tensors  # the pieces are addresses in them
         self.local, self.remote = floor_pieces(_spans(tensors)), floor_pieces(theirs)
         if len(self.remote) != int(info["pieces"]):
             raise BenchmarkError("verified copy: the holder cuts its shard into other pieces")
