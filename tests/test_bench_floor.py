@@ -76,6 +76,6 @@ def test_floor_arithmetic_adds_the_passes() -> None:
     assert got["cores"] == pytest.approx(1.5)  # 0.30 s one thread, 0.20 s on two
     assert got["floor_1_2"] == pytest.approx((0.24 + 0.06 + 0.10) / 2)
     assert got["floor_4_measured"] == pytest.approx((4 * 0.30 + 0.10) / 1.5)
-    assert any("= 1.00x memcpy's rate" in line for line in lines)  # 0.20 s memcpy against a 0.20 s floor on 2 cores
+    assert any("= 1.00x memcpy's rate" in line for line in lines)  # 0.20 CPU s of memcpy against a 0.20 s floor on 2 cores
     rows["vm copy + hash, 2 threads"] = (0.05, 0.30)  # a faster 2-thread run than 2 cores allow is capped at 2
     assert arithmetic(rows, [1])[1]["cores"] == 2.0
