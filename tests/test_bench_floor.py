@@ -79,3 +79,20 @@ def test_floor_arithmetic_adds_the_passes() -> None:
     assert any("= 1.00x memcpy's rate" in line for line in lines)  # 0.20 CPU s of memcpy against a 0.20 s floor on 2 cores
     rows["vm copy + hash, 2 threads"] = (0.05, 0.30)  # a faster 2-thread run than 2 cores allow is capped at 2
     assert arithmetic(rows, [1])[1]["cores"] == 2.0
+
+
+def test_the_goals_say_how_far_the_verified_copy_gets() -> None:
+    from benchmarks.suite_report import goals
+
+    def row(system: str, n: int, wall: float, cpu: float, gbps: float = 0.0) -> dict:
+        return {"system": system, "workload": "64x16MiB", "readers": n, "wall_s": wall, "aggregate_gbps": n * gbps,
+                "reader_gbps": gbps, "cpu_s_per_gb": cpu, "holder_rss_mib": 19.0}  # fmt: skip
+
+    rows = [row("tensorhub[local]", 4, 1.2, 0.6), row("gloo broadcast", 4, 1.6, 0.8), row("verified copy", 4, 1.0, 0.45),
+            row("tensorhub[local]", 1, 0.35, 0.7, 3.0), row("memcpy", 1, 0.2, 0.3, 5.0), row("verified copy", 1, 0.3, 0.5, 4.0)]  # fmt: skip
+    got = {g["key"]: g for g in goals(rows, "tensorhub[local]")}
+    assert got["vs_gloo"]["floor"] == pytest.approx(1.0 / 1.6) and "takes 1.000 s: 0.62x" in got["vs_gloo"]["why"]
+    assert got["vs_memcpy"]["floor"] == pytest.approx(0.8) and "reaches 0.80x memcpy" in got["vs_memcpy"]["why"]
+    assert "floor" not in got["vs_ray"]  # Ray did not run: nothing to compare the floor with
+    without = {g["key"]: g for g in goals([r for r in rows if r["system"] != "verified copy"], "tensorhub[local]")}
+    assert "floor" not in without["vs_gloo"] and "verified copy" not in without["vs_gloo"].get("why", "")
