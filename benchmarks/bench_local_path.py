@@ -26,7 +26,8 @@ replicate then); a reader's time ends when ``replicate`` returns. Figures per ro
 wall time over the timed rounds (the last reader's), GB/s per reader, and CPU seconds per GB
 delivered: user + system time of every process of the row (the readers', and for TensorHub the
 holder's, from the round's start until the last reader returned; the server's is not counted,
-as in the suite) over the bytes delivered to all readers. After each round every reader's bytes
+as in the suite, but shown apart in the ``server`` column) over the bytes delivered to all
+readers; and page faults per GB (holder and readers). After each round every reader's bytes
 are checked (xxh3-64 of each tensor against the holder's): one wrong byte fails the run.
 
 ``--profile DIR``: one more TensorHub round per reader count after the timed ones, with cProfile
@@ -58,7 +59,7 @@ _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path:
     sys.path.insert(0, str(_HERE.parent))
 
-from benchmarks.harness import BenchmarkError, Child, median, start_server, stop_process  # noqa: E402
+from benchmarks.harness import BenchmarkError, Child, median, process_cpu, start_server, stop_process  # noqa: E402
 from benchmarks.harness.shards import WORKLOADS, allocate, fill_seeded, hashes_of, spec_bytes, workload_spec  # noqa: E402
 
 PIECE = 4 << 20  # bytes per process_vm_readv in the raw rows (the local transport's piece)
@@ -442,11 +443,13 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
             for r in readers:
                 r.expect("prepared")
             start = time.monotonic() + 0.05
+            server0 = process_cpu(args.server_pid)
             if kind == "tensorhub":
                 holder.send("publish", version, start)
             for r in readers:
                 r.send("run", kind, version, start)
             done = [r.expect("done") for r in readers]
+            server_cpu = process_cpu(args.server_pid) - server0  # the reference server's (10 ms ticks)
             hold_cpu = 0.0
             hold_faults = 0
             holder_marks = None
@@ -482,6 +485,7 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
                 "extra": [d[4] for d in done],
                 "holder_marks": holder_marks,
                 "faults": sum(d[4]["faults"] for d in done) + hold_faults,
+                "server_cpu_s": server_cpu,
             })  # fmt: skip
         return results
     finally:
@@ -523,10 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = workload_spec(args.workload, args.size_mib << 20, args.seed)
     gb = spec_bytes(spec) / 1e9
     proc, server = start_server(args.timeout, echo_all=False)
+    args.server_pid = proc.pid
     try:
         print(f"{args.workload}, {spec_bytes(spec) / 2**20:.0f} MiB, {args.repeats} timed rounds (+{args.warmup}), "
               f"medians; CPU s/GB: every process of the row but the server, over the bytes delivered")  # fmt: skip
-        print(f"{'row':<22} {'readers':>7} {'wall s':>8} {'GB/s/reader':>12} {'CPU s/GB':>9} {'reader':>7} {'holder':>7} {'faults/GB':>9}")
+        print(f"{'row':<22} {'readers':>7} {'wall s':>8} {'GB/s/reader':>12} {'CPU s/GB':>9} {'reader':>7} {'holder':>7} {'faults/GB':>9} {'server':>7}")
         for n in readers:
             ks = [k for k in kinds if k != "memcpy" or n == 1]
             res = run_group(args, spec, server, n, ks)
@@ -536,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                 rc = median([r["reader_cpu_s"] for r in rows]) / (gb * n)
                 hc = median([r["holder_cpu_s"] for r in rows]) / (gb * n)
                 faults = median([r["faults"] for r in rows]) / (gb * n)
-                print(f"{k:<22} {n:>7} {wall:>8.3f} {gb / wall:>12.2f} {rc + hc:>9.3f} {rc:>7.3f} {hc:>7.3f} {faults:>9.0f}")
+                sc = median([r["server_cpu_s"] for r in rows]) / (gb * n)
+                print(f"{k:<22} {n:>7} {wall:>8.3f} {gb / wall:>12.2f} {rc + hc:>9.3f} {rc:>7.3f} {hc:>7.3f} {faults:>9.0f} {sc:>7.3f}")
                 if args.timeline and k == "tensorhub":
                     print("  holder")
                     print("\n".join(_timeline([r["holder_marks"] for r in rows if r["holder_marks"]])))
