@@ -26,7 +26,8 @@ replicate then); a reader's time ends when ``replicate`` returns. Figures per ro
 wall time over the timed rounds (the last reader's), GB/s per reader, and CPU seconds per GB
 delivered: user + system time of every process of the row (the readers', and for TensorHub the
 holder's, from the round's start until the last reader returned; the server's is not counted,
-as in the suite) over the bytes delivered to all readers. After each round every reader's bytes
+as in the suite, but shown apart in the ``server`` column) over the bytes delivered to all
+readers; and page faults per GB (holder and readers). After each round every reader's bytes
 are checked (xxh3-64 of each tensor against the holder's): one wrong byte fails the run.
 
 ``--profile DIR``: one more TensorHub round per reader count after the timed ones, with cProfile
@@ -58,7 +59,7 @@ _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path:
     sys.path.insert(0, str(_HERE.parent))
 
-from benchmarks.harness import BenchmarkError, Child, median, start_server, stop_process  # noqa: E402
+from benchmarks.harness import BenchmarkError, Child, median, process_cpu, start_server, stop_process  # noqa: E402
 from benchmarks.harness.shards import WORKLOADS, allocate, fill_seeded, hashes_of, spec_bytes, workload_spec  # noqa: E402
 
 PIECE = 4 << 20  # bytes per process_vm_readv in the raw rows (the local transport's piece)
@@ -205,6 +206,12 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _faults() -> int:
+    """Page faults this process took so far (minor and major)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt + r.ru_majflt
+
+
 def _thread_cpu() -> dict[str, float]:
     """CPU seconds of this process's threads so far, by kind: the Python thread's name without
     its number (``local-copy``, ``asyncio``...), else the kernel's name of the thread (ZeroMQ's)."""
@@ -293,11 +300,12 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
             elif msg[0] == "publish":
                 _, version, start = msg
                 _sleep_until(start)
-                c0, t0 = _cpu(), _thread_cpu()
+                c0, t0, f0 = _cpu(), _thread_cpu(), _faults()
                 handle.publish(version)
                 conn.send(("published", c0))
             elif msg[0] == "cpu":
-                conn.send(("cpu", _cpu(), _diff(_thread_cpu(), t0), marks.take(start) if marks is not None else None))
+                conn.send(("cpu", _cpu(), _diff(_thread_cpu(), t0), marks.take(start) if marks is not None else None,
+                           _faults() - f0))  # fmt: skip
             elif msg[0] == "profile":
                 stats = profiles.snapshot()
                 text = ""
@@ -362,7 +370,7 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
             elif msg[0] == "run":
                 _, kind, version, start = msg
                 _sleep_until(start)
-                c0, t0 = _cpu(), _thread_cpu()
+                c0, t0, f0 = _cpu(), _thread_cpu(), _faults()
                 if kind == "tensorhub":
                     handle.replicate(version, timeout=300)
                 elif kind == "memcpy":
@@ -378,13 +386,14 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                 else:
                     raise ValueError(f"unknown kind {kind!r}")
                 end = time.monotonic()
-                c1, t1 = _cpu(), _thread_cpu()
+                c1, t1, f1 = _cpu(), _thread_cpu(), _faults()
                 ok = hashes_of(tensors) == expected  # untimed
                 stats = handle.last_pull if kind == "tensorhub" else None
                 extra = {}
                 if stats is not None:
                     extra = {"reads": stats.reads, "verify_s": stats.verify_s, "hashed_on_landing": stats.hashed_on_landing}
                 extra["threads"] = _diff(t1, t0)
+                extra["faults"] = f1 - f0
                 if marks is not None:
                     extra["marks"] = marks.take(start)
                     extra["marks"]["replicate returned"] = (1e3 * (end - start),) * 2
@@ -434,12 +443,15 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
             for r in readers:
                 r.expect("prepared")
             start = time.monotonic() + 0.05
+            server0 = process_cpu(args.server_pid)
             if kind == "tensorhub":
                 holder.send("publish", version, start)
             for r in readers:
                 r.send("run", kind, version, start)
             done = [r.expect("done") for r in readers]
+            server_cpu = process_cpu(args.server_pid) - server0  # the reference server's (10 ms ticks)
             hold_cpu = 0.0
+            hold_faults = 0
             holder_marks = None
             if kind == "tensorhub":
                 c0 = holder.expect("published")[1]
@@ -447,6 +459,7 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
                 got = holder.expect("cpu")
                 hold_cpu = got[1] - c0
                 holder_marks = got[3]
+                hold_faults = got[4]
                 if args.threads_cpu:
                     print(f"  {kind} {n}r holder threads: {got[2]}")
             if args.threads_cpu:
@@ -471,6 +484,8 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
                 "holder_cpu_s": hold_cpu,
                 "extra": [d[4] for d in done],
                 "holder_marks": holder_marks,
+                "faults": sum(d[4]["faults"] for d in done) + hold_faults,
+                "server_cpu_s": server_cpu,
             })  # fmt: skip
         return results
     finally:
@@ -512,10 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = workload_spec(args.workload, args.size_mib << 20, args.seed)
     gb = spec_bytes(spec) / 1e9
     proc, server = start_server(args.timeout, echo_all=False)
+    args.server_pid = proc.pid
     try:
         print(f"{args.workload}, {spec_bytes(spec) / 2**20:.0f} MiB, {args.repeats} timed rounds (+{args.warmup}), "
               f"medians; CPU s/GB: every process of the row but the server, over the bytes delivered")  # fmt: skip
-        print(f"{'row':<22} {'readers':>7} {'wall s':>8} {'GB/s/reader':>12} {'CPU s/GB':>9} {'reader':>7} {'holder':>7}")
+        print(f"{'row':<22} {'readers':>7} {'wall s':>8} {'GB/s/reader':>12} {'CPU s/GB':>9} {'reader':>7} {'holder':>7} {'faults/GB':>9} {'server':>7}")
         for n in readers:
             ks = [k for k in kinds if k != "memcpy" or n == 1]
             res = run_group(args, spec, server, n, ks)
@@ -524,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
                 wall = median([r["wall_s"] for r in rows])
                 rc = median([r["reader_cpu_s"] for r in rows]) / (gb * n)
                 hc = median([r["holder_cpu_s"] for r in rows]) / (gb * n)
-                print(f"{k:<22} {n:>7} {wall:>8.3f} {gb / wall:>12.2f} {rc + hc:>9.3f} {rc:>7.3f} {hc:>7.3f}")
+                faults = median([r["faults"] for r in rows]) / (gb * n)
+                sc = median([r["server_cpu_s"] for r in rows]) / (gb * n)
+                print(f"{k:<22} {n:>7} {wall:>8.3f} {gb / wall:>12.2f} {rc + hc:>9.3f} {rc:>7.3f} {hc:>7.3f} {faults:>9.0f} {sc:>7.3f}")
                 if args.timeline and k == "tensorhub":
                     print("  holder")
                     print("\n".join(_timeline([r["holder_marks"] for r in rows if r["holder_marks"]])))

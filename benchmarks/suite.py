@@ -6,7 +6,7 @@ Baseline: memcpy, a raw socket, gloo, Ray, raw NIXL, Mooncake on the same bytes,
 Goal: <= 0.5x gloo and <= 0.7x Ray at 4 readers; >= 0.7x memcpy at 1; holder RSS <= 64 MiB.
 
 ``python -m benchmarks [PART ...] [options]`` (PART: ``all``, the default, or any of
-``tensorhub``, ``memcpy``, ``socket``, ``gloo``, ``ray``, ``nixl``, ``mooncake``) measures
+``tensorhub``, ``memcpy``, ``floor``, ``socket``, ``gloo``, ``ray``, ``nixl``, ``mooncake``) measures
 each system moving a shard from one holder process to 1, 2 and 4 reader processes and writes
 ``benchmarks/results/<timestamp>.json`` (every sample) and ``<timestamp>.md`` (tables, ratios,
 goals) with PNG plots beside it. ``python -m benchmarks report FILE.json`` redraws the report
@@ -18,6 +18,9 @@ Systems (``benchmarks/suite_systems.py`` has the details of each):
   that ``replicate`` into their registered tensors, over transport ``T`` (``--tensorhub-transports``,
   default ``local``: the same-host transport, ``process_vm_readv``);
 - ``memcpy``: one thread copying the shard within one process (one reader only): the limit;
+- ``verified copy`` (part ``floor``): the least any design that gives each reader its own
+  verified copy does: the holder hashes once and posts its checksums, each reader
+  ``process_vm_readv``s and hashes every piece, then compares; no server, no messages;
 - ``raw socket``: a TCP connection per reader, ``sendall`` from / ``recv_into`` the tensors;
 - ``gloo broadcast`` and ``gloo p2p``: torch.distributed's gloo backend, per tensor;
 - ``ray torch`` and ``ray numpy``: Ray's object store, ``put`` then ``get`` and a copy into
@@ -98,7 +101,7 @@ from benchmarks.suite_systems import (
     systems,
 )
 
-PARTS = ("tensorhub", "memcpy", "socket", "gloo", "ray", "nixl", "mooncake")
+PARTS = ("tensorhub", "memcpy", "floor", "socket", "gloo", "ray", "nixl", "mooncake")
 RESULTS = _HERE / "results"
 QUICK = {"size_mib": 64, "readers": "1,2,4", "repeats": 2, "warmup": 1, "rounds": 1}
 FULL = {"size_mib": 1024, "readers": "1,2,4", "repeats": 3, "warmup": 1, "rounds": 1}

@@ -229,7 +229,7 @@ def goals(
         if ratio > target:
             g["why"] = (f"off by {ratio / target:.2f}x; " + _where(th4) +
                         f"; {other}: {base['aggregate_gbps']:.2f} GB/s aggregate, {base['cpu_s_per_gb']:.2f} CPU s/GB")  # fmt: skip
-        return g
+        return _with_floor(g, _row(rows, FLOOR, GOAL_WORKLOAD, 4), base["wall_s"], th4)
 
     out.append(wall_goal("vs_gloo", "gloo broadcast", GOAL_GLOO))
     out.append(wall_goal("vs_ray", "ray numpy", GOAL_RAY))
@@ -250,6 +250,13 @@ def goals(
                  verdict=verdict(meets(ratio, GOAL_MEMCPY)))  # fmt: skip
         if ratio < GOAL_MEMCPY:
             g["why"] = f"off by {GOAL_MEMCPY / ratio:.2f}x; " + _where(th1)
+        floor = _row(rows, FLOOR, GOAL_WORKLOAD, 1)
+        if floor is not None:
+            reach = floor["reader_gbps"] / mem["reader_gbps"]
+            said = f"{g['why']}; " if g.get("why") else ""
+            g["floor"] = reach
+            g["why"] = said + (f"the verified copy (the floor of any verified design) reaches {reach:.2f}x memcpy in this run, "
+                               f"{th1['cpu_s_per_gb']:.2f} against its {floor['cpu_s_per_gb']:.2f} CPU s/GB")  # fmt: skip
     out.append(g)
     ths = [
         r
@@ -271,6 +278,23 @@ def goals(
                         "(with transports that gather, packs stay in place)")  # fmt: skip
     out.append(g)
     return out
+
+
+#: the suite's system that does only what any verified design must (``suite_systems.VerifiedCopyReader``)
+FLOOR = "verified copy"
+
+
+def _with_floor(g: dict[str, Any], floor: dict | None, base_wall: float, th: dict) -> dict[str, Any]:
+    """A 4-reader goal with the verified copy's ratio to the same baseline, where it ran: whether
+    any design that verifies every reader's copy could meet the goal on this machine."""
+    if floor is None:
+        return g
+    reach = floor["wall_s"] / base_wall
+    said = f"{g['why']}; " if g.get("why") else ""
+    g["floor"] = reach
+    g["why"] = said + (f"the verified copy (the floor of any verified design) takes {floor['wall_s']:.3f} s: {reach:.2f}x in this run, "
+                       f"{th['cpu_s_per_gb']:.2f} against its {floor['cpu_s_per_gb']:.2f} CPU s/GB")  # fmt: skip
+    return g
 
 
 def _where(row: dict) -> str:

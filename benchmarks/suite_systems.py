@@ -461,6 +461,137 @@ class NixlReader(Side):
             self.agent.deregister_memory(self.dlist)
 
 
+# ---- the verified-copy floor: what any design that gives each reader its own verified copy does -----
+
+FLOOR_PIECE = 1 << 20  # bytes per process_vm_readv and per hash (the local transport's piece)
+_FLOOR_POLL = (50e-6, 1e-3)  # a reader's first and longest sleep while it waits for the checksums
+
+
+def floor_pieces(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` pieces of at most :data:`FLOOR_PIECE` bytes of each ``(address,
+    nbytes)`` span (a tensor), in order: a piece never crosses tensors, so holder and reader
+    cut alike."""
+    return [(base + off, min(FLOOR_PIECE, n - off)) for base, n in spans for off in range(0, n, FLOOR_PIECE)]
+
+
+def _spans(tensors: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors.values()]
+
+
+def _piece_hashes(pieces: list[tuple[int, int]], out: Any, lo: int, hi: int) -> None:
+    import ctypes
+
+    import xxhash
+
+    for k in range(lo, hi):
+        address, n = pieces[k]
+        out[k] = xxhash.xxh3_64_intdigest((ctypes.c_char * n).from_address(address))
+
+
+def _floor_threads(most: int) -> int:
+    return max(1, min(most, len(os.sched_getaffinity(0))))
+
+
+class VerifiedCopyHolder(Side):
+    """The publisher of the floor: each round it hashes its shard once (xxh3-64 of each piece, split
+    over as many threads as TensorHub's publisher uses: the cores, up to 8) and posts the
+    checksums in its own memory, the round's number last; readers read them with
+    ``process_vm_readv``. No server, no messages, no description: nothing but the passes over
+    memory that verification needs (the publisher's hash, each reader's copy and hash)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], **_: Any) -> None:
+        import numpy as np
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.tensors = tensors  # the pieces are addresses in them
+        self.pieces = floor_pieces(_spans(tensors))
+        self.posted = np.zeros(1 + len(self.pieces), dtype=np.uint64)  # [0]: round posted; then the checksums
+        self.threads = _floor_threads(8)
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="floor-hash")
+        self.info = {"pid": os.getpid(), "posted": int(self.posted.ctypes.data), "pieces": len(self.pieces),
+                     "tensors": [list(span) for span in _spans(tensors)]}  # fmt: skip
+
+    def prepare(self, version: int) -> None:
+        self.posted[0] = 0
+
+    def run(self, version: int) -> dict[str, Any]:
+        sums = self.posted[1:]
+        n, k = len(self.pieces), self.threads
+        cuts = [n * i // k for i in range(k + 1)]
+        futures = [self.pool.submit(_piece_hashes, self.pieces, sums, cuts[i], cuts[i + 1]) for i in range(1, k)]
+        _piece_hashes(self.pieces, sums, cuts[0], cuts[1])
+        for f in futures:
+            f.result()
+        self.posted[0] = version  # after the checksums (x86 keeps stores in order)
+        return {}
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class VerifiedCopyReader(Side):
+    """A reader of the floor: ``process_vm_readv`` of the holder's tensors into its own, piece by
+    piece on as many threads as ``local``'s copy workers (the cores, up to 4), each piece hashed
+    right after it landed (still in the core's cache); then it waits for the holder's checksums
+    and compares every piece. A mismatch fails the round."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], info: dict, timeout: float, **_: Any) -> None:
+        import numpy as np
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.timeout = timeout
+        self.pid, self.posted = int(info["pid"]), int(info["posted"])
+        theirs = [(int(a), int(n)) for a, n in info["tensors"]]
+        if [n for _, n in theirs] != [n for _, n in _spans(tensors)]:
+            raise BenchmarkError("verified copy: the holder's tensors differ from this reader's")
+        self.tensors = tensors  # the pieces are addresses in them
+        self.local, self.remote = floor_pieces(_spans(tensors)), floor_pieces(theirs)
+        if len(self.remote) != int(info["pieces"]):
+            raise BenchmarkError("verified copy: the holder cuts its shard into other pieces")
+        self.digests = np.zeros(len(self.local), dtype=np.uint64)
+        self.words = np.zeros(1 + len(self.local), dtype=np.uint64)
+        self.threads = _floor_threads(4)
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="floor-copy")
+
+    def _copy(self, lo: int, hi: int) -> None:
+        import ctypes
+
+        import xxhash
+
+        from tensorhub.transports.local import _vm_read
+
+        for k in range(lo, hi):
+            (dst, n), src = self.local[k], self.remote[k]
+            _vm_read(self.pid, [(dst, n)], [src])
+            self.digests[k] = xxhash.xxh3_64_intdigest((ctypes.c_char * n).from_address(dst))
+
+    def run(self, version: int) -> dict[str, Any]:
+        from tensorhub.transports.local import _vm_read
+
+        n = len(self.local)
+        parts = [(lo, min(lo + 4, n)) for lo in range(0, n, 4)]  # 4 MiB parts on a shared queue, as local's
+        for f in [self.pool.submit(self._copy, lo, hi) for lo, hi in parts]:
+            f.result()
+        deadline, delay = time.monotonic() + self.timeout, _FLOOR_POLL[0]
+        first = (self.words.ctypes.data, 8)
+        while True:
+            _vm_read(self.pid, [first], [(self.posted, 8)])
+            if int(self.words[0]) == version:
+                break
+            if time.monotonic() > deadline:
+                raise BenchmarkError(f"verified copy: the holder posted no checksums for round {version} in {self.timeout:g} s")
+            time.sleep(delay)
+            delay = min(2 * delay, _FLOOR_POLL[1])
+        _vm_read(self.pid, [(self.words.ctypes.data, 8 * (n + 1))], [(self.posted, 8 * (n + 1))])
+        bad = int((self.words[1:] != self.digests).sum())
+        if bad or int(self.words[0]) != version:
+            raise BenchmarkError(f"verified copy: {bad} of {n} pieces differ from the holder's checksums (round {version})")
+        return {"pieces": n}
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
 # ---- Mooncake transfer engine (tcp) ------------------------------------------------------------------
 
 
@@ -687,6 +818,9 @@ def systems(tensorhub_transports: list[str]) -> list[System]:
         System("gloo p2p", "gloo", GlooSide, GlooSide, describe="torch.distributed gloo, `isend` per (tensor, reader) / `irecv`", mode="p2p"),
         System("ray torch", "ray", RayHolder, RayReader, needs="ray", env=RAY_ENV, describe="Ray object store: `put` a dict of torch tensors, `get`, `copy_`", mode="torch"),
         System("ray numpy", "ray", RayHolder, RayReader, needs="ray", env=RAY_ENV, describe="Ray object store: `put` numpy views, zero-copy `get`, copy into the tensors", mode="numpy"),
+        System("verified copy", "floor", VerifiedCopyHolder, VerifiedCopyReader,
+               describe="the floor of a verified copy per reader: the holder hashes once, each reader `process_vm_readv`s "
+                        "and hashes every 1 MiB piece, then compares (no server, no messages)"),
         System("raw nixl", "nixl", NixlHolder, NixlReader, needs="nixl", env=UCX_ENV, describe=f"bare NIXL agents (UCX), one-sided READ, {RAW_INFLIGHT} requests of <= 8 MiB in flight"),
         System("mooncake", "mooncake", MooncakeHolder, MooncakeReader, needs="mooncake.engine",
                env={"GLOG_minloglevel": "2"}, describe="Mooncake transfer engine (P2P handshake, tcp), one batch read"),

@@ -359,6 +359,48 @@ def test_a_partial_holder_is_read_as_it_advances(holder: Holder, seed: int) -> N
     holder.call("drop", name)
 
 
+def test_a_read_behind_a_partial_holder_paces_its_looks_by_the_holders_rate(holder: Holder, seed: int) -> None:
+    """A read waiting for a range far ahead of a holder that advances steadily looks at the
+    holder's words a few times per step once it has seen the rate, not every millisecond (each
+    look takes the holder's memory map lock), and still ends soon after the range is covered."""
+    name, region, gen, data = hold(holder, 4 << 20, seed, verified=0)
+    into = new_buffers(4 << 20)
+    total = into.total_bytes
+    steps = [total * k // 20 for k in range(1, 21)]  # 20 steps of 40 ms: about 0.8 s
+    offset = total * 7 // 8
+    looks = 0
+    finished = 0.0
+
+    async def main() -> None:
+        nonlocal finished
+        reader = LocalTransport({"wait_timeout": 30.0})
+        words = reader._words
+
+        def counted(*args: Any) -> Any:
+            nonlocal looks
+            looks += 1
+            return words(*args)
+
+        reader._words = counted  # type: ignore[method-assign]
+        try:
+            task = asyncio.ensure_future(reader.read(holder.endpoint, region, VERSION, offset, total - offset, into, gen))
+            await asyncio.get_running_loop().run_in_executor(None, holder.call, "feed", name, steps, 0.04)
+            assert await task == gen
+            finished = time.monotonic()
+        finally:
+            await reader.close()
+
+    run(main())
+    times = dict(holder.call("times", name))
+    covered_at = times[total]
+    fed_for = covered_at - min(times.values())
+    assert torch.equal(space(into)[offset:], data[offset:])
+    # Polling every millisecond would look about 1,000 times per second of waiting.
+    assert looks < 250 * max(fed_for, 0.8), f"{looks} looks in {fed_for:.2f} s of feeding"
+    assert 0 <= finished - covered_at < 0.5, f"the read ended {finished - covered_at:.3f} s after its range was covered"
+    holder.call("drop", name)
+
+
 def test_withdraw_and_generation_changes_in_the_holder_fail_readers(holder: Holder, seed: int) -> None:
     name, region, gen, data = hold(holder, 1 << 20, seed)
     into = new_buffers(1 << 20)
