@@ -74,21 +74,23 @@ class StragglerMixin(TableState):
                 pace = self.pace[g.id] = _Pace()
             pace.samples.append((self.clock(), g.reader.verified))
 
-    def _record(self, g: _Grant, how: str, reached: int | None) -> None:
-        super()._record(g, how, reached)
-        pace = self.pace.pop(g.id, None)
+    def _record(self, g: _Grant, how: str, reached: int | None) -> str:
+        link = super()._record(g, how, reached)
+        pace = self.pace.pop(g.id, None) if self.pace else None
         if how != "completed":
-            return
-        took = self.clock() - g.created
+            return link
+        now = self.clock()
+        took = now - g.created
         moved = g.reader.session.total_bytes - g.start
         if pace is not None and pace.drains and pace.samples:  # from its first report (see _Pace)
-            took, moved = self.clock() - pace.samples[0][0], moved - (pace.samples[0][1] - g.start)
+            took, moved = now - pace.samples[0][0], moved - (pace.samples[0][1] - g.start)
         if took > 0 and moved > 0:
-            key = (g.reader.session.model.name, link_class(g.reader.session.location, g.source.session.location))
+            key = (g.reader.session.model.name, link)
             recent = self.pace_recent.get(key)
             if recent is None:
                 recent = self.pace_recent[key] = deque(maxlen=_RECENT)
             recent.append(moved / took)
+        return link
 
     def _rate(self, g: _Grant, now: float, window: float) -> float:
         """Bytes per second the reader verified under ``g`` over (at least) the last window;
