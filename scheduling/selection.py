@@ -123,15 +123,15 @@ class SourceIndex:
             if old == level and old_dc == dc:
                 return
             # _unlink, inline (a move is the common put: a load or state change)
-            levels = self._dcs[old_dc]
-            entries = levels[old]
-            last = entries.pop()
+            was_in = self._dcs[old_dc]
+            bucket = was_in[old]
+            last = bucket.pop()
             if last != key:  # swap-remove: move the last entry into the hole
-                entries[pos] = last
+                bucket[pos] = last
                 where_of[last] = (old_dc, old, pos)
-            elif not entries:
-                del levels[old]
-                if not levels:
+            elif not bucket:
+                del was_in[old]
+                if not was_in:
                     del self._dcs[old_dc]
         else:
             self._loc[key] = location

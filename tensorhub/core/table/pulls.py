@@ -74,11 +74,10 @@ class PullMixin(TableState):
         s = self._session(peer, msg.session)
         raw = msg.spec
         spec = parse_version_spec(raw)
-        replicate = isinstance(msg, m.Replicate)
         # the canonical form of the spec, which every shard's call n must repeat (an int is its own)
         args = raw if type(raw) is int else spec.wire()
-        txn, call = self._join(s, msg.req, msg.call, "replicate" if replicate else "update", args)
-        if replicate:
+        txn, call = self._join(s, msg.req, msg.call, "replicate" if isinstance(msg, m.Replicate) else "update", args)
+        if isinstance(msg, m.Replicate):
             call.held = msg.held
         elif txn.state is _OPEN:
             txn.offload_seed = msg.offload_seed
