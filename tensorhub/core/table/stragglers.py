@@ -8,8 +8,9 @@ decision, at every :meth:`~tensorhub.core.table.ReferenceTable.tick`, to move a 
 source that is too slow.
 
 How slow is told from busy. A reader reports its verified prefix at least every half second
-while it grows (:data:`tensorhub.core.shard.PROGRESS_INTERVAL`, and every eighth of the shard);
-the prefix grows in whole reads. A grant is judged only after ``straggler_window`` seconds, on
+while it grows (:data:`tensorhub.core.shard.PROGRESS_INTERVAL`, and every eighth of the shard),
+from half a second after its first verified bytes (a younger grant is never judged: a pull done
+within it reports nothing); the prefix grows in whole reads. A grant is judged only after ``straggler_window`` seconds, on
 the bytes its reader verified over the last window, read over whole report intervals. A grant
 without any progress report yet is judged only after three windows (a source sharing its link
 with several readers takes that many times longer to a reader's first verified read), or ten
