@@ -19,9 +19,12 @@ versions in a row, the paper's burst:
 2. every rollout replica calls ``update("latest")`` at once (one ``Update`` per shard, the
    model-parallel call numbered per replica);
 3. each granted shard "pulls" for ``--pull`` seconds: no bytes move (the data plane is not what
-   is measured here), but it sends ``Progress`` every 0.5 s as real readers do while a pull
-   grows, then ``Complete``; a revoked grant waits for its next grant; the server answers the
-   replica's ``Updated`` once every shard holds the version;
+   is measured here), but it sends the ``Progress`` reports a real reader sends (the schedule is
+   the client's own: :func:`progress_schedule` runs a real :class:`~tensorhub.core.shard.ShardCore`
+   over a pull of 8 MiB reads landing evenly, as the engine drives it; ``--progress eager``: as
+   the engine did before it kept a pull's first interval quiet), then ``Complete``; a revoked
+   grant waits for its next grant; the server answers the replica's ``Updated`` once every shard
+   holds the version;
 4. churn: ``--churn`` of the rollout replicas crash during each burst (their connections close,
    nothing is said) and come back as new incarnations after 1 to 12 s (a quick one fences its
    old incarnation; a slow one finds it expired), then take part in the next burst.
@@ -37,7 +40,8 @@ memory. The generator's own CPU is printed beside: on a small shared machine it 
 the server for the same cores.
 
 Usage: python benchmarks/server_load.py [--sessions 1024,4096,8192] [--quick] [--backup both|no|only]
-       [--versions N] [--procs P] [--pull S] [--churn F] [--profile DIR] [--json FILE]
+       [--versions N] [--procs P] [--pull S] [--progress engine|eager] [--churn F] [--profile DIR]
+       [--json FILE]
 
 ``--profile DIR`` runs the server under cProfile (``TENSORHUB_SERVER_PROFILE``) and writes one
 profile per run there. Goals at 4,096 sessions: 0 false removals, heartbeat p99 <= 100 ms, <= 1
@@ -72,7 +76,7 @@ from tensorhub.runtime.metrics import LATENCY_BUCKETS, parse_text, scrape  # noq
 
 MODEL = "actor"
 SHARDS = 8  #: shards per replica (one per GPU of an 8-GPU node)
-PROGRESS_EVERY = 0.5  #: a real reader reports progress at least this often while its pull grows
+READ_BYTES = 8 << 20  #: the engine's read size (its default chunk)
 GOALS = {"hb_p99_ms": 100.0, "cores": 1.0, "grant_after_request_s": 1.0}
 DEAD_SOURCE_S = 0.2  #: how long a reader takes to find its source's holder gone (a refused connection)
 BEAT_SLOTS = 100  #: heartbeats go out in this many slots per interval (each session in its own, at random)
@@ -84,6 +88,40 @@ def layout() -> Layout:
     """A 1 GiB shard: 16 bfloat16 tensors of 64 MiB (256 checksums of 4 MiB chunks)."""
     return Layout(tuple(TensorSpec(f"layer{i}.weight", "bfloat16", (8192, 4096), 64 << 20) for i in range(16)),
                   "xxh3-64", 4 << 20, 2 << 20)  # fmt: skip
+
+
+def progress_schedule(total: int, pull_s: float, eager: bool = False) -> list[tuple[float, int]]:
+    """When a real reader reports progress during a pull of ``total`` bytes that takes
+    ``pull_s`` seconds: ``(seconds after the grant, verified)`` per report. The client's own
+    code decides: a :class:`~tensorhub.core.shard.ShardCore` as the engine drives it (``report
+    _progress`` after each verified read and when its timer is due), its reads of
+    :data:`READ_BYTES` landing evenly. ``eager``: as the engine did before it kept a pull's
+    first interval quiet (reports from the first verified bytes)."""
+    from tensorhub.core import shard as sh
+    from tensorhub.core.session import ReplicationSession
+
+    core = sh.ShardCore(lambda v: ReplicationSession(v, total, READ_BYTES, max_inflight=1, verify=True), timed_progress=not eager)
+    src = m.SourceInfo(1, "trainer", 0, m.KIND_NORMAL, True, Location("dc0", "h", ""), {})
+    out = core.on_grant(m.Grant(0, 2, 1, 1, 1, 0, src, None, None))
+    reads = max(1, -(-total // READ_BYTES))
+    made: list[tuple[float, int]] = []
+    due: float | None = None  # the engine's timer
+    for k in range(1, reads + 1):
+        t = pull_s * k / reads
+        if due is not None and due < t:  # the timer fires between two landings
+            made += [(due, a.verified) for a in core.report_progress(due) if isinstance(a, sh.ReportProgress)]
+            due = None
+        (read,) = [a for a in out if isinstance(a, sh.IssueRead)]
+        out = core.on_read_done(read.pull, read.grant, read.offset)
+        for v in [a for a in out if isinstance(a, sh.VerifyRead)]:
+            out += core.on_verified(v.pull, v.grant, v.offset, None)
+        out += core.report_progress(t)
+        made += [(t, a.verified) for a in out if isinstance(a, sh.ReportProgress)]
+        if any(isinstance(a, sh.ReportComplete) for a in out):
+            break
+        if due is None and core.progress_unreported and core.reported_at is not None:
+            due = core.reported_at + sh.PROGRESS_INTERVAL
+    return made
 
 
 # ---- /proc ------------------------------------------------------------------------------------
@@ -303,7 +341,7 @@ class Shard:
             gen.count(f"unexpected {t.__name__}")
 
     def _pulled(self, g: m.Grant, now: float) -> None:
-        """A grant: emulate the pull (no bytes): progress every 0.5 s, then complete."""
+        """A grant: emulate the pull (no bytes): the client's progress reports, then complete."""
         gen = self.gen
         gen.burst.grants += 1
         gen.burst.last_grant = max(gen.burst.last_grant, now)
@@ -316,11 +354,8 @@ class Shard:
         if g.source.replica in gen.dead:  # its holder is gone: the connection is refused
             p.handles.append(loop.call_later(DEAD_SOURCE_S, self._source_failed, g.grant, g.term))
             return
-        total = gen.layout.total_bytes
-        steps = max(1, int(gen.pull_s / PROGRESS_EVERY))
-        for k in range(1, steps):
-            verified = total * k // steps
-            p.handles.append(loop.call_later(k * gen.pull_s / steps, self._progress, g.grant, g.term, verified))
+        for at, verified in gen.schedule:
+            p.handles.append(loop.call_later(at, self._progress, g.grant, g.term, verified))
         p.handles.append(loop.call_later(gen.pull_s, self._complete, g.grant, g.term))
 
     def _progress(self, grant: int, term: int, verified: int) -> None:
@@ -359,7 +394,7 @@ class BurstStats:
 class Generator:
     """The sessions of one load process, driven by the parent over a pipe."""
 
-    def __init__(self, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
+    def __init__(self, address: str, replicas: list[str], pull_s: float, seed: int, eager: bool = False) -> None:
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)
         self.ctx.set(zmq.MAX_SOCKETS, 65536)
@@ -367,6 +402,7 @@ class Generator:
         self.layout = layout()
         self.checksums = tuple(range(1, self.layout.checksum_count() + 1))
         self.pull_s = pull_s
+        self.schedule = progress_schedule(self.layout.total_bytes, pull_s, eager)  # every pull's reports
         self.rng = random.Random(seed)
         self.shards: dict[str, list[Shard]] = {
             r: [Shard(self, r, i, 0 if r == "trainer" else None) for i in range(SHARDS)] for r in replicas
@@ -519,7 +555,7 @@ class Generator:
         self.ctx.term()
 
 
-def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
+def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int, eager: bool) -> None:
     try:
         import uvloop
 
@@ -528,7 +564,7 @@ def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float,
         loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_generator(conn, address, replicas, pull_s, seed))
+        loop.run_until_complete(_generator(conn, address, replicas, pull_s, seed, eager))
     except BaseException:  # noqa: BLE001 - the parent wants to know
         try:
             conn.send(("error", traceback.format_exc()))
@@ -536,8 +572,8 @@ def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float,
             pass
 
 
-async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
-    gen = Generator(address, replicas, pull_s, seed)
+async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int, eager: bool) -> None:
+    gen = Generator(address, replicas, pull_s, seed, eager)
     loop = asyncio.get_running_loop()
     beats = asyncio.ensure_future(gen.heartbeats())
     inbox: asyncio.Queue = asyncio.Queue()
@@ -620,7 +656,8 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
         procs = max(1, min(args.procs, len(replicas)))
         parts = [replicas[i::procs] for i in range(procs)]
         for i, part in enumerate(parts):
-            children.append(Child(f"load-{i}", _generator_main, (address, part, args.pull, args.seed + i), timeout=120))
+            children.append(Child(f"load-{i}", _generator_main, (address, part, args.pull, args.seed + i, args.progress == "eager"),
+                                  timeout=120))
         trainer = next(c for c, part in zip(children, parts) if "trainer" in part)
         t0 = time.monotonic()
         for c in children:
@@ -789,6 +826,11 @@ def report(r: dict) -> None:
               f"socket, and the two processes waiting for a CPU")  # fmt: skip
     if r["server_paused"]:
         print(f"    the server's mailbox was full {r['server_paused']} times (it stopped reading its socket: heartbeats wait there)")
+    n = len(bursts)
+    read = {k: c for k, (_, _, c) in served.items() if k != "heartbeat" and c}
+    if read:
+        print(f"  messages the server read per burst (all but heartbeats, over {n} bursts): {sum(read.values()) / n:,.0f}: "
+              + ", ".join(f"{k} {c / n:,.0f}" for k, c in sorted(read.items(), key=lambda kv: -kv[1])))  # fmt: skip
     kinds = [k for k in ("update", "progress", "complete") if k in served]
     if kinds:
         print("    server, read -> replies sent (p50 / p99 bounds, count): " + ", ".join(
@@ -816,6 +858,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--versions", type=int, default=4)
     ap.add_argument("--procs", type=int, default=4, help="load generator processes")
     ap.add_argument("--pull", type=float, default=2.0, help="emulated seconds each pull takes")
+    ap.add_argument("--progress", choices=("engine", "eager"), default="engine",
+                    help="readers report progress as the engine does, or as it did before its quiet first interval")
     ap.add_argument("--churn", type=float, default=0.02, help="fraction of rollout replicas crashing per burst")
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--gap", type=float, default=2.0, help="seconds between bursts")
@@ -830,8 +874,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(n < 2 * SHARDS for n in counts):
         raise SystemExit(f"--sessions: at least {2 * SHARDS} (a trainer and one rollout of {SHARDS} shards)")
     modes = {"both": (False, True), "no": (False,), "only": (True,)}[args.backup]
+    sched = progress_schedule(layout().total_bytes, args.pull, args.progress == "eager")
     print(f"server load: real server process(es) on 127.0.0.1, {os.cpu_count()} CPUs here (shared); heartbeat interval 1 s; "
-          f"{args.versions} bursts, pull {args.pull:g} s emulated, churn {args.churn:.0%} per burst")  # fmt: skip
+          f"{args.versions} bursts, pull {args.pull:g} s emulated ({len(sched)} progress reports each, as the "
+          f"{'engine did before its quiet first interval' if args.progress == 'eager' else 'engine sends them'}), "
+          f"churn {args.churn:.0%} per burst")  # fmt: skip
     results = []
     for n in counts:
         for backup in modes:

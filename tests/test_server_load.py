@@ -19,8 +19,8 @@ pytestmark = pytest.mark.integration
 
 
 def _args(seed: int, **kw) -> argparse.Namespace:
-    base = dict(versions=2, procs=1, pull=0.5, churn=0.1, warmup=0.2, gap=0.2, timeout=30.0, seed=seed % 1000,
-                profile=None)  # fmt: skip
+    base = dict(versions=2, procs=1, pull=0.75, churn=0.1, warmup=0.2, gap=0.2, timeout=30.0, seed=seed % 1000,
+                profile=None, progress="engine")  # fmt: skip  # a 0.75 s pull: 3 Progress each, as the engine sends them
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -39,5 +39,6 @@ def test_a_hundred_sessions_burst_and_churn_without_false_removals(seed, backup)
     assert sum(b["crashed"] for b in r["bursts"]) >= 1  # the churn happened
     assert r["hb_count"] > 0 and 0 < r["hb_p50_ms"] <= r["hb_p99_ms"]
     assert r["server_cores"] > 0 and r["server_rss_mib"] > 0 and not math.isnan(r["server_cpu_wait"])
+    assert r["server_ms"]["progress"][2] > 0  # the readers' progress reports reached the server
     assert (r["backup_cores"] is not None) == backup
     assert set(verdict(r)) >= {"0 false removals", "every update answered"}
