@@ -9,7 +9,8 @@ A load generator that speaks the real wire protocol (the client's own message cl
 :mod:`tensorhub.core.wire` encoding) to a real ``tensorhub server`` process on 127.0.0.1, and
 optionally a primary with its backup. It emulates every worker of an RL job as the server sees
 it, without tensors: each shard of each replica is one session on its own ZeroMQ connection
-(as one GPU worker process has), opening, registering a layout (a 1 GiB shard of 16 tensors,
+(as one GPU worker process has; the generator speaks ZMTP itself, a DEALER's bytes without a
+ZeroMQ context, so that thousands of sessions cost it little: :class:`Zmtp`), opening, registering a layout (a 1 GiB shard of 16 tensors,
 256 checksums) and a grant key, heartbeating at the server's interval (1 s by default, echoing
 the stamps as real clients do, so that with a backup they are votes), and, for several
 versions in a row, the paper's burst:
@@ -44,7 +45,7 @@ Usage: python benchmarks/server_load.py [--sessions 1024,4096,8192] [--quick] [-
        [--json FILE]
 
 ``--profile DIR`` runs the server under cProfile (``TENSORHUB_SERVER_PROFILE``) and writes one
-profile per run there. Goals at 4,096 sessions: 0 false removals, heartbeat p99 <= 100 ms, <= 1
+profile per run there, and one per load generator process beside it (``RUN-load-I.prof``). Goals at 4,096 sessions: 0 false removals, heartbeat p99 <= 100 ms, <= 1
 server core on average, the burst's last grant within 1 s of its last request.
 """
 
@@ -65,8 +66,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import zmq  # noqa: E402
-
 from benchmarks.harness import BenchmarkError, Child, free_port, start_server, stop_process, write_json  # noqa: E402
 from tensorhub.core import messages as m  # noqa: E402
 from tensorhub.core.layout import Layout, TensorSpec  # noqa: E402
@@ -80,7 +79,6 @@ READ_BYTES = 8 << 20  #: the engine's read size (its default chunk)
 GOALS = {"hb_p99_ms": 100.0, "cores": 1.0, "grant_after_request_s": 1.0}
 DEAD_SOURCE_S = 0.2  #: how long a reader takes to find its source's holder gone (a refused connection)
 BEAT_SLOTS = 100  #: heartbeats go out in this many slots per interval (each session in its own, at random)
-_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -186,6 +184,88 @@ def bucket_pct(cumulative: list[int], q: float) -> float:
 # ---- the generator (one process holds many sessions) -------------------------------------------
 
 
+#: ZMTP 3.0 greeting of a client (NULL mechanism, not as-server): what a ZeroMQ DEALER sends first
+_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+
+
+def _frame(body: bytes, command: bool = False) -> bytes:
+    """One ZMTP 3 frame (the last of its message): flags, size, body."""
+    flags = 0x04 if command else 0x00
+    if len(body) < 256:
+        return bytes((flags, len(body))) + body
+    return bytes((flags | 0x02,)) + len(body).to_bytes(8, "big") + body
+
+
+def _ready(identity: bytes) -> bytes:
+    """The NULL mechanism's READY command of a DEALER with routing id ``identity``."""
+    props = b"".join(bytes((len(k),)) + k + len(v).to_bytes(4, "big") + v
+                     for k, v in ((b"Socket-Type", b"DEALER"), (b"Identity", identity)))  # fmt: skip
+    return _frame(b"\x05READY" + props, command=True)
+
+
+class Zmtp(asyncio.Protocol):
+    """One emulated worker's connection to the server, speaking ZMTP 3.0 (what a ZeroMQ DEALER
+    speaks: the greeting, the NULL mechanism's READY with the routing id, then frames) straight
+    from the event loop. A pyzmq DEALER per session costs each send a wake of ZeroMQ's I/O thread
+    and each receive two more descriptors to watch: thousands of them in a generator took the
+    cores the server was to be measured on. The server sees the same bytes either way."""
+
+    def __init__(self, identity: bytes, on_frame: Any) -> None:
+        self.identity = identity
+        self.on_frame = on_frame  # called with each message frame's body
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.greeted = False  # the server's greeting was read
+        #: the server's READY was read: the handshake is over. Nothing may be sent before (libzmq
+        #: would read it as a handshake command, and drop the connection), as a DEALER queues
+        self.ready = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
+        transport.write(_GREETING + _ready(self.identity))  # both at once: libzmq reads them in turn
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        if not self.greeted:
+            if len(buf) < 64:
+                return
+            if buf[0] != 0xFF or buf[9] != 0x7F or buf[10] < 3:
+                raise BenchmarkError(f"the server's greeting is not ZMTP 3: {bytes(buf[:12])!r}")  # closes it
+            self.greeted, pos = True, 64
+        n = len(buf)
+        while pos + 2 <= n:
+            flags = buf[pos]
+            if flags & 0x02:
+                if pos + 9 > n:
+                    break
+                size, head = int.from_bytes(buf[pos + 1 : pos + 9], "big"), 9
+            else:
+                size, head = buf[pos + 1], 2
+            end = pos + head + size
+            if end > n:
+                break
+            if not flags & 0x04:  # a message frame (the DEALER's messages are one frame each)
+                self.on_frame(bytes(buf[pos + head : end]))
+            elif buf[pos + head : pos + head + 6] == b"\x05READY":
+                if not self.ready.done():
+                    self.ready.set_result(None)
+            elif buf[pos + head : pos + head + 6] == b"\x05ERROR" and not self.ready.done():
+                self.ready.set_exception(BenchmarkError(f"the server refused the handshake: {bytes(buf[pos + head : end])!r}"))
+            pos = end
+        del buf[:pos]
+
+    def write(self, body: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(_frame(body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(f"the server closed the connection during the handshake ({exc})"))
+
+
 @dataclass
 class _Pull:
     grant: int
@@ -195,9 +275,9 @@ class _Pull:
 
 
 class Shard:
-    """One emulated worker: a session on its own DEALER connection. The generator reads each
-    socket from the event loop's watch of its descriptor (no pyzmq asyncio layer: thousands of
-    sessions in one process must cost the machine as little as possible)."""
+    """One emulated worker: a session on its own connection (:class:`Zmtp`: a ZeroMQ DEALER's
+    protocol, without pyzmq: thousands of sessions in one process must cost the machine as
+    little as possible)."""
 
     def __init__(self, gen: "Generator", replica: str, idx: int, retain: int | None) -> None:
         self.gen = gen
@@ -205,8 +285,7 @@ class Shard:
         self.idx = idx
         self.retain = retain
         self.incarnation = os.urandom(8).hex()
-        self.sock: zmq.Socket | None = None
-        self.fd: int | None = None
+        self.conn: Zmtp | None = None
         self.slot = random.randrange(BEAT_SLOTS)
         self.sid = 0
         self.term = 0
@@ -231,24 +310,21 @@ class Shard:
         return fut
 
     def tell(self, msg: Any) -> None:
-        sock = self.sock
-        assert sock is not None
-        sock.send(encode(msg), _NOBLOCK)
-        if sock.getsockopt(_EVENTS) & _POLLIN:  # the send may have taken the descriptor's signal
-            asyncio.get_running_loop().call_soon(self._readable)
+        conn = self.conn
+        if conn is None or conn.transport is None:
+            raise ConnectionError(f"{self.replica}/{self.idx}: not connected")
+        conn.write(encode(msg))
 
     async def start(self, address: str) -> None:
-        sock = self.gen.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, os.urandom(12))
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.connect(address)
-        self.sock = sock
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        identity = bytes((1 + random.randrange(255),)) + os.urandom(11)  # a routing id never starts with 0
+        conn = Zmtp(identity, self._frame)
+        await asyncio.get_running_loop().create_connection(lambda: conn, host, int(port))
+        await asyncio.wait_for(conn.ready, 60)
+        self.conn = conn
         self.alive = True
         self.req = itertools.count(1)
         self.call = itertools.count(1)
-        self.fd = sock.getsockopt(zmq.FD)
-        asyncio.get_running_loop().add_reader(self.fd, self._readable)
         inc = self.incarnation
         opened = await asyncio.wait_for(self.send(lambda r: m.OpenShard(
             r, MODEL, self.replica, SHARDS, self.idx, inc, self.gen.location(self.replica), False, self.retain), "open"), 300)
@@ -264,9 +340,6 @@ class Shard:
         self.alive = False
         if self in self.gen.slots[self.slot]:
             self.gen.slots[self.slot].remove(self)
-        if self.fd is not None:
-            asyncio.get_running_loop().remove_reader(self.fd)
-            self.fd = None
         for p in self.pulls.values():
             for h in p.handles:
                 h.cancel()
@@ -275,9 +348,9 @@ class Shard:
             if fut is not None and not fut.done():
                 fut.cancel()
         self.pending.clear()
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
+        if self.conn is not None and self.conn.transport is not None:
+            self.conn.transport.abort()  # as the kernel closes a dead process's connection
+        self.conn = None
         self.incarnation = os.urandom(8).hex()  # the restarted process is a new incarnation
 
     # -- heartbeats
@@ -288,20 +361,16 @@ class Shard:
 
     # -- replies and pushed messages
 
-    def _readable(self) -> None:
-        sock = self.sock
-        while self.alive and sock is not None:
-            try:
-                frame = sock.recv(_NOBLOCK)
-            except zmq.Again:
-                return
-            now = time.monotonic()
-            try:
-                msg = decode(frame)
-            except Exception as err:  # noqa: BLE001 - count it, go on
-                self.gen.count(f"undecodable: {err}")
-                continue
-            self.on(msg, now)
+    def _frame(self, frame: bytes) -> None:
+        if not self.alive:
+            return
+        now = time.monotonic()
+        try:
+            msg = decode(frame)
+        except Exception as err:  # noqa: BLE001 - count it, go on
+            self.gen.count(f"undecodable: {err}")
+            return
+        self.on(msg, now)
 
     def on(self, msg: Any, now: float) -> None:
         gen = self.gen
@@ -395,9 +464,6 @@ class Generator:
     """The sessions of one load process, driven by the parent over a pipe."""
 
     def __init__(self, address: str, replicas: list[str], pull_s: float, seed: int, eager: bool = False) -> None:
-        self.ctx = zmq.Context()
-        self.ctx.setsockopt(zmq.LINGER, 0)
-        self.ctx.set(zmq.MAX_SOCKETS, 65536)
         self.address = address
         self.layout = layout()
         self.checksums = tuple(range(1, self.layout.checksum_count() + 1))
@@ -431,7 +497,7 @@ class Generator:
                 if s.alive and s.sid:
                     try:
                         s.beat()
-                    except zmq.ZMQError:
+                    except ConnectionError:
                         self.count("heartbeat not sent")
             k += 1
             due = t0 + k * self.interval / BEAT_SLOTS
@@ -546,16 +612,17 @@ class Generator:
                 if s.alive:
                     try:
                         s.tell(m.CloseShard(next(s.req), s.sid))
-                    except zmq.ZMQError:
+                    except ConnectionError:
                         pass
         await asyncio.sleep(0.5)
         for shards in self.shards.values():
             for s in shards:
                 s.crash()
-        self.ctx.term()
 
 
-def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int, eager: bool) -> None:
+def _generator_main(
+    conn: Any, address: str, replicas: list[str], pull_s: float, seed: int, eager: bool, profile: str | None = None
+) -> None:
     try:
         import uvloop
 
@@ -563,8 +630,17 @@ def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float,
     except ImportError:  # pragma: no cover
         loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
+    prof = None
+    if profile is not None:  # --profile: the generator's own cost, beside the server's
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     try:
         loop.run_until_complete(_generator(conn, address, replicas, pull_s, seed, eager))
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(profile)
     except BaseException:  # noqa: BLE001 - the parent wants to know
         try:
             conn.send(("error", traceback.format_exc()))
@@ -634,10 +710,11 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
     """One server (and backup), ``sessions`` sessions; returns the figures."""
     replicas = ["trainer"] + [f"rollout-{i}" for i in range(1, sessions // SHARDS)]
     rollouts = replicas[1:]
-    env_profile = None
+    env_profile = gen_profile = None
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         env_profile = str(args.profile / f"{run_id}.prof")
+        gen_profile = str(args.profile / run_id)
     servers: list[Any] = []
     children: list[Child] = []
     rng = random.Random(args.seed * 1_000_003 + sessions)
@@ -656,7 +733,8 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
         procs = max(1, min(args.procs, len(replicas)))
         parts = [replicas[i::procs] for i in range(procs)]
         for i, part in enumerate(parts):
-            children.append(Child(f"load-{i}", _generator_main, (address, part, args.pull, args.seed + i, args.progress == "eager"),
+            children.append(Child(f"load-{i}", _generator_main, (address, part, args.pull, args.seed + i, args.progress == "eager",
+                                                                  gen_profile and f"{gen_profile}-load-{i}.prof"),
                                   timeout=120))
         trainer = next(c for c, part in zip(children, parts) if "trainer" in part)
         t0 = time.monotonic()
