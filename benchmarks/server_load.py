@@ -158,7 +158,7 @@ def server_latency(port: int) -> dict[str, list[int]]:
     """The server's ``tensorhub_request_seconds`` histogram (from reading a frame to sending its
     replies) by message kind: cumulative counts per bucket of :data:`LATENCY_BUCKETS`, then +Inf;
     and under ``"paused"``, how often its mailbox was full (it stopped reading the socket)."""
-    parsed = parse_text(scrape("127.0.0.1", port, timeout=30.0))
+    parsed = parse_text(scrape("127.0.0.1", port, timeout=120.0))
     samples = parsed.get("tensorhub_request_seconds_bucket", {})
     paused = int(sum(parsed.get("tensorhub_reads_paused_total", {}).values()))
     out: dict[str, dict[float, int]] = {}
@@ -320,7 +320,7 @@ class Shard:
         identity = bytes((1 + random.randrange(255),)) + os.urandom(11)  # a routing id never starts with 0
         conn = Zmtp(identity, self._frame)
         await asyncio.get_running_loop().create_connection(lambda: conn, host, int(port))
-        await asyncio.wait_for(conn.ready, 60)
+        await asyncio.wait_for(conn.ready, 300)  # as long as an open may take
         self.conn = conn
         self.alive = True
         self.req = itertools.count(1)
