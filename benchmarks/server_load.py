@@ -9,7 +9,8 @@ A load generator that speaks the real wire protocol (the client's own message cl
 :mod:`tensorhub.core.wire` encoding) to a real ``tensorhub server`` process on 127.0.0.1, and
 optionally a primary with its backup. It emulates every worker of an RL job as the server sees
 it, without tensors: each shard of each replica is one session on its own ZeroMQ connection
-(as one GPU worker process has), opening, registering a layout (a 1 GiB shard of 16 tensors,
+(as one GPU worker process has; the generator speaks ZMTP itself, a DEALER's bytes without a
+ZeroMQ context, so that thousands of sessions cost it little: :class:`Zmtp`), opening, registering a layout (a 1 GiB shard of 16 tensors,
 256 checksums) and a grant key, heartbeating at the server's interval (1 s by default, echoing
 the stamps as real clients do, so that with a backup they are votes), and, for several
 versions in a row, the paper's burst:
@@ -19,9 +20,12 @@ versions in a row, the paper's burst:
 2. every rollout replica calls ``update("latest")`` at once (one ``Update`` per shard, the
    model-parallel call numbered per replica);
 3. each granted shard "pulls" for ``--pull`` seconds: no bytes move (the data plane is not what
-   is measured here), but it sends ``Progress`` every 0.5 s as real readers do while a pull
-   grows, then ``Complete``; a revoked grant waits for its next grant; the server answers the
-   replica's ``Updated`` once every shard holds the version;
+   is measured here), but it sends the ``Progress`` reports a real reader sends (the schedule is
+   the client's own: :func:`progress_schedule` runs a real :class:`~tensorhub.core.shard.ShardCore`
+   over a pull of 8 MiB reads landing evenly, as the engine drives it; ``--progress eager``: as
+   the engine did before it kept a pull's first interval quiet), then ``Complete``; a revoked
+   grant waits for its next grant; the server answers the replica's ``Updated`` once every shard
+   holds the version;
 4. churn: ``--churn`` of the rollout replicas crash during each burst (their connections close,
    nothing is said) and come back as new incarnations after 1 to 12 s (a quick one fences its
    old incarnation; a slow one finds it expired), then take part in the next burst.
@@ -37,10 +41,11 @@ memory. The generator's own CPU is printed beside: on a small shared machine it 
 the server for the same cores.
 
 Usage: python benchmarks/server_load.py [--sessions 1024,4096,8192] [--quick] [--backup both|no|only]
-       [--versions N] [--procs P] [--pull S] [--churn F] [--profile DIR] [--json FILE]
+       [--versions N] [--procs P] [--pull S] [--progress engine|eager] [--churn F] [--profile DIR]
+       [--json FILE]
 
 ``--profile DIR`` runs the server under cProfile (``TENSORHUB_SERVER_PROFILE``) and writes one
-profile per run there. Goals at 4,096 sessions: 0 false removals, heartbeat p99 <= 100 ms, <= 1
+profile per run there, and one per load generator process beside it (``RUN-load-I.prof``). Goals at 4,096 sessions: 0 false removals, heartbeat p99 <= 100 ms, <= 1
 server core on average, the burst's last grant within 1 s of its last request.
 """
 
@@ -61,8 +66,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import zmq  # noqa: E402
-
 from benchmarks.harness import BenchmarkError, Child, free_port, start_server, stop_process, write_json  # noqa: E402
 from tensorhub.core import messages as m  # noqa: E402
 from tensorhub.core.layout import Layout, TensorSpec  # noqa: E402
@@ -72,11 +75,10 @@ from tensorhub.runtime.metrics import LATENCY_BUCKETS, parse_text, scrape  # noq
 
 MODEL = "actor"
 SHARDS = 8  #: shards per replica (one per GPU of an 8-GPU node)
-PROGRESS_EVERY = 0.5  #: a real reader reports progress at least this often while its pull grows
+READ_BYTES = 8 << 20  #: the engine's read size (its default chunk)
 GOALS = {"hb_p99_ms": 100.0, "cores": 1.0, "grant_after_request_s": 1.0}
 DEAD_SOURCE_S = 0.2  #: how long a reader takes to find its source's holder gone (a refused connection)
 BEAT_SLOTS = 100  #: heartbeats go out in this many slots per interval (each session in its own, at random)
-_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -84,6 +86,40 @@ def layout() -> Layout:
     """A 1 GiB shard: 16 bfloat16 tensors of 64 MiB (256 checksums of 4 MiB chunks)."""
     return Layout(tuple(TensorSpec(f"layer{i}.weight", "bfloat16", (8192, 4096), 64 << 20) for i in range(16)),
                   "xxh3-64", 4 << 20, 2 << 20)  # fmt: skip
+
+
+def progress_schedule(total: int, pull_s: float, eager: bool = False) -> list[tuple[float, int]]:
+    """When a real reader reports progress during a pull of ``total`` bytes that takes
+    ``pull_s`` seconds: ``(seconds after the grant, verified)`` per report. The client's own
+    code decides: a :class:`~tensorhub.core.shard.ShardCore` as the engine drives it (``report
+    _progress`` after each verified read and when its timer is due), its reads of
+    :data:`READ_BYTES` landing evenly. ``eager``: as the engine did before it kept a pull's
+    first interval quiet (reports from the first verified bytes)."""
+    from tensorhub.core import shard as sh
+    from tensorhub.core.session import ReplicationSession
+
+    core = sh.ShardCore(lambda v: ReplicationSession(v, total, READ_BYTES, max_inflight=1, verify=True), timed_progress=not eager)
+    src = m.SourceInfo(1, "trainer", 0, m.KIND_NORMAL, True, Location("dc0", "h", ""), {})
+    out = core.on_grant(m.Grant(0, 2, 1, 1, 1, 0, src, None, None))
+    reads = max(1, -(-total // READ_BYTES))
+    made: list[tuple[float, int]] = []
+    due: float | None = None  # the engine's timer
+    for k in range(1, reads + 1):
+        t = pull_s * k / reads
+        if due is not None and due < t:  # the timer fires between two landings
+            made += [(due, a.verified) for a in core.report_progress(due) if isinstance(a, sh.ReportProgress)]
+            due = None
+        (read,) = [a for a in out if isinstance(a, sh.IssueRead)]
+        out = core.on_read_done(read.pull, read.grant, read.offset)
+        for v in [a for a in out if isinstance(a, sh.VerifyRead)]:
+            out += core.on_verified(v.pull, v.grant, v.offset, None)
+        out += core.report_progress(t)
+        made += [(t, a.verified) for a in out if isinstance(a, sh.ReportProgress)]
+        if any(isinstance(a, sh.ReportComplete) for a in out):
+            break
+        if due is None and core.progress_unreported and core.reported_at is not None:
+            due = core.reported_at + sh.PROGRESS_INTERVAL
+    return made
 
 
 # ---- /proc ------------------------------------------------------------------------------------
@@ -122,7 +158,7 @@ def server_latency(port: int) -> dict[str, list[int]]:
     """The server's ``tensorhub_request_seconds`` histogram (from reading a frame to sending its
     replies) by message kind: cumulative counts per bucket of :data:`LATENCY_BUCKETS`, then +Inf;
     and under ``"paused"``, how often its mailbox was full (it stopped reading the socket)."""
-    parsed = parse_text(scrape("127.0.0.1", port, timeout=30.0))
+    parsed = parse_text(scrape("127.0.0.1", port, timeout=120.0))
     samples = parsed.get("tensorhub_request_seconds_bucket", {})
     paused = int(sum(parsed.get("tensorhub_reads_paused_total", {}).values()))
     out: dict[str, dict[float, int]] = {}
@@ -148,6 +184,88 @@ def bucket_pct(cumulative: list[int], q: float) -> float:
 # ---- the generator (one process holds many sessions) -------------------------------------------
 
 
+#: ZMTP 3.0 greeting of a client (NULL mechanism, not as-server): what a ZeroMQ DEALER sends first
+_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+
+
+def _frame(body: bytes, command: bool = False) -> bytes:
+    """One ZMTP 3 frame (the last of its message): flags, size, body."""
+    flags = 0x04 if command else 0x00
+    if len(body) < 256:
+        return bytes((flags, len(body))) + body
+    return bytes((flags | 0x02,)) + len(body).to_bytes(8, "big") + body
+
+
+def _ready(identity: bytes) -> bytes:
+    """The NULL mechanism's READY command of a DEALER with routing id ``identity``."""
+    props = b"".join(bytes((len(k),)) + k + len(v).to_bytes(4, "big") + v
+                     for k, v in ((b"Socket-Type", b"DEALER"), (b"Identity", identity)))  # fmt: skip
+    return _frame(b"\x05READY" + props, command=True)
+
+
+class Zmtp(asyncio.Protocol):
+    """One emulated worker's connection to the server, speaking ZMTP 3.0 (what a ZeroMQ DEALER
+    speaks: the greeting, the NULL mechanism's READY with the routing id, then frames) straight
+    from the event loop. A pyzmq DEALER per session costs each send a wake of ZeroMQ's I/O thread
+    and each receive two more descriptors to watch: thousands of them in a generator took the
+    cores the server was to be measured on. The server sees the same bytes either way."""
+
+    def __init__(self, identity: bytes, on_frame: Any) -> None:
+        self.identity = identity
+        self.on_frame = on_frame  # called with each message frame's body
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.greeted = False  # the server's greeting was read
+        #: the server's READY was read: the handshake is over. Nothing may be sent before (libzmq
+        #: would read it as a handshake command, and drop the connection), as a DEALER queues
+        self.ready = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
+        transport.write(_GREETING + _ready(self.identity))  # both at once: libzmq reads them in turn
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        if not self.greeted:
+            if len(buf) < 64:
+                return
+            if buf[0] != 0xFF or buf[9] != 0x7F or buf[10] < 3:
+                raise BenchmarkError(f"the server's greeting is not ZMTP 3: {bytes(buf[:12])!r}")  # closes it
+            self.greeted, pos = True, 64
+        n = len(buf)
+        while pos + 2 <= n:
+            flags = buf[pos]
+            if flags & 0x02:
+                if pos + 9 > n:
+                    break
+                size, head = int.from_bytes(buf[pos + 1 : pos + 9], "big"), 9
+            else:
+                size, head = buf[pos + 1], 2
+            end = pos + head + size
+            if end > n:
+                break
+            if not flags & 0x04:  # a message frame (the DEALER's messages are one frame each)
+                self.on_frame(bytes(buf[pos + head : end]))
+            elif buf[pos + head : pos + head + 6] == b"\x05READY":
+                if not self.ready.done():
+                    self.ready.set_result(None)
+            elif buf[pos + head : pos + head + 6] == b"\x05ERROR" and not self.ready.done():
+                self.ready.set_exception(BenchmarkError(f"the server refused the handshake: {bytes(buf[pos + head : end])!r}"))
+            pos = end
+        del buf[:pos]
+
+    def write(self, body: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(_frame(body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(f"the server closed the connection during the handshake ({exc})"))
+
+
 @dataclass
 class _Pull:
     grant: int
@@ -157,9 +275,9 @@ class _Pull:
 
 
 class Shard:
-    """One emulated worker: a session on its own DEALER connection. The generator reads each
-    socket from the event loop's watch of its descriptor (no pyzmq asyncio layer: thousands of
-    sessions in one process must cost the machine as little as possible)."""
+    """One emulated worker: a session on its own connection (:class:`Zmtp`: a ZeroMQ DEALER's
+    protocol, without pyzmq: thousands of sessions in one process must cost the machine as
+    little as possible)."""
 
     def __init__(self, gen: "Generator", replica: str, idx: int, retain: int | None) -> None:
         self.gen = gen
@@ -167,8 +285,7 @@ class Shard:
         self.idx = idx
         self.retain = retain
         self.incarnation = os.urandom(8).hex()
-        self.sock: zmq.Socket | None = None
-        self.fd: int | None = None
+        self.conn: Zmtp | None = None
         self.slot = random.randrange(BEAT_SLOTS)
         self.sid = 0
         self.term = 0
@@ -193,24 +310,21 @@ class Shard:
         return fut
 
     def tell(self, msg: Any) -> None:
-        sock = self.sock
-        assert sock is not None
-        sock.send(encode(msg), _NOBLOCK)
-        if sock.getsockopt(_EVENTS) & _POLLIN:  # the send may have taken the descriptor's signal
-            asyncio.get_running_loop().call_soon(self._readable)
+        conn = self.conn
+        if conn is None or conn.transport is None:
+            raise ConnectionError(f"{self.replica}/{self.idx}: not connected")
+        conn.write(encode(msg))
 
     async def start(self, address: str) -> None:
-        sock = self.gen.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, os.urandom(12))
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.connect(address)
-        self.sock = sock
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        identity = bytes((1 + random.randrange(255),)) + os.urandom(11)  # a routing id never starts with 0
+        conn = Zmtp(identity, self._frame)
+        await asyncio.get_running_loop().create_connection(lambda: conn, host, int(port))
+        await asyncio.wait_for(conn.ready, 300)  # as long as an open may take
+        self.conn = conn
         self.alive = True
         self.req = itertools.count(1)
         self.call = itertools.count(1)
-        self.fd = sock.getsockopt(zmq.FD)
-        asyncio.get_running_loop().add_reader(self.fd, self._readable)
         inc = self.incarnation
         opened = await asyncio.wait_for(self.send(lambda r: m.OpenShard(
             r, MODEL, self.replica, SHARDS, self.idx, inc, self.gen.location(self.replica), False, self.retain), "open"), 300)
@@ -226,9 +340,6 @@ class Shard:
         self.alive = False
         if self in self.gen.slots[self.slot]:
             self.gen.slots[self.slot].remove(self)
-        if self.fd is not None:
-            asyncio.get_running_loop().remove_reader(self.fd)
-            self.fd = None
         for p in self.pulls.values():
             for h in p.handles:
                 h.cancel()
@@ -237,9 +348,9 @@ class Shard:
             if fut is not None and not fut.done():
                 fut.cancel()
         self.pending.clear()
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
+        if self.conn is not None and self.conn.transport is not None:
+            self.conn.transport.abort()  # as the kernel closes a dead process's connection
+        self.conn = None
         self.incarnation = os.urandom(8).hex()  # the restarted process is a new incarnation
 
     # -- heartbeats
@@ -250,20 +361,16 @@ class Shard:
 
     # -- replies and pushed messages
 
-    def _readable(self) -> None:
-        sock = self.sock
-        while self.alive and sock is not None:
-            try:
-                frame = sock.recv(_NOBLOCK)
-            except zmq.Again:
-                return
-            now = time.monotonic()
-            try:
-                msg = decode(frame)
-            except Exception as err:  # noqa: BLE001 - count it, go on
-                self.gen.count(f"undecodable: {err}")
-                continue
-            self.on(msg, now)
+    def _frame(self, frame: bytes) -> None:
+        if not self.alive:
+            return
+        now = time.monotonic()
+        try:
+            msg = decode(frame)
+        except Exception as err:  # noqa: BLE001 - count it, go on
+            self.gen.count(f"undecodable: {err}")
+            return
+        self.on(msg, now)
 
     def on(self, msg: Any, now: float) -> None:
         gen = self.gen
@@ -303,7 +410,7 @@ class Shard:
             gen.count(f"unexpected {t.__name__}")
 
     def _pulled(self, g: m.Grant, now: float) -> None:
-        """A grant: emulate the pull (no bytes): progress every 0.5 s, then complete."""
+        """A grant: emulate the pull (no bytes): the client's progress reports, then complete."""
         gen = self.gen
         gen.burst.grants += 1
         gen.burst.last_grant = max(gen.burst.last_grant, now)
@@ -316,11 +423,8 @@ class Shard:
         if g.source.replica in gen.dead:  # its holder is gone: the connection is refused
             p.handles.append(loop.call_later(DEAD_SOURCE_S, self._source_failed, g.grant, g.term))
             return
-        total = gen.layout.total_bytes
-        steps = max(1, int(gen.pull_s / PROGRESS_EVERY))
-        for k in range(1, steps):
-            verified = total * k // steps
-            p.handles.append(loop.call_later(k * gen.pull_s / steps, self._progress, g.grant, g.term, verified))
+        for at, verified in gen.schedule:
+            p.handles.append(loop.call_later(at, self._progress, g.grant, g.term, verified))
         p.handles.append(loop.call_later(gen.pull_s, self._complete, g.grant, g.term))
 
     def _progress(self, grant: int, term: int, verified: int) -> None:
@@ -359,14 +463,12 @@ class BurstStats:
 class Generator:
     """The sessions of one load process, driven by the parent over a pipe."""
 
-    def __init__(self, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
-        self.ctx = zmq.Context()
-        self.ctx.setsockopt(zmq.LINGER, 0)
-        self.ctx.set(zmq.MAX_SOCKETS, 65536)
+    def __init__(self, address: str, replicas: list[str], pull_s: float, seed: int, eager: bool = False) -> None:
         self.address = address
         self.layout = layout()
         self.checksums = tuple(range(1, self.layout.checksum_count() + 1))
         self.pull_s = pull_s
+        self.schedule = progress_schedule(self.layout.total_bytes, pull_s, eager)  # every pull's reports
         self.rng = random.Random(seed)
         self.shards: dict[str, list[Shard]] = {
             r: [Shard(self, r, i, 0 if r == "trainer" else None) for i in range(SHARDS)] for r in replicas
@@ -395,7 +497,7 @@ class Generator:
                 if s.alive and s.sid:
                     try:
                         s.beat()
-                    except zmq.ZMQError:
+                    except ConnectionError:
                         self.count("heartbeat not sent")
             k += 1
             due = t0 + k * self.interval / BEAT_SLOTS
@@ -471,19 +573,24 @@ class Generator:
                 calls.append((s, fut))
                 b.requests += 1
         b.last_request = time.monotonic()
-        deadline = time.monotonic() + timeout + 5
+        answered_at: dict[int, float] = {}  # id(future) -> when its answer came
+        for _, fut in calls:
+            fut.add_done_callback(lambda f: answered_at.setdefault(id(f), time.monotonic()))
+        # One wait for them all: an update still unanswered at the deadline is counted at once
+        # (waiting a moment for each in turn, thousands of them outlasted the parent's patience).
+        if calls:
+            await asyncio.wait([fut for _, fut in calls], timeout=timeout + 5)
         for s, fut in calls:
-            try:
-                ans = await asyncio.wait_for(asyncio.shield(fut), max(0.01, deadline - time.monotonic()))
-            except asyncio.CancelledError:
+            if fut.cancelled():
                 continue  # it crashed
-            except TimeoutError:
+            if not fut.done():
                 if s.alive:
                     b.timed_out += 1
                 continue
+            ans = fut.result()
             if isinstance(ans, m.Updated) and ans.moved and ans.version == version:
                 b.answered += 1
-                b.last_answer = max(b.last_answer, time.monotonic())
+                b.last_answer = max(b.last_answer, answered_at.get(id(fut), time.monotonic()))
             elif s.alive:
                 b.failed += 1
         return dict(b.__dict__)
@@ -510,16 +617,17 @@ class Generator:
                 if s.alive:
                     try:
                         s.tell(m.CloseShard(next(s.req), s.sid))
-                    except zmq.ZMQError:
+                    except ConnectionError:
                         pass
         await asyncio.sleep(0.5)
         for shards in self.shards.values():
             for s in shards:
                 s.crash()
-        self.ctx.term()
 
 
-def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
+def _generator_main(
+    conn: Any, address: str, replicas: list[str], pull_s: float, seed: int, eager: bool, profile: str | None = None
+) -> None:
     try:
         import uvloop
 
@@ -527,8 +635,17 @@ def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float,
     except ImportError:  # pragma: no cover
         loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
+    prof = None
+    if profile is not None:  # --profile: the generator's own cost, beside the server's
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     try:
-        loop.run_until_complete(_generator(conn, address, replicas, pull_s, seed))
+        loop.run_until_complete(_generator(conn, address, replicas, pull_s, seed, eager))
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(profile)
     except BaseException:  # noqa: BLE001 - the parent wants to know
         try:
             conn.send(("error", traceback.format_exc()))
@@ -536,8 +653,8 @@ def _generator_main(conn: Any, address: str, replicas: list[str], pull_s: float,
             pass
 
 
-async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int) -> None:
-    gen = Generator(address, replicas, pull_s, seed)
+async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float, seed: int, eager: bool) -> None:
+    gen = Generator(address, replicas, pull_s, seed, eager)
     loop = asyncio.get_running_loop()
     beats = asyncio.ensure_future(gen.heartbeats())
     inbox: asyncio.Queue = asyncio.Queue()
@@ -598,10 +715,11 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
     """One server (and backup), ``sessions`` sessions; returns the figures."""
     replicas = ["trainer"] + [f"rollout-{i}" for i in range(1, sessions // SHARDS)]
     rollouts = replicas[1:]
-    env_profile = None
+    env_profile = gen_profile = None
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         env_profile = str(args.profile / f"{run_id}.prof")
+        gen_profile = str(args.profile / run_id)
     servers: list[Any] = []
     children: list[Child] = []
     rng = random.Random(args.seed * 1_000_003 + sessions)
@@ -620,7 +738,9 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
         procs = max(1, min(args.procs, len(replicas)))
         parts = [replicas[i::procs] for i in range(procs)]
         for i, part in enumerate(parts):
-            children.append(Child(f"load-{i}", _generator_main, (address, part, args.pull, args.seed + i), timeout=120))
+            children.append(Child(f"load-{i}", _generator_main, (address, part, args.pull, args.seed + i, args.progress == "eager",
+                                                                  gen_profile and f"{gen_profile}-load-{i}.prof"),
+                                  timeout=120))
         trainer = next(c for c, part in zip(children, parts) if "trainer" in part)
         t0 = time.monotonic()
         for c in children:
@@ -789,6 +909,11 @@ def report(r: dict) -> None:
               f"socket, and the two processes waiting for a CPU")  # fmt: skip
     if r["server_paused"]:
         print(f"    the server's mailbox was full {r['server_paused']} times (it stopped reading its socket: heartbeats wait there)")
+    n = len(bursts)
+    read = {k: c for k, (_, _, c) in served.items() if k != "heartbeat" and c}
+    if read:
+        print(f"  messages the server read per burst (all but heartbeats, over {n} bursts): {sum(read.values()) / n:,.0f}: "
+              + ", ".join(f"{k} {c / n:,.0f}" for k, c in sorted(read.items(), key=lambda kv: -kv[1])))  # fmt: skip
     kinds = [k for k in ("update", "progress", "complete") if k in served]
     if kinds:
         print("    server, read -> replies sent (p50 / p99 bounds, count): " + ", ".join(
@@ -816,6 +941,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--versions", type=int, default=4)
     ap.add_argument("--procs", type=int, default=4, help="load generator processes")
     ap.add_argument("--pull", type=float, default=2.0, help="emulated seconds each pull takes")
+    ap.add_argument("--progress", choices=("engine", "eager"), default="engine",
+                    help="readers report progress as the engine does, or as it did before its quiet first interval")
     ap.add_argument("--churn", type=float, default=0.02, help="fraction of rollout replicas crashing per burst")
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--gap", type=float, default=2.0, help="seconds between bursts")
@@ -830,8 +957,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(n < 2 * SHARDS for n in counts):
         raise SystemExit(f"--sessions: at least {2 * SHARDS} (a trainer and one rollout of {SHARDS} shards)")
     modes = {"both": (False, True), "no": (False,), "only": (True,)}[args.backup]
+    sched = progress_schedule(layout().total_bytes, args.pull, args.progress == "eager")
     print(f"server load: real server process(es) on 127.0.0.1, {os.cpu_count()} CPUs here (shared); heartbeat interval 1 s; "
-          f"{args.versions} bursts, pull {args.pull:g} s emulated, churn {args.churn:.0%} per burst")  # fmt: skip
+          f"{args.versions} bursts, pull {args.pull:g} s emulated ({len(sched)} progress reports each, as the "
+          f"{'engine did before its quiet first interval' if args.progress == 'eager' else 'engine sends them'}), "
+          f"churn {args.churn:.0%} per burst")  # fmt: skip
     results = []
     for n in counts:
         for backup in modes:

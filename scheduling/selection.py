@@ -83,7 +83,8 @@ class SourceIndex:
     """The holders of one (version, shard), bucketed so that :meth:`select` follows the same
     policy as :func:`select_source` without looking at every holder.
 
-    Holders live in buckets keyed by datacenter, then by level ``(load, partial)``. Selection
+    Holders live in buckets keyed by datacenter, then by level ``(load, partial)`` (kept as the
+    int ``2 * load + partial``, which sorts the same). Selection
     walks the reader's datacenter's levels in policy order (fewest load, then complete before
     partial: the levels' sort order) and stops at the first bucket holding an eligible entry;
     within it the reader's host wins, then a seeded random pick. Only when the reader's
@@ -96,8 +97,10 @@ class SourceIndex:
     __slots__ = ("_dcs", "_where", "_loc", "_replica", "_by_host", "_by_replica")
 
     def __init__(self) -> None:
-        self._dcs: dict[str, dict[tuple[int, bool], list[int]]] = {}  # datacenter -> level -> entries
-        self._where: dict[int, tuple[str, tuple[int, bool], int]] = {}  # key -> (datacenter, level, position)
+        # A level is one int, ``2 * load + partial``: ints sort as the (load, partial) pairs do,
+        # and cost no tuple per put.
+        self._dcs: dict[str, dict[int, list[int]]] = {}  # datacenter -> level -> entries
+        self._where: dict[int, tuple[str, int, int]] = {}  # key -> (datacenter, level, position)
         self._loc: dict[int, Location] = {}
         self._replica: dict[int, str] = {}
         self._by_host: dict[tuple[str, str], dict[int, None]] = {}
@@ -111,13 +114,25 @@ class SourceIndex:
 
     def put(self, key: int, replica: str, location: Location, load: int, complete: bool) -> None:
         """Insert ``key`` or move it to the bucket its current load and completeness give."""
-        level = (load, not complete)
+        level = load + load if complete else load + load + 1
         dc = location.datacenter
-        where = self._where.get(key)
+        where_of = self._where
+        where = where_of.get(key)
         if where is not None:
-            if where[1] == level and where[0] == dc:
+            old_dc, old, pos = where
+            if old == level and old_dc == dc:
                 return
-            self._unlink(key, where)
+            # _unlink, inline (a move is the common put: a load or state change)
+            was_in = self._dcs[old_dc]
+            bucket = was_in[old]
+            last = bucket.pop()
+            if last != key:  # swap-remove: move the last entry into the hole
+                bucket[pos] = last
+                where_of[last] = (old_dc, old, pos)
+            elif not bucket:
+                del was_in[old]
+                if not was_in:
+                    del self._dcs[old_dc]
         else:
             self._loc[key] = location
             self._replica[key] = replica
@@ -135,9 +150,11 @@ class SourceIndex:
             levels = self._dcs[dc] = {}
         entries = levels.get(level)
         if entries is None:
-            entries = levels[level] = []
-        self._where[key] = (dc, level, len(entries))
-        entries.append(key)
+            levels[level] = [key]
+            where_of[key] = (dc, level, 0)
+        else:
+            where_of[key] = (dc, level, len(entries))
+            entries.append(key)
 
     def remove(self, key: int) -> None:
         where = self._where.get(key)
@@ -154,7 +171,7 @@ class SourceIndex:
         if not self._by_replica[replica]:
             del self._by_replica[replica]
 
-    def _unlink(self, key: int, where: tuple[str, tuple[int, bool], int]) -> None:
+    def _unlink(self, key: int, where: tuple[str, int, int]) -> None:
         dc, level, pos = where
         del self._where[key]
         levels = self._dcs[dc]
@@ -163,7 +180,7 @@ class SourceIndex:
         if last != key:  # swap-remove: move the last entry into the hole
             entries[pos] = last
             self._where[last] = (dc, level, pos)
-        if not entries:
+        elif not entries:
             del levels[level]
             if not levels:
                 del self._dcs[dc]
@@ -172,8 +189,8 @@ class SourceIndex:
         """(a complete or offload holder is in ``dc``, a partial holder is in ``dc``), among the
         grantable holders. Cost: the distinct levels in ``dc``."""
         whole = partial = False
-        for _, is_partial in self._dcs.get(dc, ()):
-            if is_partial:
+        for level in self._dcs.get(dc, ()):
+            if level & 1:
                 partial = True
             else:
                 whole = True
@@ -208,14 +225,14 @@ class SourceIndex:
                     return key
         return best
 
-    def _local(self, reader: Location, eligible: Callable[[int], bool]) -> dict[tuple[int, bool], list[int]] | None:
+    def _local(self, reader: Location, eligible: Callable[[int], bool]) -> dict[int, list[int]] | None:
         """The eligible entries on the reader's host, by level (None: none there), in the host's
         insertion order: looked at once per selection, not once per level walked."""
         local_keys = self._by_host.get((reader.datacenter, reader.host))
         if not local_keys:
             return None
         where = self._where
-        by_level: dict[tuple[int, bool], list[int]] = {}
+        by_level: dict[int, list[int]] = {}
         for k in local_keys:
             if eligible(k):
                 level = where[k][1]
@@ -227,7 +244,7 @@ class SourceIndex:
         return by_level
 
     def _best_in(
-        self, reader: Location, levels: dict[tuple[int, bool], list[int]], rng: random.Random, eligible: Callable[[int], bool]
+        self, reader: Location, levels: dict[int, list[int]], rng: random.Random, eligible: Callable[[int], bool]
     ) -> int | None:
         """The pick among one datacenter's buckets (the reader's: the common case)."""
         local = self._local(reader, eligible)

@@ -46,7 +46,12 @@ The rules it owns:
   (:meth:`ShardCore.report_progress`; the caller's clock drives it), under its live grant only:
   the server judges stragglers on these reports, and one every eighth is minutes apart on a slow
   link. A grant waiting for the last grant's reads to drain is live (what lands meanwhile is
-  reported under it); a revoked or failed one is not.
+  reported under it); a revoked or failed one is not. A caller that drives the clock
+  (``timed_progress``: the engine) reports nothing in a pull's first :data:`PROGRESS_INTERVAL`
+  after its first verified bytes, the session's per-eighth reports included: the server judges
+  no grant before its straggler window (seconds), so those reports are never acted on, and a
+  burst of fast pulls (each done within the interval) sends no progress at all, only grants and
+  completions. A pull that lasts longer reports as before from then on.
 - **Offload seeding** (:func:`seed_step`): an ``update`` answer that names a seed version starts
   a seed (retiring an older one); once the replica itself holds the seed's version or a newer
   one, the seed is retired.
@@ -264,10 +269,20 @@ class ShardCore:
 
     Args:
         new_pull: makes the replication session of a new pull of a version.
+        timed_progress: the caller calls :meth:`report_progress` on its clock while a pull
+            grows (the engine does; the simulator does not): a pull's reports, the session's
+            per-eighth ones too, wait until :data:`PROGRESS_INTERVAL` after its first verified
+            bytes (see the module docstring).
     """
 
-    def __init__(self, new_pull: NewPull) -> None:
+    def __init__(self, new_pull: NewPull, timed_progress: bool = False) -> None:
         self._new_pull = new_pull
+        self.timed_progress = timed_progress
+        #: the pull (serial) whose reports go out: with ``timed_progress``, set by its first
+        #: timed report (until then its first interval runs, from ``reported_at``)
+        self.reporting = 0
+        self.armed = 0  #: with ``timed_progress``: the pull whose first verified bytes set ``reported_at``
+        self.told = 0  #: with ``timed_progress``: the verified prefix the current pull's reports last told
         self.pull: ReplicationSession | None = None  #: the current pull (done once it completed)
         self.serial = 0  #: the current pull's number (what its actions carry)
         self.grant: m.Grant | None = None  #: the grant given last (live or not)
@@ -323,7 +338,9 @@ class ShardCore:
         """A progress report of the current pull, if one is due at ``now``: its verified prefix
         grew since the last report, under a live grant, and the last report made here is at
         least :data:`PROGRESS_INTERVAL` old (the caller asks again later while
-        :attr:`progress_unreported`).
+        :attr:`progress_unreported`). With ``timed_progress``, the session's own reports count
+        as reports made here (a report every interval is what is wanted, whichever sends it),
+        and the pull's first interval sends nothing.
 
         Args:
             now: the caller's clock, in seconds (monotonic).
@@ -331,12 +348,25 @@ class ShardCore:
             ``[ReportProgress]`` or nothing.
         """
         pull, key = self.pull, self.live_grant
-        if pull is None or key is None or pull.verified <= pull.reported:
+        if pull is None or key is None:
+            return []
+        if self.timed_progress and self.reporting == self.serial and pull.reported != self.told:
+            # The session reported (an eighth) since the last look: that is this interval's report.
+            self.told = pull.reported
+            self.reported_at = now
+        if pull.verified <= pull.reported:
+            return []
+        if self.timed_progress and self.armed != self.serial:
+            # The pull's first verified bytes: its first report is due an interval from now (a
+            # pull done by then reports none; the server judges no grant that young).
+            self.armed = self.serial
+            self.reported_at = now
             return []
         if self.reported_at is not None and now - self.reported_at < PROGRESS_INTERVAL:
             return []
         self.reported_at = now
-        pull.reported = pull.verified  # the session's own per-eighth reports count from here
+        self.reporting = self.serial
+        pull.reported = self.told = pull.verified  # the session's own per-eighth reports count from here
         return [ReportProgress(key, pull.verified)]
 
     # ---- what the server says ------------------------------------------------------------------
@@ -495,6 +525,10 @@ class ShardCore:
                 (self.held if self.aborted else out).append(read)
             elif isinstance(a, Verify):
                 out.append(VerifyRead(pull, version, a.grant, a.offset, a.length))
+            elif isinstance(a, ReportProgress) and self.timed_progress and self.reporting != pull:
+                # Within the pull's first interval: not sent (see report_progress), and the pull
+                # has told the server nothing yet, which its next timed report goes by.
+                self.pull.reported = 0
             else:
                 out.append(a)
         return out

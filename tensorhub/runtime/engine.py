@@ -31,8 +31,9 @@ hash each piece in the thread that copied it, while it is still in that core's c
 (:class:`~tensorhub.runtime.checksum.LandingHasher`); verifying such a read is then only comparing its
 digests with the declared checksums; verified bytes advance the progress counter; progress,
 complete, source-failed and checksum-failed go to the server through the client actor (progress
-at least every :data:`~tensorhub.core.shard.PROGRESS_INTERVAL` while it grows: the server judges
-stragglers on it). Before
+at least every :data:`~tensorhub.core.shard.PROGRESS_INTERVAL` while it grows, from one interval
+after a pull's first verified bytes: the server judges stragglers on it, never on a grant that
+young). Before
 complete is reported, copied packs are copied out into the caller's tiny tensors (in-place
 packs received into them directly; :attr:`EngineActor.packs_in_place`). A pull that is
 aborted (its call failed or was cancelled) is finished only when none of its reads can still
@@ -459,7 +460,9 @@ class EngineActor(Actor):
             raise InvalidArgument("this shard already has registered buffers", **msg.ctx)
         region = next(self._regions)
         slot = _Slot(msg.session, region, msg.buffers, msg.report, msg.ctx)
-        slot.core = ShardCore(functools.partial(self._new_pull, slot))
+        # the engine reports progress on its clock (_report_progress): a pull's reports wait for
+        # its first PROGRESS_INTERVAL (see ShardCore), so a burst of fast pulls sends none
+        slot.core = ShardCore(functools.partial(self._new_pull, slot), timed_progress=True)
         slot.location = msg.location
         slot.convert = msg.convert
         self.slots[msg.session] = slot

@@ -143,18 +143,13 @@ class ReignMixin(TableState):
     :class:`~tensorhub.core.table.ReferenceTable`. State
     (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``sources``, ``rng``, ``config``,
     ``term``, ``reign``, ``models``, ``sessions``, ``by_slot``, ``_ids``, ``_out``, ``stats``,
-    ``bytes_by_link``, ``_voting``."""
-
-    def _reign_gate(self, peer: Hashable, msg: Any) -> Any:
-        """Before a message is handled: step down if the reign just ended; refuse a call while
-        not reigning; answer a session a step-down dropped with ``StepDown``. Returns the
-        message to handle (a heartbeat loses the dropped sessions)."""
-        if self.reign.role == "solo":
-            return msg
-        return self._reign_check(peer, msg)
+    ``bytes_by_link``, ``_voting``, ``_grants_sent``."""
 
     def _reign_check(self, peer: Hashable, msg: Any) -> Any:
-        """A primary's or backup's part of :meth:`_reign_gate` (apart: see ``_reign_replies``)."""
+        """Before a message reaches a primary or backup (``handle`` skips it for a server alone):
+        step down if the reign just ended; refuse a call while not reigning; answer a session a
+        step-down dropped with ``StepDown``. Returns the message to handle (a heartbeat loses the
+        dropped sessions)."""
         reign = self.reign
         self._check_reign()
         if isinstance(msg, m.Heartbeat):
@@ -179,16 +174,16 @@ class ReignMixin(TableState):
         return msg
 
     def _reign_after(self, peer: Hashable, msg: Any, out: Outbox) -> Outbox:
-        """After a message: record a heartbeat's votes, stamp heartbeat acks, count grants."""
+        """After a message reached a primary or backup: record a heartbeat's votes, stamp
+        heartbeat acks, count grants (``handle`` counts them itself for a server alone)."""
         now = self.clock()
-        if self.reign.role != "solo":
-            out = self._reign_replies(peer, msg, out, now)
-        self._count_grants(out, now)
+        out = self._reign_replies(peer, msg, out, now)
+        self._count_grants(now)
         return out
 
     def _reign_replies(self, peer: Hashable, msg: Any, out: Outbox, now: float) -> Outbox:
-        """A primary's or backup's part of :meth:`_reign_after` (apart, so that a server alone
-        pays nothing for it: its comprehension's variables are cells of the method it is in)."""
+        """The replies' part of :meth:`_reign_after` (apart: its comprehension's variables are
+        cells of the method it is in)."""
         reign = self.reign
         if isinstance(msg, m.OpenShard):
             for p, x in out:
@@ -208,11 +203,9 @@ class ReignMixin(TableState):
             for p, x in out
         ]  # fmt: skip
 
-    def _count_grants(self, out: Outbox, now: float) -> None:
-        n = 0
-        for _, x in out:
-            if type(x) is m.Grant:
-                n += 1
+    def _count_grants(self, now: float) -> None:
+        """The grants sent since the last count (``_grants_sent``) go on the reign's record."""
+        n, self._grants_sent = self._grants_sent, 0
         if n:
             if not self.reign.reigning:
                 self.reign.violations += n  # the rule's own check: the tests want 0
@@ -241,9 +234,10 @@ class ReignMixin(TableState):
         out.extend((s.peer, m.StepDown(s.id, self.term, reason[:500])) for s in self.sessions.values())
         reign.forget(list(self.sessions))
         # the counters and session ids go on (an id is never given twice by one server process)
-        stats, by_link, next_id = self.stats, self.bytes_by_link, next(self._ids)
+        stats, by_link, next_id, granted = self.stats, self.bytes_by_link, next(self._ids), self._grants_sent
         TableState.__init__(self, self.clock, self.rng, self.config, self.term + 1, sources=self.sources, reign=reign)
         self.stats, self.bytes_by_link, self._ids = stats, by_link, itertools.count(next_id)
+        self._grants_sent = granted  # counted against the reign that made them (violations if none)
         self._out = out
 
     def _on_lease_request(self, peer: Hashable, msg: m.LeaseRequest) -> None:

@@ -66,7 +66,7 @@ class GrantMixin(TableState):
     """Source selection, grants, and the reports readers make under them. Mixed into
     :class:`~tensorhub.core.table.ReferenceTable`. State
     (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``rng``, ``config``, ``term``,
-    ``grants``, ``_by_id``, ``revoked``, ``_ids``, ``stats``."""
+    ``grants``, ``_by_id``, ``revoked``, ``_ids``, ``stats``, ``_out``, ``_grants_sent``."""
 
     def _downstream(self, h: _Holder) -> dict[int, None]:
         seen: dict[int, None] = {h.id: None}
@@ -126,7 +126,8 @@ class GrantMixin(TableState):
         g, info, token = self._open_grant(reader, source)
         reader.upstream = g
         s = reader.session
-        self._send(s, m.Grant(g.req, s.id, g.id, self.term, reader.version, reader.shard_idx, info, reader.checksums, token))
+        self._out.append((s.peer, m.Grant(g.req, s.id, g.id, self.term, reader.version, reader.shard_idx, info, reader.checksums, token)))
+        self._grants_sent += 1
 
     def _no_source(self, reader: _Holder, txn: _Txn) -> None:
         """No eligible source for ``reader``: wait (grace period, or a blamed source checking

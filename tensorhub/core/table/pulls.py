@@ -28,7 +28,7 @@ from .. import messages as m
 from ..errors import InBucket, NotRegistered, TensorHubError, VersionUnavailable
 from ..lifecycle import Event
 from ..naming import VersionSpec, parse_version_spec, seed_owner
-from .records import C, P, _all_done, _Model, _named, _seed_name, _Session, _ShardCall, _Txn
+from .records import C, P, CallState, _all_done, _Model, _named, _seed_name, _Session, _ShardCall, _Txn
 from .state import TableState
 
 
@@ -36,6 +36,9 @@ def _then(step: Callable[[_Txn, _ShardCall], None], txn: _Txn, call: _ShardCall)
     """``step(txn, call)``, later. A closure made here, not in the hot caller: a lambda in a
     method makes cells of the variables it captures on every call of that method."""
     return lambda: step(txn, call)
+
+
+_OPEN, _MOVING = CallState.OPEN, CallState.MOVING
 
 
 class PullMixin(TableState):
@@ -69,15 +72,18 @@ class PullMixin(TableState):
     def _on_pull(self, peer: Hashable, msg: m.Replicate | m.Update) -> None:
         """``replicate`` and ``update``: one transaction per call number, then each shard pulls."""
         s = self._session(peer, msg.session)
-        spec = parse_version_spec(msg.spec)
-        kind = "replicate" if isinstance(msg, m.Replicate) else "update"
-        txn, call = self._join(s, msg.req, msg.call, kind, spec.wire())
+        raw = msg.spec
+        spec = parse_version_spec(raw)
+        # the canonical form of the spec, which every shard's call n must repeat (an int is its own)
+        args = raw if type(raw) is int else spec.wire()
+        txn, call = self._join(s, msg.req, msg.call, "replicate" if isinstance(msg, m.Replicate) else "update", args)
         if isinstance(msg, m.Replicate):
             call.held = msg.held
-        elif not txn.decided:
+        elif txn.state is _OPEN:
             txn.offload_seed = msg.offload_seed
             txn.deltas = msg.deltas
-        self._set_deadline(txn, msg.timeout)
+        if msg.timeout is not None:
+            self._set_deadline(txn, msg.timeout)
         self._advance(txn, call)
 
     def _decide(self, txn: _Txn, s: _Session) -> None:
@@ -212,19 +218,19 @@ class PullMixin(TableState):
             self._error_shard(txn, call)
             return
         s = call.session
-        if not txn.decided and self._awaiting_announcements(txn.replica):
-            txn.waiting = True
-            s.model.parked[txn] = None
-            return
-        if not txn.decided:
+        if txn.state is _OPEN:  # not decided
+            if self._awaiting_announcements(txn.replica):
+                txn.waiting = True
+                s.model.parked[txn] = None
+                return
             try:
                 self._decide(txn, s)
             except TensorHubError as err:
                 self._fail_txn(txn, err)
                 return
-            if not txn.decided:
+            if txn.state is _OPEN:
                 return  # parked: re-run when versions change
-        if txn.kind == "update" and not txn.moved:
+        if txn.state is not _MOVING and txn.kind == "update":  # an update that does not move
             plan = txn.delta_plan
             deltas, target = (plan[1].get(s.shard_idx), plan[0]) if plan is not None else (None, None)
             self._finish_call(txn, call, m.Updated(call.req, False, txn.version, txn.skipped, txn.seed, deltas, target))
@@ -253,11 +259,12 @@ class PullMixin(TableState):
             h.checksums = call.held
             self._maybe_answer(txn)
             return
-        try:
-            self._check_delta_layout(s, v)
-        except TensorHubError as err:
-            self._fail_txn(txn, err)
-            return
+        if s.model.delta_of is not None:  # a reader of a delta model pulls one version's blob
+            try:
+                self._check_delta_layout(s, v)
+            except TensorHubError as err:
+                self._fail_txn(txn, err)
+                return
         h = s.holder = self._new_holder(s, v, m.KIND_NORMAL, Event.GRANT)
         h.call = (txn, s.shard_idx)
         ver = s.model.versions[v]

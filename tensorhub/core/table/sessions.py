@@ -64,7 +64,8 @@ class SessionMixin(TableState):
             # A session is bound to the connection that opened it: knowing its id (status prints
             # it) lets another connection neither act for it nor re-point its replies.
             raise UnknownSession(f"session {sid} was not opened on this connection; it cannot be used from here")
-        self._touch(s)
+        s.last_seen = self.clock()  # _touch, inline: once per message
+        self.expiry.move_to_end(sid)
         return s
 
     def _touch(self, s: _Session) -> None:

@@ -93,6 +93,7 @@ class TableState:
         self._timers: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self._out: Outbox = []
+        self._grants_sent = 0  # Grant messages put in the outbox since the reign last counted them
         self._dirty_models: dict[str, _Model] = {}  # models to settle after this event
         self.stats = {
             "grants": 0, "grants_ended": 0, "revoked": 0, "expired": 0, "quarantined": 0, "offloads": 0,
@@ -218,4 +219,4 @@ class TableState:
 
         # .views (and .stragglers, which wraps it)
         def _listing(self, model: _Model) -> tuple[m.VersionEntry, ...]: ...
-        def _record(self, g: _Grant, how: str, reached: int | None) -> None: ...
+        def _record(self, g: _Grant, how: str, reached: int | None) -> str: ...

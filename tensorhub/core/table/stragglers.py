@@ -8,8 +8,9 @@ decision, at every :meth:`~tensorhub.core.table.ReferenceTable.tick`, to move a 
 source that is too slow.
 
 How slow is told from busy. A reader reports its verified prefix at least every half second
-while it grows (:data:`tensorhub.core.shard.PROGRESS_INTERVAL`, and every eighth of the shard);
-the prefix grows in whole reads. A grant is judged only after ``straggler_window`` seconds, on
+while it grows (:data:`tensorhub.core.shard.PROGRESS_INTERVAL`, and every eighth of the shard),
+from half a second after its first verified bytes (a younger grant is never judged: a pull done
+within it reports nothing); the prefix grows in whole reads. A grant is judged only after ``straggler_window`` seconds, on
 the bytes its reader verified over the last window, read over whole report intervals. A grant
 without any progress report yet is judged only after three windows (a source sharing its link
 with several readers takes that many times longer to a reader's first verified read), or ten
@@ -74,21 +75,23 @@ class StragglerMixin(TableState):
                 pace = self.pace[g.id] = _Pace()
             pace.samples.append((self.clock(), g.reader.verified))
 
-    def _record(self, g: _Grant, how: str, reached: int | None) -> None:
-        super()._record(g, how, reached)
-        pace = self.pace.pop(g.id, None)
+    def _record(self, g: _Grant, how: str, reached: int | None) -> str:
+        link = super()._record(g, how, reached)
+        pace = self.pace.pop(g.id, None) if self.pace else None
         if how != "completed":
-            return
-        took = self.clock() - g.created
+            return link
+        now = self.clock()
+        took = now - g.created
         moved = g.reader.session.total_bytes - g.start
         if pace is not None and pace.drains and pace.samples:  # from its first report (see _Pace)
-            took, moved = self.clock() - pace.samples[0][0], moved - (pace.samples[0][1] - g.start)
+            took, moved = now - pace.samples[0][0], moved - (pace.samples[0][1] - g.start)
         if took > 0 and moved > 0:
-            key = (g.reader.session.model.name, link_class(g.reader.session.location, g.source.session.location))
+            key = (g.reader.session.model.name, link)
             recent = self.pace_recent.get(key)
             if recent is None:
                 recent = self.pace_recent[key] = deque(maxlen=_RECENT)
             recent.append(moved / took)
+        return link
 
     def _rate(self, g: _Grant, now: float, window: float) -> float:
         """Bytes per second the reader verified under ``g`` over (at least) the last window;

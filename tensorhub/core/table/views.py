@@ -52,33 +52,35 @@ class ViewMixin(TableState):
             model.listing_stale = False
         return model.listing
 
-    def _record(self, g: _Grant, how: str, reached: int | None) -> None:
+    def _record(self, g: _Grant, how: str, reached: int | None) -> str:
         """Add an ended grant to its version's replication history (bounded: the latest
-        ``HISTORY_VERSIONS`` versions, ``HISTORY_EDGES`` grants each)."""
+        ``HISTORY_VERSIONS`` versions, ``HISTORY_EDGES`` grants each). Returns the class of the
+        link it used (:func:`~tensorhub.core.topology.link_class`)."""
         r, src = g.reader, g.source
-        model = r.session.model
-        key = (model.name, r.version)
-        edges = self.history.get(key)
+        rs, ss = r.session, src.session
+        key = (rs.model.name, r.version)
+        history = self.history
+        edges = history.get(key)
         if edges is None:
-            edges = self.history[key] = []
-            while len(self.history) > HISTORY_VERSIONS:
-                self.history.popitem(last=False)
-        total = r.session.total_bytes
+            edges = history[key] = []
+            while len(history) > HISTORY_VERSIONS:
+                history.popitem(last=False)
         if r.converting is not None and g in r.converting.values():
             # One of a converter's grants (one per source shard): the bytes it read from that
             # source (as it said, else a share of its shard), never the whole shard per edge.
             nbytes = max(0, reached) if reached is not None else 0
         else:
-            end = total if how == "completed" else (reached if reached is not None else r.verified)
+            end = rs.total_bytes if how == "completed" else (reached if reached is not None else r.verified)
             nbytes = max(0, end - g.start)
-        self.bytes_by_link[link_class(r.session.location, src.session.location)] += nbytes
-        if len(edges) >= HISTORY_EDGES:
-            return
-        rloc, sloc = r.session.location, src.session.location
-        edges.append((
-            r.replica.name, r.shard_idx, rloc.datacenter, rloc.host, src.replica.name, src.shard_idx,
-            src.kind, src.state is not P, sloc.datacenter, sloc.host, nbytes, g.created, self.clock(), how,
-        ))  # fmt: skip  # in EDGE_FIELDS order: a dict per edge only when one is asked for
+        rloc, sloc = rs.location, ss.location
+        link = link_class(rloc, sloc)
+        self.bytes_by_link[link] += nbytes
+        if len(edges) < HISTORY_EDGES:
+            edges.append((
+                r.replica.name, r.shard_idx, rloc.datacenter, rloc.host, src.replica.name, src.shard_idx,
+                src.kind, src.state is not P, sloc.datacenter, sloc.host, nbytes, g.created, self.clock(), how,
+            ))  # fmt: skip  # in EDGE_FIELDS order: a dict per edge only when one is asked for
+        return link
 
     def replication_dag(self, model: str, version: int) -> dict[str, Any]:
         """Who served whom for ``version`` of ``model``: every ended grant (reader, source,
