@@ -18,16 +18,20 @@ Data flow
 
     trainer ranks --publish(v): a reference, no bytes--> reference server
     vLLM worker r --update_weights({"version": v})-->
-        PULL    v's bytes from whoever holds them into this worker's STAGING tensors
-                (checkpoint names and shapes, the engine's dtype): the first engine of a
-                layout converts them from the trainer's shards (reshard + cast), every
-                other engine of that layout pulls the converted bytes from a peer
-        BUILD   the loader trace from staging into a SHADOW of each module (tensors of its
-                own in the checkpoint layout), processed by vLLM's own
+        PULL    v's bytes from whoever holds them into one of this worker's two STAGING sets
+                (checkpoint names and shapes, the engine's dtype), the one the live
+                parameters are not: the first engine of a layout converts them from the
+                trainer's shards (reshard + cast), every other engine of that layout pulls
+                the converted bytes from a peer. A checkpoint tensor that lands whole in a
+                parameter (a norm, fused qkv/gate_up, stacked experts, one TP rank) is staged
+                IN that parameter's next memory (the set's LENT memory): nothing is copied after
+        BUILD   a SHADOW of each module (its lent parameters over the set's memory, the rest
+                filled from staging by the loader trace), processed by vLLM's own
                 process_weights_after_loading (CPU GEMM dispatch/repacking): beside the live
                 modules, which keep serving
-        SWAP    the shadow's processed tensors and attributes into the live modules; the
-                modules of other kinds (quantized, fused MoE off the CPU backend) replayed
+        SWAP    the shadow's processed tensors and attributes into the live modules (the live
+                parameters are now the set's lent memory; the other set's is the next pull's);
+                the modules of other kinds (quantized, fused MoE off the CPU backend) replayed
                 here under vLLM's layerwise reload; the attention layers processed
 
 Lifetimes
@@ -38,31 +42,45 @@ Lifetimes
   tensor lands where (fused ``qkv_proj``/``gate_up_proj``, tensor-parallel slices, stacked
   experts ``w13``/``w2``, MLA's ``fused_qkv_a_proj``: whatever that architecture's loader does).
   A parameter the trace does not fill completely is a
-  :class:`~tensorhub.errors.MappingMismatch` naming it, before any byte moves. Then open the
-  handle (a converted model of ``source_model``: the same names, cast to the engine's dtypes)
-  and register the staging set.
-- **PULL, every update** (``update_weights``): ``replicate``/``update`` into staging. With
-  ``{"prefetch": true}`` it runs in the background and ``update_weights`` returns at once: the
-  engine keeps serving from its parameters, which the pull never touches.
+  :class:`~tensorhub.errors.MappingMismatch` naming it, before any byte moves. Then decide which
+  parameters take the staging memory as it is (:func:`_lent`), allocate the staging sets (two
+  where any parameter does, on a platform whose live parameters may take a new storage; else
+  one) and open one handle per set (a converted model of ``source_model``: the same names, cast
+  to the engine's dtypes; replicas ``<replica>`` and ``<replica>@alt``) and register it.
+- **PULL, every update** (``update_weights``): ``replicate``/``update`` into the set the live
+  parameters are not (the sets alternate). With ``{"prefetch": true}`` it runs in the
+  background and ``update_weights`` returns at once: the engine keeps serving from its
+  parameters, which the pull never touches: before each pull, every lent storage of the target
+  set must be held by nothing but the set (a storage count; else
+  :class:`~tensorhub.errors.ContractViolation` naming the parameter, before any byte moves), so
+  a view that a processed layer kept (MLA's matrices derived from ``kv_b_proj``) is never
+  overwritten under it.
 - **BUILD, every update**: with ``{"prefetch": true}`` right after the pull, in the background,
   while the engine serves; else in the update. Per traced module whose weight processing only
   touches the module itself (:func:`_shadowable`: norms, vLLM's unquantized linear and embedding
   methods, its unquantized fused-MoE experts on the CPU backend once their kernel exists), a
-  copy of the module is filled from staging and processed; memory: one more copy of those
-  modules' processed tensors (309 MiB for a 309 MiB bf16 Qwen3 on the CPU build), in the buffers
-  the previous swap retired (kept for that: no allocation, no free, in the pause; the first
-  build's are made and written at init, with the staging set).
+  copy of the module is built over the lent memory (the parameters not lent: filled from
+  staging, in the buffers the previous swap retired) and processed. Memory: two staging sets,
+  one of which is the live parameters (a 309 MiB bf16 Qwen3 on the CPU build: 618 MiB in all,
+  where staging + shadow + live took 927 MiB); the first build's buffers are made and written
+  at init, with the staging sets.
 - **SWAP, every update** (the pause of an update with a finished prefetch): each live parameter
   takes its shadow's storage where no captured graph holds the old one (the CPU build, or CUDA
   graphs off: compiled graphs read the parameters at each call), else the shadow is copied into
-  the kernel tensors (vLLM's ``_copy_and_restore_kernel_tensors``: CUDA graphs stay valid); the
-  attributes processing set (``cpu_linear``) move over. Modules of other kinds (quantized
-  methods; fused-MoE backends whose conversion shuffles the experts, pads the shared config or
-  stashes layouts on the layer) are loaded and processed in the pause as
-  vLLM's layerwise reload does, then every attention layer's ``process_weights_after_loading``
-  (MLA derives its matrices from ``kv_b_proj``). ``swap = False`` on the engine loads every
-  module through vLLM's layerwise reload instead.
-- The staging set stays registered and published: this engine serves the version to its peers.
+  the kernel tensors (vLLM's ``_copy_and_restore_kernel_tensors``: CUDA graphs stay valid;
+  nothing is lent there); the attributes processing set (``cpu_linear``) move over. Modules of
+  other kinds (quantized methods; fused-MoE backends whose conversion shuffles the experts,
+  pads the shared config or stashes layouts on the layer) are loaded and processed in the pause
+  as vLLM's layerwise reload does (their live tensors first get memory of their own, if they
+  were a staging set's: :meth:`TensorHubWeightTransferEngine._privatize`), then every attention
+  layer's ``process_weights_after_loading`` (MLA derives its matrices from ``kv_b_proj``).
+  ``swap = False`` on the engine loads every module through vLLM's layerwise reload instead.
+- Each staging set stays registered and published until its next pull (whose ``update``
+  unpublishes it first, draining its readers): this engine serves the version to its peers, and
+  the live set's memory is both the engine's weights and that published copy. Nothing but a
+  pull writes it (vLLM's processing only reads the lent memory), so loading other weights into
+  the engine by other means (vLLM's ``reload_weights`` copies into the live parameters) breaks
+  what it publishes: shut the backend down first.
 
 The weight version vLLM reports (``/weight_info``, each output's ``weight_versions``) is set by
 the frontend, not the workers: :class:`TensorHubTrainerWeightTransferEngine` and
