@@ -374,14 +374,23 @@ def _engine_process(tmp_path, server, model: str, tp: int, mode: str) -> dict:
 def test_dense_multiprocess(tmp_path, server):
     """vLLM's default multiprocess mode: the engine core and its worker in another process."""
     out = _engine_process(tmp_path, server, "qwen-mp", 1, "compiled")
-    assert out["shards"]["qwen-mp:vllm-bfloat16-w1"] == [["rollout-tp1", [[0, 1, "complete"]]]]
+    _one_holding(out["shards"]["qwen-mp:vllm-bfloat16-w1"], "rollout-tp1", [[0, 1, "complete"]])
 
 
 def test_dense_tensor_parallel_2(tmp_path, server):
     """Tensor parallelism 2 on the CPU build: two worker processes, two shards of one replica of
     the converted model, each traced from its own loader (its tensor-parallel slices)."""
     out = _engine_process(tmp_path, server, "qwen-tp", 2, "eager")
-    assert out["shards"]["qwen-tp:vllm-bfloat16-w2"] == [["rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]]]]
+    _one_holding(out["shards"]["qwen-tp:vllm-bfloat16-w2"], "rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]])
+
+
+def _one_holding(replicas: list, replica: str, shards: list) -> None:
+    """The converted model's replicas on the server: the engine's first staging set (``replica``)
+    holds the version in every shard; its second (``replica@alt``), if any, holds nothing yet."""
+    got = {r: s for r, s in replicas}
+    assert got[replica] == shards, replicas
+    assert set(got) <= {replica, f"{replica}@alt"}, replicas
+    assert not any(st == "complete" for _, _, st in got.get(f"{replica}@alt", [])), replicas
 
 
 class _Recorder:
