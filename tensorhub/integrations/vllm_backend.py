@@ -479,15 +479,12 @@ class _StagingSet:
     refs: dict[tuple[Any, str], int] = field(default_factory=dict)
 
     def count(self) -> None:
+        """Note each lent storage's holders now (nothing but this set holds them)."""
         self.refs = {k: _use_count(t) for k, t in self.lent.items()}
 
     def held(self) -> list[tuple[Any, str]]:
         """The lent parameters whose memory something other than this set holds now."""
         return [k for k, t in self.lent.items() if _use_count(t) > self.refs[k]]
-
-    def owns(self, t: torch.Tensor) -> bool:
-        ptr = t.untyped_storage().data_ptr()
-        return any(b.untyped_storage().data_ptr() == ptr for b in self.lent.values())
 
 
 def _first_spares(trace: LoaderTrace, lent: dict[tuple[Any, str], Any]) -> dict[tuple[int, str, str], torch.Tensor]:
