@@ -24,6 +24,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -42,7 +43,7 @@ import safetensors.torch  # noqa: E402
 
 import torch  # noqa: E402
 
-from tensorhub.core.errors import InvalidArgument, MappingMismatch, UsageError  # noqa: E402
+from tensorhub.core.errors import ContractViolation, InvalidArgument, MappingMismatch, UsageError  # noqa: E402
 from tensorhub.core.placement import REPLICATE, TensorPlacement, chunk_range  # noqa: E402
 from tensorhub.integrations.vllm import EXTENSION  # noqa: E402
 from tensorhub.integrations.vllm_backend import (  # noqa: E402
@@ -102,12 +103,17 @@ def server():
 
 def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: object, after_init=lambda: None) -> dict:
     """v1 and v2 from a trainer of SHARDS shards; each equals the engine loaded from its checkpoint.
-    v2 is prefetched and swapped in; returns that update's phases (the backend's ``last``)."""
+    v2 is prefetched and swapped in; returns that update's phases (the backend's ``last``). After
+    each update no live tensor of the engine shares memory with the staging set (which the next
+    pull overwrites), and a peer pulling v2 from the engine gets exactly v2's bytes, verified
+    against the checksums the engine declared when it converted them (the build did not write
+    into the memory it publishes)."""
     w1, w2 = save(cls, config, 1, str(tmp_path / "v1")), save(cls, config, 2, str(tmp_path / "v2"))
     before = generate(llm)
     trainer = Trainer(model, w1, server.address, LLMClient(llm), {"replica": f"rollout-{model}", "timeout": 120})
     try:
         trainer.send(1, w1)
+        assert live_sharing_staging(llm) == []
         after_init()
         llm.reset_prefix_cache()
         got1 = generate(llm)
@@ -134,10 +140,71 @@ def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: 
         assert llm.get_weight_version() == "2"
         assert got2 != got1
         assert got2 == reference(llm, str(tmp_path / "v2"))
+        assert live_sharing_staging(llm) == []
+        _peer_pulls(backend(llm), server, w2)
         return last
     finally:
         llm.shutdown_weight_transfer_engine()
         trainer.close()
+
+
+def _refuses_held(b) -> None:  # noqa: ANN001 - a TensorHubWeightTransferEngine holding v1
+    """A pull into a staging set whose memory something else holds (a view kept by a processed
+    layer, say) is refused before anything moves, naming the parameter."""
+    st = b.sets[b._target()]
+    assert st is not b.sets[b._pulled] and st.handle.version is None  # the other set, empty
+    (mod, name), memory = next(iter(st.lent.items()))
+    held = memory[:1]  # noqa: F841 - held while the pull is tried
+    names = {id(m): n for n, m in b.model.named_modules()}
+    with pytest.raises(ContractViolation, match=re.escape(f"{names[id(mod)]}.{name}")):
+        b._pull(99)
+    del held
+    assert b.staged == 1 and st.handle.version is None
+
+
+def live_sharing_staging(llm: vllm.LLM) -> list[str]:
+    """The engine's live tensors (parameters, buffers, tensor attributes of its modules and of
+    the objects they hold, such as an attention layer's ``impl`` with MLA's matrices derived from
+    ``kv_b_proj``) whose memory is the staging set the next pull lands in: what it would
+    overwrite under the engine."""
+    b = backend(llm)
+    spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+             for t in b.sets[b._target()].tensors.values()]  # fmt: skip
+    out = []
+    for name, mod in b.model.named_modules():
+        found = [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
+        for k, v in vars(mod).items():
+            if isinstance(v, torch.Tensor):
+                found.append((k, v))
+            elif not isinstance(v, (torch.nn.Module, dict, list, tuple)) and hasattr(v, "__dict__"):
+                found += [(f"{k}.{k2}", v2) for k2, v2 in vars(v).items() if isinstance(v2, torch.Tensor)]
+        for k, t in found:
+            st = t.untyped_storage()
+            lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+            if lo != hi and any(a < hi and lo < z for a, z in spans):
+                out.append(f"{name}.{k}")
+    return out
+
+
+def _peer_pulls(b, server, weights: dict[str, torch.Tensor]) -> None:  # noqa: ANN001 - a TensorHubWeightTransferEngine
+    """A plain handle of the engine's converted model pulls the version the engine holds (from
+    the engine: nobody else holds it) and gets the trainer's bytes in the engine's dtypes."""
+    import tensorhub
+
+    h = b.handle
+    version = h.version
+    # of the same converted model (its declaration too), so a peer of the engine's layout
+    peer = tensorhub.open(h.model, "peer", num_shards=1, shard_idx=0, server=server.address, convert_from=h.convert_from,
+                          mapping=h.mapping)  # fmt: skip
+    try:
+        tensors = {n: torch.empty_like(t) for n, t in b.staging.items()}
+        peer.register(tensors, placements={n: TensorPlacement(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), (1,),
+                                                              (REPLICATE,)) for n, t in tensors.items()})  # fmt: skip
+        assert peer.replicate(version, 60) == version
+        for n, t in tensors.items():
+            assert torch.equal(t, weights[n].to(t.dtype)), n
+    finally:
+        peer.close()
 
 
 def backend(llm: vllm.LLM):  # noqa: ANN201 - the in-process worker's TensorHubWeightTransferEngine
@@ -169,9 +236,11 @@ def test_dense_compiled_in_process(tmp_path, server):
             llm.collective_rpc("tensorhub_open", kwargs={"model": "qwen-x", "replica": "x", "family": "qwen3",
                                                           "convert_from": "qwen", "server": server.address})  # fmt: skip
         assert generate(llm)  # still serving
-        del base
-        last = _round_trip(llm, tmp_path, server, "qwen", transformers.Qwen3ForCausalLM, dense_config())
+        last = _round_trip(llm, tmp_path, server, "qwen", transformers.Qwen3ForCausalLM, dense_config(),
+                           after_init=lambda: _refuses_held(backend(llm)))  # fmt: skip
         assert last["in_pause_modules"] == 0  # every module of a dense model processed during the prefetch
+        # every parameter was built where the pull landed it, nothing copied: two staging sets
+        assert last["lent_mib"] * 2**20 == sum(t.numel() * 2 for t in base.values())
         # the tensorhub backend's state, as an HTTP client reads it through /collective_rpc (shut down: nothing staged)
         (state,) = llm.collective_rpc("tensorhub_backend")
         assert state["loaded"] == 2 and state["staged"] is None and "swap_s" in state["last"]
@@ -222,9 +291,22 @@ def test_deepseek_v3_shaped_compiled_in_process(tmp_path, server):
     llm = engine(str(tmp_path / "v0"))
     try:
         seen: set[str] = set()
-        _round_trip(llm, tmp_path, server, "deepseek", transformers.DeepseekV3ForCausalLM, deepseek_config(),
-                    lambda: seen.update(traced(llm)))  # fmt: skip
+        lent: set[str] = set()
+
+        def after_init() -> None:
+            seen.update(traced(llm))
+            names = {id(m): n for n, m in backend(llm).model.named_modules()}
+            lent.update(f"{names[id(m)]}.{p}" for m, p in backend(llm).sets[0].lent)
+
+        last = _round_trip(llm, tmp_path, server, "deepseek", transformers.DeepseekV3ForCausalLM, deepseek_config(), after_init)
         assert "model.layers.1.self_attn.fused_qkv_a_proj.weight" in seen  # MLA's fused q_a + kv_a
+        # kv_b_proj's weight too is built where the pull lands it, and MLA's attention derives its
+        # matrices from it: _round_trip checked, after each update, that no live tensor (the
+        # attention layers' included) shares the memory the next pull lands in, and that the
+        # engine served v1 unchanged while v2 was pulled and built
+        assert {"model.layers.1.self_attn.kv_b_proj.weight", "model.layers.1.self_attn.q_b_proj.weight",
+                "model.layers.1.mlp.shared_experts.down_proj.weight"} <= lent, sorted(lent)
+        assert last["lent_mib"] > 0
     finally:
         del llm
 
@@ -292,14 +374,23 @@ def _engine_process(tmp_path, server, model: str, tp: int, mode: str) -> dict:
 def test_dense_multiprocess(tmp_path, server):
     """vLLM's default multiprocess mode: the engine core and its worker in another process."""
     out = _engine_process(tmp_path, server, "qwen-mp", 1, "compiled")
-    assert out["shards"]["qwen-mp:vllm-bfloat16-w1"] == [["rollout-tp1", [[0, 1, "complete"]]]]
+    _one_holding(out["shards"]["qwen-mp:vllm-bfloat16-w1"], "rollout-tp1", [[0, 1, "complete"]])
 
 
 def test_dense_tensor_parallel_2(tmp_path, server):
     """Tensor parallelism 2 on the CPU build: two worker processes, two shards of one replica of
     the converted model, each traced from its own loader (its tensor-parallel slices)."""
     out = _engine_process(tmp_path, server, "qwen-tp", 2, "eager")
-    assert out["shards"]["qwen-tp:vllm-bfloat16-w2"] == [["rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]]]]
+    _one_holding(out["shards"]["qwen-tp:vllm-bfloat16-w2"], "rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]])
+
+
+def _one_holding(replicas: list, replica: str, shards: list) -> None:
+    """The converted model's replicas on the server: the engine's first staging set (``replica``)
+    holds the version in every shard; its second (``replica@alt``), if any, holds nothing yet."""
+    got = {r: s for r, s in replicas}
+    assert got[replica] == shards, replicas
+    assert set(got) <= {replica, f"{replica}@alt"}, replicas
+    assert not any(st == "complete" for _, _, st in got.get(f"{replica}@alt", [])), replicas
 
 
 class _Recorder:

@@ -18,16 +18,20 @@ Data flow
 
     trainer ranks --publish(v): a reference, no bytes--> reference server
     vLLM worker r --update_weights({"version": v})-->
-        PULL    v's bytes from whoever holds them into this worker's STAGING tensors
-                (checkpoint names and shapes, the engine's dtype): the first engine of a
-                layout converts them from the trainer's shards (reshard + cast), every
-                other engine of that layout pulls the converted bytes from a peer
-        BUILD   the loader trace from staging into a SHADOW of each module (tensors of its
-                own in the checkpoint layout), processed by vLLM's own
+        PULL    v's bytes from whoever holds them into one of this worker's two STAGING sets
+                (checkpoint names and shapes, the engine's dtype), the one the live
+                parameters are not: the first engine of a layout converts them from the
+                trainer's shards (reshard + cast), every other engine of that layout pulls
+                the converted bytes from a peer. A checkpoint tensor that lands whole in a
+                parameter (a norm, fused qkv/gate_up, stacked experts, one TP rank) is staged
+                IN that parameter's next memory (the set's LENT memory): nothing is copied after
+        BUILD   a SHADOW of each module (its lent parameters over the set's memory, the rest
+                filled from staging by the loader trace), processed by vLLM's own
                 process_weights_after_loading (CPU GEMM dispatch/repacking): beside the live
                 modules, which keep serving
-        SWAP    the shadow's processed tensors and attributes into the live modules; the
-                modules of other kinds (quantized, fused MoE off the CPU backend) replayed
+        SWAP    the shadow's processed tensors and attributes into the live modules (the live
+                parameters are now the set's lent memory; the other set's is the next pull's);
+                the modules of other kinds (quantized, fused MoE off the CPU backend) replayed
                 here under vLLM's layerwise reload; the attention layers processed
 
 Lifetimes
@@ -38,31 +42,45 @@ Lifetimes
   tensor lands where (fused ``qkv_proj``/``gate_up_proj``, tensor-parallel slices, stacked
   experts ``w13``/``w2``, MLA's ``fused_qkv_a_proj``: whatever that architecture's loader does).
   A parameter the trace does not fill completely is a
-  :class:`~tensorhub.errors.MappingMismatch` naming it, before any byte moves. Then open the
-  handle (a converted model of ``source_model``: the same names, cast to the engine's dtypes)
-  and register the staging set.
-- **PULL, every update** (``update_weights``): ``replicate``/``update`` into staging. With
-  ``{"prefetch": true}`` it runs in the background and ``update_weights`` returns at once: the
-  engine keeps serving from its parameters, which the pull never touches.
+  :class:`~tensorhub.errors.MappingMismatch` naming it, before any byte moves. Then decide which
+  parameters take the staging memory as it is (:func:`_lent`), allocate the staging sets (two
+  where any parameter does, on a platform whose live parameters may take a new storage; else
+  one) and open one handle per set (a converted model of ``source_model``: the same names, cast
+  to the engine's dtypes; replicas ``<replica>`` and ``<replica>@alt``) and register it.
+- **PULL, every update** (``update_weights``): ``replicate``/``update`` into the set the live
+  parameters are not (the sets alternate). With ``{"prefetch": true}`` it runs in the
+  background and ``update_weights`` returns at once: the engine keeps serving from its
+  parameters, which the pull never touches: before each pull, every lent storage of the target
+  set must be held by nothing but the set (a storage count; else
+  :class:`~tensorhub.errors.ContractViolation` naming the parameter, before any byte moves), so
+  a view that a processed layer kept (MLA's matrices derived from ``kv_b_proj``) is never
+  overwritten under it.
 - **BUILD, every update**: with ``{"prefetch": true}`` right after the pull, in the background,
   while the engine serves; else in the update. Per traced module whose weight processing only
   touches the module itself (:func:`_shadowable`: norms, vLLM's unquantized linear and embedding
   methods, its unquantized fused-MoE experts on the CPU backend once their kernel exists), a
-  copy of the module is filled from staging and processed; memory: one more copy of those
-  modules' processed tensors (309 MiB for a 309 MiB bf16 Qwen3 on the CPU build), in the buffers
-  the previous swap retired (kept for that: no allocation, no free, in the pause; the first
-  build's are made and written at init, with the staging set).
+  copy of the module is built over the lent memory (the parameters not lent: filled from
+  staging, in the buffers the previous swap retired) and processed. Memory: two staging sets,
+  one of which is the live parameters (a 309 MiB bf16 Qwen3 on the CPU build: 618 MiB in all,
+  where staging + shadow + live took 927 MiB); the first build's buffers are made and written
+  at init, with the staging sets.
 - **SWAP, every update** (the pause of an update with a finished prefetch): each live parameter
   takes its shadow's storage where no captured graph holds the old one (the CPU build, or CUDA
   graphs off: compiled graphs read the parameters at each call), else the shadow is copied into
-  the kernel tensors (vLLM's ``_copy_and_restore_kernel_tensors``: CUDA graphs stay valid); the
-  attributes processing set (``cpu_linear``) move over. Modules of other kinds (quantized
-  methods; fused-MoE backends whose conversion shuffles the experts, pads the shared config or
-  stashes layouts on the layer) are loaded and processed in the pause as
-  vLLM's layerwise reload does, then every attention layer's ``process_weights_after_loading``
-  (MLA derives its matrices from ``kv_b_proj``). ``swap = False`` on the engine loads every
-  module through vLLM's layerwise reload instead.
-- The staging set stays registered and published: this engine serves the version to its peers.
+  the kernel tensors (vLLM's ``_copy_and_restore_kernel_tensors``: CUDA graphs stay valid;
+  nothing is lent there); the attributes processing set (``cpu_linear``) move over. Modules of
+  other kinds (quantized methods; fused-MoE backends whose conversion shuffles the experts,
+  pads the shared config or stashes layouts on the layer) are loaded and processed in the pause
+  as vLLM's layerwise reload does (their live tensors first get memory of their own, if they
+  were a staging set's: :meth:`TensorHubWeightTransferEngine._privatize`), then every attention
+  layer's ``process_weights_after_loading`` (MLA derives its matrices from ``kv_b_proj``).
+  ``swap = False`` on the engine loads every module through vLLM's layerwise reload instead.
+- Each staging set stays registered and published until its next pull (whose ``update``
+  unpublishes it first, draining its readers): this engine serves the version to its peers, and
+  the live set's memory is both the engine's weights and that published copy. Nothing but a
+  pull writes it (vLLM's processing only reads the lent memory), so loading other weights into
+  the engine by other means (vLLM's ``reload_weights`` copies into the live parameters) breaks
+  what it publishes: shut the backend down first.
 
 The weight version vLLM reports (``/weight_info``, each output's ``weight_versions``) is set by
 the frontend, not the workers: :class:`TensorHubTrainerWeightTransferEngine` and
@@ -73,6 +91,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import struct as _struct
 import threading
@@ -85,10 +104,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import tensorhub
-from tensorhub.core.errors import InvalidArgument, MappingMismatch, UsageError
+from tensorhub.core.errors import ContractViolation, InvalidArgument, MappingMismatch, UsageError
+from tensorhub.core.naming import validate_replica
 from tensorhub.core.placement import REPLICATE, TensorPlacement
 from tensorhub.integrations.vllm_plugin import BACKEND
-from tensorhub.integrations.vllm_shadow import _MISSING, _MODULE_STATE, _Shadow, _copy_module, _materialize, _same_layout, _shadowable, _unshared
+from tensorhub.integrations.vllm_shadow import (
+    _MISSING,
+    _MODULE_STATE,
+    _copy_module,
+    _materialize,
+    _over,
+    _same_layout,
+    _Shadow,
+    _shadowable,
+    _unshared,
+    _use_count,
+)
 from tensorhub.integrations.vllm_trainer import (  # the trainer side, named here too
     LLMClient,
     TensorHubTrainerInitInfo,
@@ -384,7 +415,79 @@ def _casts(staged: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[Cast
     return (*(Cast(n, d) for n, d in dtypes.items() if d != common), Cast("{name:path}", common))
 
 
-def _first_spares(trace: LoaderTrace) -> dict[tuple[int, str, str], torch.Tensor]:
+def _lent(trace: LoaderTrace) -> dict[tuple[Any, str], tuple[torch.Tensor, list[Scatter]]]:
+    """The parameters a staging set lends its memory to: per (module, parameter name), the
+    parameter's meta tensor (the checkpoint layout the build fills) and the scatters that fill it.
+    A parameter qualifies when its module is built beside the live one (:func:`_shadowable`) and
+    every scatter into it moves a whole checkpoint tensor, as it is (no slice, no cast), into one
+    contiguous run of it, the runs together covering it once (a norm, an embedding, fused
+    ``qkv_proj`` and ``gate_up_proj``, stacked experts, with one tensor-parallel rank): each of
+    those checkpoint tensors' staging tensor is then that run itself, and the build copies nothing
+    for the parameter."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    out: dict[tuple[Any, str], tuple[torch.Tensor, list[Scatter]]] = {}
+    used: set[str] = set()
+    for mod, scatters in trace.modules.items():
+        info = LAYERWISE_INFO.get(mod)
+        if info is None or not _shadowable(mod):
+            continue
+        for name, meta in info.restore_metadata[0].items():
+            into = [sc for sc in scatters if sc.param == name]
+            if not into or not meta.is_contiguous():
+                continue
+            whole = torch.empty_strided(meta.size(), meta.stride(), dtype=meta.dtype, device="meta")
+            runs: list[tuple[int, int]] = []
+            for sc in into:
+                if sc.source in used or sc.dtype != meta.dtype or trace.staged.get(sc.source) != (meta.dtype, tuple(sc.shape)):
+                    break
+                try:
+                    src = _replay(torch.empty(sc.shape, dtype=meta.dtype, device="meta"), sc.chain)
+                except Exception:  # noqa: BLE001 - an op the meta device does not take: not lent
+                    break
+                if tuple(src.shape) != tuple(sc.shape) or not src.is_contiguous() or src.storage_offset() != 0:
+                    break
+                if not whole.as_strided(sc.shape, sc.stride, sc.offset).is_contiguous():
+                    break
+                runs.append((sc.offset, math.prod(sc.shape)))
+            else:
+                runs.sort()
+                if [a for a, _ in runs] == [0] + [a + n for a, n in runs[:-1]] and sum(n for _, n in runs) == meta.numel():
+                    out[(mod, name)] = (meta, into)
+                    used.update(sc.source for sc in into)
+    return out
+
+
+@dataclass
+class _StagingSet:
+    """One of the engine's staging sets: the checkpoint's tensors (names, shapes, the engine's
+    dtypes) registered with a handle of its own, and the lent parameters' memory they are views of.
+
+    Attributes:
+        handle: this set's handle (replica ``<replica>`` for the first set, ``<replica>@alt`` for
+            the second).
+        tensors: per checkpoint tensor, its staging tensor (a view of ``lent`` memory, or its own).
+        lent: per lent parameter (:func:`_lent`), its memory in the checkpoint layout: the pull
+            lands there, the build processes it there, and after the swap the live parameter is it.
+        refs: per lent parameter, how many holders its storage had when only this set (its
+            tensors, its handle) held it: measured at registration and after each pull into it.
+    """
+
+    handle: ShardHandle
+    tensors: dict[str, torch.Tensor]
+    lent: dict[tuple[Any, str], torch.Tensor]
+    refs: dict[tuple[Any, str], int] = field(default_factory=dict)
+
+    def count(self) -> None:
+        """Note each lent storage's holders now (nothing but this set holds them)."""
+        self.refs = {k: _use_count(t) for k, t in self.lent.items()}
+
+    def held(self) -> list[tuple[Any, str]]:
+        """The lent parameters whose memory something other than this set holds now."""
+        return [k for k, t in self.lent.items() if _use_count(t) > self.refs[k]]
+
+
+def _first_spares(trace: LoaderTrace, lent: dict[tuple[Any, str], Any]) -> dict[tuple[int, str, str], torch.Tensor]:
     """The first build's buffers, made and written at init (the memory every later build reuses,
     :meth:`TensorHubWeightTransferEngine._swap`): per module built beside the live one, its
     tensors in the checkpoint layout. Without them the first update's build first-touches a copy
@@ -401,6 +504,8 @@ def _first_spares(trace: LoaderTrace) -> dict[tuple[int, str, str], torch.Tensor
         with info.restore_device:
             for kind, metas in (("p", restore_params), ("b", restore_buffers)):
                 for n, meta in metas.items():
+                    if kind == "p" and (mod, n) in lent:
+                        continue  # the staging sets' memory
                     t = materialize_meta_tensor(meta)
                     t.data.zero_()
                     out[(id(mod), kind, n)] = t
@@ -421,15 +526,19 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.handle: ShardHandle | None = None
         self.trace: LoaderTrace | None = None
-        self.staging: dict[str, torch.Tensor] = {}
+        #: the staging sets: two where parameters take the staging memory the pull landed in
+        #: (:func:`_lent`; pulls alternate between them), else one
+        self.sets: list[_StagingSet] = []
+        self._pulled = 0  # the set the last pull went into
+        self._live: int | None = None  # the set whose lent memory the live parameters are (None: their own)
         self.loaded: int | None = None  #: the version the model's parameters hold
         self.last: dict[str, float] = {}  #: the last update's phases (``*_s``: seconds): pull, build, swap...
         self._timeout: float | None = None
         self._lock = threading.Lock()  # one pull, build or swap at a time (the handle takes one call)
         self._prefetch: threading.Thread | None = None
         self._prefetch_error: BaseException | None = None
+        self._moved = False  # the last _pull moved a set to another version
         #: build a version's processed layers beside the live ones (during a prefetch, or in the
         #: update) and swap them in; False: the update loads staging into the live parameters through
         #: vLLM's layerwise reload (materialize, process, copy into the kernel tensors)
@@ -438,6 +547,23 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         #: the storages the last swap replaced, by (module, kind, name): the next build's buffers
         #: (freeing them in the pause cost ~0.1 ms per MiB; reusing them saves the page faults too)
         self._spare: dict[tuple[int, str, str], torch.Tensor] = {}
+        #: live storages the swap replaced that no build reuses (vLLM's own, at the first update):
+        #: freed at the next pull, not in the pause
+        self._retired: list[torch.Tensor] = []
+
+    @property
+    def handle(self) -> ShardHandle | None:
+        """The handle of the staging set the last pull went into (None: not initialized)."""
+        return self.sets[self._pulled].handle if self.sets else None
+
+    @property
+    def staging(self) -> dict[str, torch.Tensor]:
+        """The staging tensors the last pull went into, by checkpoint name."""
+        return self.sets[self._pulled].tensors if self.sets else {}
+
+    def _target(self) -> int:
+        """The set the next pull goes into: never the one the live parameters are."""
+        return 0 if len(self.sets) == 1 or self._live is None else 1 - self._live
 
     # rank and shard count of this worker in its engine (tensor x pipeline parallel)
     def _shard(self) -> tuple[int, int]:
@@ -455,7 +581,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             InvalidArgument: no checkpoint tensors to trace with.
             MappingMismatch: a parameter the trace cannot place (naming it).
         """
-        if self.handle is not None:
+        if self.sets:
             raise UsageError("the tensorhub weight-transfer engine is already initialized: shut it down first")
         info = init_info
         if info.names:
@@ -468,12 +594,35 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         replica = info.replica if dp <= 1 else f"{info.replica}-dp{self.parallel_config.data_parallel_rank}"
         dtype = str(self.model_config.dtype).removeprefix("torch.")
         model = info.model or f"{info.source_model}:vllm-{dtype}-w{num_shards}"
+        lent = _lent(trace) if self.swap and self._rebind_storage() else {}
+        mapping = Mapping(casts=_casts(trace.staged), ignore=(*(n for n in trace.skipped), *info.ignore))
+        try:
+            for k in range(2 if lent else 1):
+                name = replica if k == 0 else validate_replica(f"{replica}@alt")
+                self.sets.append(self._staging_set(trace, lent, model, name, num_shards, shard, mapping, info))
+        except BaseException:
+            self._close_sets()
+            raise
+        self.trace, self._timeout, self._pulled, self._live = trace, info.timeout, 0, None
+        if self.swap:
+            self._spare.update(_first_spares(trace, lent))
+
+    def _staging_set(self, trace: LoaderTrace, lent: dict[tuple[Any, str], tuple[torch.Tensor, list[Scatter]]], model: str,
+                     replica: str, num_shards: int, shard: int, mapping: Mapping, info: TensorHubInitInfo) -> _StagingSet:  # fmt: skip
+        """Allocate a staging set (the lent parameters' memory, the other tensors' own), open its
+        handle and register it."""
         # written once here: the pages are this process's before the first pull lands in them
         # (a first touch costs ~1 ms per MiB on the CPU: in the first update's pause otherwise)
-        staging = {n: torch.empty(shape, dtype=d, device=self.device).zero_() for n, (d, shape) in trace.staged.items()}
+        memory: dict[tuple[Any, str], torch.Tensor] = {}
+        views: dict[str, torch.Tensor] = {}
+        for key, (meta, into) in lent.items():
+            memory[key] = buf = torch.empty_strided(meta.size(), meta.stride(), dtype=meta.dtype, device=self.device).zero_()
+            views.update((sc.source, buf.as_strided(sc.shape, sc.stride, sc.offset)) for sc in into)
+        staging = {n: views[n] if n in views else torch.empty(shape, dtype=d, device=self.device).zero_()
+                   for n, (d, shape) in trace.staged.items()}  # fmt: skip
+        del views
         placements = {n: TensorPlacement(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), (num_shards,), (REPLICATE,))
                       for n, t in staging.items()}  # fmt: skip
-        mapping = Mapping(casts=_casts(trace.staged), ignore=(*(n for n in trace.skipped), *info.ignore))
         h = tensorhub.open(model, replica, num_shards=num_shards, shard_idx=shard, server=info.server, retain=info.retain,
                            transports=info.transports, convert_from=info.source_model, mapping=mapping)  # fmt: skip
         try:
@@ -481,9 +630,14 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         except BaseException:
             h.close()
             raise
-        self.handle, self.trace, self.staging, self._timeout = h, trace, staging, info.timeout
-        if self.swap:
-            self._spare.update(_first_spares(trace))
+        out = _StagingSet(h, staging, memory)
+        out.count()
+        return out
+
+    def _close_sets(self) -> None:
+        sets, self.sets = self.sets, []
+        for st in sets:
+            st.handle.close()
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the parameters are only touched by ``update_weights``' swap."""
@@ -504,32 +658,60 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             raise InvalidArgument(f"tensorhub init_info: {err}") from err
 
     def _need_handle(self) -> ShardHandle:
-        if self.handle is None:
+        if not self.sets:
             raise UsageError("the tensorhub weight-transfer engine is not initialized: call init_weight_transfer_engine first")
-        return self.handle
+        return self.sets[self._pulled].handle
 
     def _pull(self, version: int | str) -> int:
-        """Bring staging to ``version`` (waiting for it). Returns the version staged."""
-        h = self._need_handle()
-        if h.version is not None and h.version == version:
-            return h.version
+        """Bring a staging set to ``version`` (waiting for it): the set the last pull went into
+        if it holds it already, else the set the live parameters are not (:meth:`_target`).
+        Returns the version staged.
+
+        Raises:
+            ContractViolation: something other than that set holds its memory (naming the
+                parameters): the pull would overwrite what the engine serves. Nothing moved.
+        """
+        self._need_handle()
+        self._moved = False
+        staged = self.sets[self._pulled].handle.version
+        if staged is not None and staged == version:
+            return staged  # staged already (a prefetch), or loaded already
         if self._shadow is not None and self._shadow.version != version:
             self._shadow = None  # built from another version: its memory back before this pull
-        if h.version is None:
-            return h.replicate(version, self._timeout)
-        h.update(version, self._timeout)
-        if isinstance(version, int) and h.version != version:
-            h.replicate(version, self._timeout)
-        assert h.version is not None
-        return h.version
+        self._retired.clear()
+        k = self._target()
+        st = self.sets[k]
+        held = st.held()
+        if held:
+            names = _module_names(self.model)
+            raise ContractViolation(
+                "the tensorhub staging set the next pull lands in is still held by the engine at "
+                f"{', '.join(f'{names.get(id(m), type(m).__name__)}.{n}' for m, n in held[:8])}: "
+                "the pull would overwrite what the engine serves"
+            )
+        self._pulled = k
+        h = st.handle
+        before = h.version
+        try:
+            if h.version is None:
+                return h.replicate(version, self._timeout)
+            h.update(version, self._timeout)
+            if isinstance(version, int) and h.version != version:
+                h.replicate(version, self._timeout)
+            assert h.version is not None
+            return h.version
+        finally:
+            self._moved = h.version != before
+            st.count()
 
     @property
     def staged(self) -> int | None:
         """The version the staging set holds (None: none yet, or a prefetch still running)."""
         t = self._prefetch
-        if self.handle is None or (t is not None and t.is_alive()):
+        h = self.handle
+        if h is None or (t is not None and t.is_alive()):
             return None
-        return self.handle.version
+        return h.version
 
     def _join_prefetch(self) -> None:
         t, self._prefetch = self._prefetch, None
@@ -561,12 +743,11 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             return
         with self._lock:
             t0 = time.perf_counter()
-            held = self._need_handle().version
             version = self._pull(update_info.version)
             t1 = time.perf_counter()
             self.last = {"pull_s": t1 - t0}
             conv = self._need_handle().last_conversion
-            if held != version and conv is not None and conv.version == version:  # converted here, now (else: a peer's bytes)
+            if self._moved and conv is not None and conv.version == version:  # converted here, now (else: a peer's bytes)
                 self.last.update(convert_s=conv.seconds, convert_tasks=float(conv.tasks), in_place_tasks=float(conv.in_place))
             shadow, self._shadow = self._shadow, None
             if shadow is None or shadow.version != version:
@@ -575,6 +756,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
                 self._swap(shadow)
             else:
                 self._spare.clear()
+                self._privatize(list(self.model.modules()))
                 self._replay_all()
             self.loaded = version
             self.last["replay_s"] = time.perf_counter() - t1
@@ -659,60 +841,81 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         staging and processed by vLLM's own ``process_weights_after_loading`` (CPU: the GEMM
         dispatch, oneDNN/sgl packing). A module processed into another layout than its live one,
         and the modules of other kinds, are left to :meth:`_swap`, which loads them in the pause."""
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS, materialize_meta_tensor, to_meta_tensor
-        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
 
         assert self.trace is not None
         t0 = time.perf_counter()
         shadow = _Shadow(version)
+        lent = self.sets[self._pulled].lent
+        shadow.lent = sum(t.numel() * t.element_size() for t in lent.values())
         for mod, scatters in self.trace.modules.items():
             info = LAYERWISE_INFO.get(mod)
             if info is None or not _shadowable(mod):
                 shadow.pending.append(mod)
                 continue
-            restore_params, restore_buffers = info.restore_metadata
-            copy = _copy_module(mod)
-            with info.restore_device:
-                for n, meta in restore_params.items():
-                    copy._parameters[n] = _materialize(meta, self._spare.pop((id(mod), "p", n), None))
-                for n, meta in restore_buffers.items():
-                    copy._buffers[n] = _materialize(meta, self._spare.pop((id(mod), "b", n), None))
-                # tensors vLLM's reload leaves as they are (SKIP_TENSORS: bias): a copy of the live one
-                for where, live in ((copy._parameters, mod._parameters), (copy._buffers, mod._buffers)):
-                    for n, t in live.items():
-                        if n in SKIP_TENSORS and t is not None and n not in where:
-                            fresh = materialize_meta_tensor(to_meta_tensor(t))
-                            fresh.copy_(t)
-                            where[n] = fresh
-            for sc in scatters:
-                dst = getattr(copy, sc.param).data.as_strided(sc.shape, sc.stride, sc.offset)
-                dst.copy_(_replay(self.staging[sc.source], sc.chain))
-            if hasattr(copy, "_already_called_process_weights_after_loading"):
-                delattr(copy, "_already_called_process_weights_after_loading")
-            before = dict(vars(copy))
-            quant = getattr(copy, "quant_method", None)
-            if isinstance(quant, QuantizeMethodBase):
-                quant.process_weights_after_loading(copy)
-                if hasattr(copy, "update_param_tp_status"):
-                    copy.update_param_tp_status()
-            params, buffers = get_layer_params_buffers(copy)
-            live_params, live_buffers = get_layer_params_buffers(mod)
-            loaded = {sc.param for sc in scatters}
-            buffers = {n: b for n, b in buffers.items() if n in live_buffers and
-                       not (n in mod._non_persistent_buffers_set and n not in loaded)}  # fmt: skip
-            if not (_same_layout(params, live_params, exact=True) and _same_layout(buffers, live_buffers, exact=False)):
+            built = self._build_module(mod, scatters, info, lent)
+            if built is None:
                 shadow.pending.append(mod)  # processed into another layout than the live one: in the pause
                 continue
-            after = vars(copy)
-            attrs = {k: v for k, v in after.items() if k not in _MODULE_STATE and before.get(k, _MISSING) is not v}
-            removed = {k for k in vars(mod) if k not in after and k not in _MODULE_STATE}
-            shadow.swaps.append((mod, params, buffers, attrs, removed))
+            shadow.swaps.append(built)
+            params, buffers = built[1], built[2]
             shadow.nbytes += sum(t.numel() * t.element_size() for t in (*params.values(), *buffers.values()))
         self._spare.clear()  # what no module took (another layout): freed
         shadow.seconds = time.perf_counter() - t0
         return shadow
+
+    def _build_module(
+        self, mod: Any, scatters: list[Scatter], info: Any, lent: dict[tuple[Any, str], torch.Tensor]
+    ) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any], set[str]] | None:
+        """One module of :meth:`_build_shadow`: a copy of ``mod`` with tensors of its own in the
+        checkpoint layout (its ``lent`` parameters over the staging set's memory the pull landed
+        in: nothing to copy; the rest in spare buffers, filled from staging), processed.
+        Returns what :meth:`_swap` takes, or None: processed into another layout than the live one."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS, materialize_meta_tensor, to_meta_tensor
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+        restore_params, restore_buffers = info.restore_metadata
+        copy = _copy_module(mod)
+        with info.restore_device:
+            for n, meta in restore_params.items():
+                if (mod, n) in lent:
+                    copy._parameters[n] = _over(meta, lent[(mod, n)])
+                else:
+                    copy._parameters[n] = _materialize(meta, self._spare.pop((id(mod), "p", n), None))
+            for n, meta in restore_buffers.items():
+                copy._buffers[n] = _materialize(meta, self._spare.pop((id(mod), "b", n), None))
+            # tensors vLLM's reload leaves as they are (SKIP_TENSORS: bias): a copy of the live one
+            for where, live in ((copy._parameters, mod._parameters), (copy._buffers, mod._buffers)):
+                for n, t in live.items():
+                    if n in SKIP_TENSORS and t is not None and n not in where:
+                        fresh = materialize_meta_tensor(to_meta_tensor(t))
+                        fresh.copy_(t)
+                        where[n] = fresh
+        for sc in scatters:
+            if (mod, sc.param) in lent:
+                continue  # landed there by the pull
+            dst = getattr(copy, sc.param).data.as_strided(sc.shape, sc.stride, sc.offset)
+            dst.copy_(_replay(self.staging[sc.source], sc.chain))
+        if hasattr(copy, "_already_called_process_weights_after_loading"):
+            delattr(copy, "_already_called_process_weights_after_loading")
+        before = dict(vars(copy))
+        quant = getattr(copy, "quant_method", None)
+        if isinstance(quant, QuantizeMethodBase):
+            quant.process_weights_after_loading(copy)
+            if hasattr(copy, "update_param_tp_status"):
+                copy.update_param_tp_status()
+        params, buffers = get_layer_params_buffers(copy)
+        live_params, live_buffers = get_layer_params_buffers(mod)
+        loaded = {sc.param for sc in scatters}
+        buffers = {n: b for n, b in buffers.items() if n in live_buffers and
+                   not (n in mod._non_persistent_buffers_set and n not in loaded)}  # fmt: skip
+        if not (_same_layout(params, live_params, exact=True) and _same_layout(buffers, live_buffers, exact=False)):
+            return None
+        after = vars(copy)
+        attrs = {k: v for k, v in after.items() if k not in _MODULE_STATE and before.get(k, _MISSING) is not v}
+        removed = {k for k in vars(mod) if k not in after and k not in _MODULE_STATE}
+        return (mod, params, buffers, attrs, removed)
 
     @torch.no_grad()
     def _swap(self, shadow: _Shadow) -> None:
@@ -727,15 +930,21 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         clock = time.perf_counter
         t = clock()
         rebind = self._rebind_storage()
+        owned = self._owned()
+        lent = self.sets[self._pulled].lent
         for mod, params, buffers, attrs, removed in shadow.swaps:
             live_params, live_buffers = get_layer_params_buffers(mod)
             for new, live in ((params, live_params), (buffers, live_buffers)):
                 for n, src in new.items():
                     old = live[n].data
+                    if old.untyped_storage().data_ptr() in owned:
+                        live[n].data = src.data  # a staging set's memory: never written here
                     # a storage that views share keeps its data (copied into), as vLLM's reload does
-                    if rebind and _unshared(old, known=1):
-                        # not freed here (~0.1 ms per MiB in the pause): the next build's buffer
-                        self._spare[(id(mod), "p" if new is params else "b", n)] = old
+                    elif rebind and _unshared(old, known=1):
+                        if new is params and (mod, n) in lent:
+                            self._retired.append(old)  # the staging sets' memory serves it from now on
+                        else:  # not freed here (~0.1 ms per MiB in the pause): the next build's buffer
+                            self._spare[(id(mod), "p" if new is params else "b", n)] = old
                         live[n].data = src.data
                     else:
                         old.copy_(src)
@@ -743,15 +952,35 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             mod.__dict__.update(attrs)
             for k in removed:
                 mod.__dict__.pop(k, None)
+        if len(self.sets) > 1:
+            self._live = self._pulled  # the next pull goes into the other set
         t1 = clock()
         if shadow.pending:
+            self._privatize(shadow.pending)
             self._replay_all(shadow.pending)
         t2 = clock()
         for layer in self.model.modules():
             if is_deferred_attention_layer(layer):
                 layer.process_weights_after_loading(self.model_config.dtype)
         self.last.update(swap_s=t1 - t, in_pause_s=t2 - t1, attention_s=clock() - t2, shadow_build_s=shadow.seconds,
-                         shadow_mib=shadow.nbytes / 2**20, in_pause_modules=float(len(shadow.pending)))  # fmt: skip
+                         shadow_mib=shadow.nbytes / 2**20, lent_mib=shadow.lent / 2**20, in_pause_modules=float(len(shadow.pending)))  # fmt: skip
+
+    def _owned(self) -> set[int]:
+        """The data pointers of the staging sets' lent memory."""
+        return {t.untyped_storage().data_ptr() for st in self.sets for t in st.lent.values()}
+
+    def _privatize(self, modules: Sequence[Any]) -> None:
+        """Give each live tensor of ``modules`` that is a staging set's memory a copy of its own,
+        before vLLM's reload writes the next version into them (it copies into the live tensors):
+        a staging set's memory is only ever written by a pull."""
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+        owned = self._owned()
+        for mod in modules:
+            for group in get_layer_params_buffers(mod):
+                for t in group.values():
+                    if t.untyped_storage().data_ptr() in owned:
+                        t.data = t.data.clone()
 
     def _rebind_storage(self) -> bool:
         """Whether a live parameter may take a new storage: nothing captured the old one (the CPU
@@ -775,6 +1004,5 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             pass
         self._shadow = None
         self._spare.clear()
-        h, self.handle = self.handle, None
-        if h is not None:
-            h.close()
+        self._retired.clear()
+        self._close_sets()

@@ -4,7 +4,9 @@ live ones while the engine serves (:mod:`tensorhub.integrations.vllm_backend`'s 
 What is here decides which modules may be built beside the live ones (:func:`_shadowable`), makes
 their tensors real in the storages a previous swap retired (:func:`_materialize`, never one that a
 view still shares: :func:`_unshared`), copies a module without its tensors (:func:`_copy_module`)
-and compares layouts (:func:`_same_layout`). The engine does the building and the swapping.
+and compares layouts (:func:`_same_layout`); it builds a parameter over a staging set's memory
+(:func:`_over`) and counts who holds a storage (:func:`_use_count`). The engine does the
+building and the swapping.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 _MISSING = object()
 
-__all__ = ["_MISSING", "_MODULE_STATE", "_Shadow", "_copy_module", "_materialize", "_same_layout", "_shadowable", "_unshared"]
+__all__ = ["_MISSING", "_MODULE_STATE", "_Shadow", "_copy_module", "_materialize", "_over", "_same_layout",
+           "_shadowable", "_unshared", "_use_count"]
 
 
 @dataclass
@@ -31,12 +34,14 @@ class _Shadow:
         pending: modules of kinds processed in the pause instead (:func:`_shadowable`).
         nbytes: the shadow's tensors (what the CPU kernels pack, e.g. oneDNN's copy of a
             weight, is not counted: it lives in the kernel's handle).
+        lent: the bytes of weights processed where the pull landed them (not copied).
     """
 
     version: int
     swaps: list[tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any], set[str]]] = field(default_factory=list)  # fmt: skip
     pending: list[Any] = field(default_factory=list)
     nbytes: int = 0
+    lent: int = 0  #: bytes of weights built where the pull landed them (the staging set's memory): not copied
     seconds: float = 0.0
 
 
@@ -75,6 +80,23 @@ def _experts_alone(quant: Any) -> bool:
     return (type(quant) is UnquantizedFusedMoEMethod and getattr(quant, "moe_kernel", None) is not None
             and getattr(quant, "unquantized_backend", None) == UnquantizedMoeBackend.CPU
             and not is_weights_pre_processed())  # fmt: skip
+
+
+def _over(meta: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """``meta``'s parameter (its class and attributes: the weight loader...) over ``buffer``'s
+    memory, as a tensor object of its own: what processing replaces or rebinds is this object,
+    never ``buffer``."""
+    t = buffer.detach()
+    t.__class__ = meta.__class__
+    t.__dict__ = meta.__dict__.copy()
+    return t
+
+
+def _use_count(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) hold ``t``'s storage, this call's own included.
+    Unknown (a torch without the counter): a large number (held)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return int(count(t.untyped_storage()._cdata)) if count is not None else 1 << 30
 
 
 def _materialize(meta: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:

@@ -48,6 +48,7 @@ would use one converts over ``tcp`` instead (the converted copy then moves over 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -245,6 +246,10 @@ class Conversion:
         self._layouts: dict[int, tuple[PlacedTensor, ...]] = {}  # each source shard's placements
         self._plans: dict[int, Plan] = {}  # and packing plan (the same for every holder of the shard)
         self._names: dict[int, dict[str, int]] = {}
+        #: per source shard, per tensor index: its units' starts and the units, by start (what
+        #: ``_span`` looks up for every read: a scan of every unit per read grew with the shard's
+        #: units times its reads)
+        self._units: dict[int, dict[int, tuple[list[int], list[Unit]]]] = {}
         #: the verified checksums of units landed in place, by (destination tensor, byte start, length)
         self._landed: dict[tuple[str, int, int], int] = {}
         self.sums: tuple[int, ...] | None = None
@@ -263,6 +268,7 @@ class Conversion:
             self._layouts[s.shard_idx] = s.placements
             self._plans[s.shard_idx] = plan_of(s.layout)
             self._names[s.shard_idx] = {t.name: i for i, t in enumerate(s.layout.tensors)}
+            self._units[s.shard_idx] = _units_by_tensor(self._plans[s.shard_idx])
             self.sources[s.shard_idx] = _Source(s.grant, msg.term, s.source, s.checksums, s.token, self._plans[s.shard_idx])
             self.stats.sources.append(f"{s.source.replica}/{s.source.shard_idx}")
             self.ready[s.shard_idx].set()
@@ -311,9 +317,11 @@ class Conversion:
         dest_tensors = {spec.name: t for spec, t in zip(b.layout.tensors, b.tensors)}
         budget = _Budget(self.spec.budget)
         running: set[asyncio.Task] = set()
+        # decided for every task before any read starts: this Python work would otherwise contend
+        # for the interpreter with the copy threads of the reads already in flight
+        in_place = [self._in_place(task, dest_tensors) for task in shard_plan.tasks]
         try:
-            for task in shard_plan.tasks:
-                places = self._in_place(task, dest_tensors)
+            for task, places in zip(shard_plan.tasks, in_place):
                 cost = 0 if places is not None else self._cost(task)
                 self.stats.in_place += places is not None
                 await budget.take(cost)
@@ -389,10 +397,12 @@ class Conversion:
 
     def _span(self, read: Read) -> tuple[list[Unit], int, int]:
         """The source units covering ``read``, their first transfer offset and total bytes."""
-        plan_ = self._plans[read.shard]
         index = self._names[read.shard][read.tensor]
         end = read.start + sum((c - 1) * p for c, p in zip(read.counts, read.pitches)) + read.length
-        units = [u for u in plan_.units if u.tensor == index and u.start < end and u.start + u.length > read.start]
+        starts, of_tensor = self._units[read.shard].get(index, ([], []))
+        lo = max(bisect.bisect_right(starts, read.start) - 1, 0)  # the unit holding read.start, or the first after
+        hi = bisect.bisect_left(starts, end)
+        units = [u for u in of_tensor[lo:hi] if u.start + u.length > read.start]
         if not units:
             return [], 0, 0
         first = units[0].offset
@@ -497,6 +507,19 @@ class Conversion:
         if src.generation is None and isinstance(gen, int):
             src.generation = gen
         return hasher.digests if hasher is not None and hasher.complete else None
+
+
+def _units_by_tensor(plan_: Plan) -> dict[int, tuple[list[int], list[Unit]]]:
+    """``plan_``'s units grouped by tensor, each group by start (a tensor's units do not
+    overlap): with their starts, for bisecting."""
+    groups: dict[int, list[Unit]] = {}
+    for u in plan_.units:
+        groups.setdefault(u.tensor, []).append(u)
+    out = {}
+    for t, us in groups.items():
+        us.sort(key=lambda u: u.start)
+        out[t] = ([u.start for u in us], us)
+    return out
 
 
 def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
