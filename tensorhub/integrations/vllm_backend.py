@@ -85,6 +85,11 @@ Lifetimes
 The weight version vLLM reports (``/weight_info``, each output's ``weight_versions``) is set by
 the frontend, not the workers: :class:`TensorHubTrainerWeightTransferEngine` and
 :func:`update` pass the TensorHub version as ``finish_weight_update(weight_version=...)``.
+
+Size: the worker engine's phases (pull, build, swap) share its two staging sets, their lent
+memory and the rule that nothing live is written; the seam to split along is the loader trace
+(:func:`checkpoint_tensors` to :func:`_lent`: what the engine's own loader does with each
+checkpoint tensor), which the rest only reads.
 """
 
 from __future__ import annotations
