@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 import socket
@@ -11,7 +12,7 @@ import pytest
 import zmq.asyncio
 
 from tensorhub.core.errors import InvalidArgument
-from tensorhub.runtime.embedded import resolve_server
+from tensorhub.runtime.embedded import _lock, _lock_path, resolve_server
 
 from .procs import RemoteHandle
 
@@ -55,6 +56,7 @@ def test_several_processes_open_at_once_and_exactly_one_server_starts(monkeypatc
         handles[1].call("register")
         assert handles[1].call("replicate", 1, 30.0) == 1
         assert handles[1].call("holds", 1)
+        assert not os.path.exists(_lock_path(address)), "the start-up lock's file is removed by its last holder"
     finally:
         for h in handles:
             h.exit()
@@ -91,3 +93,32 @@ def test_server_from_the_environment(monkeypatch):
             ctx.term()
 
     assert asyncio.run(main()) == "tcp://127.0.0.1:6001"
+
+
+def test_a_waiter_on_a_removed_lock_file_takes_the_new_one(tmp_path):
+    """The start-up lock's holder removes its file before letting go: a process that was waiting on
+    that file must not think it holds the lock (a third one may have made a new file and locked it)."""
+    path = str(tmp_path / "start.lock")
+
+    async def main() -> None:
+        first = await _lock(path)
+        waiter = asyncio.ensure_future(_lock(path))
+        await asyncio.sleep(0.2)  # the waiter has opened the file and blocks in flock
+        assert not waiter.done()
+        third = os.open(path + ".new", os.O_CREAT | os.O_RDWR, 0o600)
+        os.unlink(path)
+        os.rename(path + ".new", path)  # a new file at the path, as a third process would make
+        fcntl.flock(third, fcntl.LOCK_EX)  # ... and lock
+        os.close(first)  # the waiter gets the old, removed file's lock: it must open the path again
+        await asyncio.sleep(0.2)
+        assert not waiter.done(), "the waiter took the lock of a file no longer at the path"
+        os.unlink(path)
+        os.close(third)
+        fd = await asyncio.wait_for(waiter, 5)
+        try:
+            assert os.fstat(fd).st_ino == os.stat(path).st_ino
+        finally:
+            os.unlink(path)
+            os.close(fd)
+
+    asyncio.run(main())

@@ -11,8 +11,9 @@ With ``server=None`` and no ``$TENSORHUB_SERVER``, a handle connects to a well-k
 address (``$TENSORHUB_EMBEDDED_ADDRESS``, default ``tcp://127.0.0.1:5557``). If nobody answers
 there, it starts a detached server process on it. Several processes doing this at once are
 serialized by an exclusive lock on a file named after the address: the first starts the server,
-the others find it when they get the lock. A server bound there refuses a second bind anyway, so
-exactly one runs. The embedded server exits after ``EMBEDDED_IDLE_EXIT`` seconds with no
+the others find it when they get the lock. The holder removes the file as it lets go, so none is
+left behind per address used. A server bound there refuses a second bind anyway, so exactly one
+runs. The embedded server exits after ``EMBEDDED_IDLE_EXIT`` seconds with no
 session open, so it does not outlive the jobs that started it.
 
 In a multi-node job (torchrun's ``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``) the embedded default is
@@ -135,16 +136,45 @@ async def resolve_servers(ctx: zmq.asyncio.Context, server: str | Sequence[str] 
     address = embedded_address()
     if await probe(ctx, address):
         return (address,)
-    lock_path = os.path.join(tempfile.gettempdir(), "tensorhub-" + re.sub(r"[^A-Za-z0-9]+", "_", address) + ".lock")
-    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+    lock_path = _lock_path(address)
+    fd = await _lock(lock_path)
     try:
-        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
         if await probe(ctx, address):
             return (address,)  # another process started it while we waited for the lock
         await _start_detached(ctx, address)
         return (address,)
     finally:
+        os.unlink(lock_path)  # while still held: a waiter on this inode sees it is gone and retries
         os.close(fd)  # releases the lock
+
+
+def _lock_path(address: str) -> str:
+    return os.path.join(tempfile.gettempdir(), "tensorhub-" + re.sub(r"[^A-Za-z0-9]+", "_", address) + ".lock")
+
+
+async def _lock(path: str) -> int:
+    """An exclusive lock on the file at ``path``; its descriptor. Its holder removes the file before it
+    lets go (so that one is not left behind per address ever used), hence a waiter that gets the lock
+    on a file that is no longer at ``path`` (or is another file there now) opens it again."""
+    for _ in range(_LOCK_TRIES):
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+            try:
+                current = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                current = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if current:
+            return fd
+        os.close(fd)
+    raise ServerUnavailable(f"could not lock {path} to start the embedded server: it was replaced {_LOCK_TRIES} times")
+
+
+#: Times to reopen the start-up lock after its file was removed by its previous holder.
+_LOCK_TRIES = 64
 
 
 async def _start_detached(ctx: zmq.asyncio.Context, address: str) -> None:
