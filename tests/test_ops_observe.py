@@ -57,6 +57,8 @@ class Peer:
             reply = decode(self.sock.recv())
             if want is None or isinstance(reply, want):
                 return reply
+            # this request refused: say so now, not after 20 more polls (another call's end may come first)
+            assert not (isinstance(reply, m.Failed) and reply.req == self.req), f"refused: {reply}"
         raise AssertionError(f"no {want}")
 
     def send(self, msg) -> None:
@@ -69,7 +71,9 @@ class Peer:
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--metrics-port", "0")
+    # These raw peers do not heartbeat: a timeout well past any test's length keeps their sessions
+    # (at the default 10 s a loaded machine expired them, and every close was refused)
+    s = ServerProcess("--metrics-port", "0", "--heartbeat-timeout", "600")
     s.metrics_port = int(re.search(r":(\d+)/metrics", s.proc.stdout.readline()).group(1))
     yield s
     assert s.alive(), f"the server died: {s.stderr()}"
