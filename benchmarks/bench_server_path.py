@@ -11,18 +11,30 @@ without it, decoding the same frames alone in the same run.
 Goal: none fixed: issue 34's budget is the server's whole message mix in one core at 4,096
 sessions, which ``benchmarks/server_load.py`` measures; this isolates the heartbeat's share.
 
-Usage: python benchmarks/bench_server_path.py [--sessions N] [--rounds R] [--against DIR | --tree DIR]
+``--backup`` makes the server a primary with a backup (holding its lease): each heartbeat is a
+vote, echoing the stamp of the server's last answer, as a client's is.
+
+A figure that no other load on the machine moves: ``--instructions`` hands one round of
+heartbeats (after a first one) inside ``itertools.starmap``, so that valgrind counts that round
+alone; divide by the heartbeats it prints::
+
+    valgrind --tool=callgrind --toggle-collect=starmap_next --callgrind-out-file=/dev/null \\
+        python benchmarks/bench_server_path.py --instructions [--backup] [--tree DIR]
+
+Usage: python benchmarks/bench_server_path.py [--sessions N] [--rounds R] [--backup] [--against DIR | --tree DIR] [--instructions]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 _TREE = sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv[:-1] else None
@@ -48,17 +60,25 @@ class _Socket:
         raise zmq.Again()  # nothing waiting (the server looks for heartbeats between a batch's frames)
 
 
-def measure(sessions: int, rounds: int) -> dict[str, list[float]]:
-    """``rounds`` batches in this process: CPU microseconds per heartbeat, and per decode alone."""
+def _server(sessions: int, backup: bool) -> tuple[Any, Callable[[list[Any]], None], list[Any], list[bytes]]:
+    """A server actor with ``sessions`` open sessions on a socket stand-in, the path a heartbeat
+    read from the socket takes, one heartbeat frame per session (echoing the server's stamp
+    with ``backup``), and those frames alone."""
     from tensorhub.core import messages as m
     from tensorhub.core import wire
     from tensorhub.core.topology import Location
     from tensorhub.runtime.server import ServerActor, ServerConfig, _Batch, _Frames
 
-    server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0"))
+    if backup:  # a primary holding its backup's lease (no socket to it: the lease is set here)
+        server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0", role="primary", peer="tcp://127.0.0.1:9"))
+        server.table.reign.lease_until = float("inf")
+        server.table.tick()  # begins its reign
+        if not server.table.reign.reigning:
+            raise SystemExit("the primary does not reign with its lease held")
+    else:
+        server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0"))
     server._raw = _Socket()  # type: ignore[assignment]  # a stand-in that only takes bytes
-    loop = asyncio.new_event_loop()
-    server.loop = loop
+    server.loop = asyncio.new_event_loop()
     peers = [b"peer-%d" % i for i in range(sessions)]
     sids = []
     for i, peer in enumerate(peers):
@@ -71,7 +91,20 @@ def measure(sessions: int, rounds: int) -> dict[str, list[float]]:
     # does that (``_answer_beats``), else handed to the mailbox as a batch (older checkouts)
     answer = getattr(server, "_answer_beats", None)
     path = answer if answer is not None else (lambda frames: server.on__Batch(_Batch(frames)))
-    path(batch)  # warm: every schema compiled, every session seen
+    path(batch)  # warm: every schema compiled, every session seen (with a backup: their arrivals)
+    if backup:  # from now on each heartbeat echoes a stamp of this server's: a vote that refreshes
+        stamp, term = time.monotonic(), server.table.term
+        frames = [wire.encode(m.Heartbeat(7, (sid,), stamp, term)) for sid in sids]
+        batch = [_Frames(peer, [f], None, 0.0) for peer, f in zip(peers, frames)]
+        path(batch)
+    return server, path, batch, frames
+
+
+def measure(sessions: int, rounds: int, backup: bool = False) -> dict[str, list[float]]:
+    """``rounds`` batches in this process: CPU microseconds per heartbeat, and per decode alone."""
+    from tensorhub.core import wire
+
+    server, path, batch, frames = _server(sessions, backup)
     out: dict[str, list[float]] = {"heartbeat": [], "decode alone": []}
     for _ in range(rounds):
         c0 = time.process_time()
@@ -81,17 +114,33 @@ def measure(sessions: int, rounds: int) -> dict[str, list[float]]:
         for f in frames:
             wire.decode(f)
         out["decode alone"].append((time.process_time() - c0) / sessions * 1e6)
+    _check(server, sessions, backup)
+    server.loop.close()
+    return out
+
+
+def _check(server: Any, sessions: int, backup: bool) -> None:
     if server.table.stats["expired"] or len(server.table.sessions) != sessions:
         raise SystemExit("sessions were lost while measuring")
-    loop.close()
-    return out
+    if backup and len(server.table.reign.votes) != sessions:
+        raise SystemExit(f"{len(server.table.reign.votes)} votes recorded for {sessions} sessions")
+
+
+def instructions(sessions: int, backup: bool) -> int:
+    """One round of heartbeats inside ``itertools.starmap`` (what callgrind counts); returns
+    how many."""
+    server, path, batch, _ = _server(sessions, backup)
+    list(itertools.starmap(path, [(batch,)]))
+    _check(server, sessions, backup)
+    server.loop.close()
+    return len(batch)
 
 
 def _child(root: Path, args: argparse.Namespace) -> dict[str, list[float]]:
     from benchmarks.harness.processes import in_checkout  # here: the child imports the other tree's harness
 
     figures: dict[str, list[float]] = in_checkout(Path(__file__).resolve(), root, [
-        "--sessions", str(args.sessions), "--rounds", "3"], timeout=600)  # fmt: skip
+        "--sessions", str(args.sessions), "--rounds", "3", *(["--backup"] if args.backup else [])], timeout=600)  # fmt: skip
     return figures
 
 
@@ -101,12 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--against", type=Path, help="another checkout to measure, alternating with this one")
     ap.add_argument("--tree", type=Path, help="measure this checkout's tensorhub instead of this tree's")
+    ap.add_argument("--backup", action="store_true", help="a primary with its backup: heartbeats are votes")
+    ap.add_argument("--instructions", action="store_true", help="one round in itertools.starmap, for valgrind")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.sessions < 1 or args.rounds < 1:
         ap.error("--sessions and --rounds must be >= 1")
+    if args.instructions:
+        n = instructions(args.sessions, args.backup)
+        where = Path(sys.modules["tensorhub"].__file__ or "?").parents[1]
+        print(f"one round of {n} heartbeats through {where}'s server actor"
+              f"{' (a primary with a backup)' if args.backup else ''} (divide callgrind's Collected by it)")  # fmt: skip
+        return 0
     if args.child:
-        print(json.dumps(measure(args.sessions, args.rounds)))
+        print(json.dumps(measure(args.sessions, args.rounds, args.backup)))
         return 0
     if args.against is not None and not (args.against / "tensorhub" / "runtime" / "server.py").is_file():
         ap.error(f"--against {args.against}: not a checkout of this project (no tensorhub/runtime/server.py)")
@@ -118,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             for tree, root in (("this tree", ROOT), ("against", args.against.resolve())):
                 for label, xs in _child(root, args).items():
                     trees[tree].setdefault(label, []).extend(xs)
-    print(f"server actor, {args.sessions} sessions, one heartbeat frame each per batch, CPU us per message "
+    print(f"server actor{' (a primary with a backup)' if args.backup else ''}, {args.sessions} sessions, "
+          f"one heartbeat frame each per batch, CPU us per message "
           f"(load average {os.getloadavg()[0]:.1f})")  # fmt: skip
     for tree, figures in trees.items():
         for label, xs in figures.items():

@@ -258,3 +258,45 @@ def test_a_batch_behind_a_long_backlog_leaves_the_socket_to_its_queues():
         server._queued = len(frames)
         server.on__Batch(_Batch(frames))
         assert len(reads) >= 1
+
+
+def test_a_primarys_heartbeats_are_answered_as_read_and_count_as_votes():
+    """With a backup, heartbeats are votes: they take the read path a server alone's take (not
+    the whole per-frame path), the vote is recorded (an arrival first, then refreshed by the
+    echoed stamp) and the ack carries the stamp, the lease and the reign."""
+    import asyncio
+
+    from tensorhub.core.topology import Location
+    from tensorhub.core.wire import decode, encode
+    from tensorhub.runtime.server import ServerActor, ServerConfig
+
+    server = ServerActor(ServerConfig(bind="tcp://127.0.0.1:0", role="primary", peer="tcp://127.0.0.1:9"))
+    loop = asyncio.new_event_loop()
+    try:
+        server.loop = loop
+        table, reign = server.table, server.table.reign
+        reign.lease_until = time.monotonic() + 60  # the backup's lease, held
+        table.tick()
+        assert reign.reigning
+        opened = table.handle(b"peer-a", m.OpenShard(1, "actor", "r0", 1, 0, "i1", Location.default(), False, None))
+        sid = opened[0][1].session
+        whole_path: list = []
+        server._handle = whole_path.append  # type: ignore[method-assign]
+        sock = StandInSocket([[b"peer-a", encode(m.Heartbeat(2, (sid,)))]])
+        server._raw = sock  # type: ignore[assignment]
+        server._drain()
+        first = decode(sock.sent[1])
+        assert isinstance(first, m.HeartbeatAck) and first.term == table.term and first.reigning
+        assert first.stamp > 0 and first.lease == reign.lease
+        slot, counts_from, until = reign.votes[sid]
+        assert until == float("-inf") and counts_from > first.stamp  # an arrival counts from a lease on
+        sock.waiting.append([b"peer-a", encode(m.Heartbeat(3, (sid,), first.stamp, table.term))])
+        server._drain()
+        second = decode(sock.sent[3])
+        assert isinstance(second, m.HeartbeatAck) and second.req == 3 and second.unknown == ()
+        assert reign.votes[sid][2] == first.stamp + reign.lease  # the echoed stamp refreshed the vote
+        assert whole_path == []
+        assert server.m_requests.value("heartbeat") == 2 and server.m_frames.value("ok") == 2
+    finally:
+        loop.close()
+        server.ctx.term()

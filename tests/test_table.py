@@ -991,13 +991,7 @@ def test_second_offload_while_the_first_drains(d):
 
 def test_heartbeat_entry_answers_as_handle_does():
     """``ReferenceTable.heartbeat`` (the server's read path) is ``handle`` of a heartbeat: the
-    same acknowledgement, the same session kept alive; a table with a reign refuses it."""
-    import random
-
-    from tensorhub.core.table import ReferenceTable
-    from tensorhub.core.table.reign import Reign
-    from tensorhub.scheduling.selection import SourceIndex
-
+    same acknowledgement, the same session kept alive."""
     a, b = Driver(), Driver()
     sa, sb = a.shard("r"), b.shard("r")
     for drv in (a, b):
@@ -1006,9 +1000,51 @@ def test_heartbeat_entry_answers_as_handle_does():
     via_handle = a.send(sa.peer, msg)
     via_entry = b.table.heartbeat(sb.peer, m.Heartbeat(9, (sb.session, 4242)))
     assert via_handle == [(sa.peer, m.HeartbeatAck(9, (4242,), a.table.term))]
-    assert via_entry == m.HeartbeatAck(9, (4242,), b.table.term)
+    assert via_entry == [(sb.peer, m.HeartbeatAck(9, (4242,), b.table.term))]
     assert a.table.sessions[sa.session].last_seen == b.table.sessions[sb.session].last_seen == b.clock()
-    assert b.table.heartbeat("someone-else", m.Heartbeat(10, (sb.session,))).unknown == (sb.session,)
-    primary = ReferenceTable(a.clock, random.Random(0), TableConfig(), sources=SourceIndex, reign=Reign("primary", 5.0))
-    with pytest.raises(e.InvalidArgument, match="server alone"):
-        primary.heartbeat("p", m.Heartbeat(1, ()))
+    assert b.table.heartbeat("someone-else", m.Heartbeat(10, (sb.session,))) == [
+        ("someone-else", m.HeartbeatAck(10, (sb.session,), b.table.term))
+    ]
+
+
+def test_heartbeat_entry_with_a_reign_votes_as_handle_does():
+    """A primary's heartbeats are votes: ``heartbeat()`` records the same votes, keeps the same
+    sessions alive and stamps the same acknowledgement as ``handle()``, for an arrival (no
+    stamp), a stamp echoed, a stamp of another term, another connection naming the session, and
+    a session a step-down dropped (answered ``StepDown``)."""
+    import random
+
+    from tensorhub.core.table import ReferenceTable
+    from tensorhub.core.table.reign import Reign
+    from tensorhub.scheduling.selection import SourceIndex
+
+    tables = []
+    for _ in range(2):
+        clock = Driver().clock
+        t = ReferenceTable(clock, random.Random(0), TableConfig(), term=7, sources=SourceIndex, reign=Reign("primary", 5.0))
+        t.reign.lease_until = clock.t + 100.0
+        t.tick()
+        sids = [t.handle(f"p{i}", m.OpenShard(1, "actor", f"r{i}", 1, 0, "i1", m.Location("dc0", "h", ""), False, None))[0][1].session
+                for i in range(3)]  # fmt: skip
+        tables.append((clock, t, sids))
+    (ca, a, sa), (cb, b, sb) = tables
+    assert a.reign.reigning and sa == sb
+    steps = [
+        ("p0", m.Heartbeat(1, (sa[0],))),  # an arrival
+        ("p1", m.Heartbeat(2, (sa[1], 999), 0.0, 7)),
+        ("p0", m.Heartbeat(3, (sa[0],), 1001.0, 7)),  # echoes a stamp of this term
+        ("p1", m.Heartbeat(4, (sa[1],), 1001.2, 7)),
+        ("p0", m.Heartbeat(5, (sa[0],), 1001.5, 6)),  # a stamp of another term: an arrival again
+        ("p2", m.Heartbeat(6, (sa[0], sa[2]), 1002.0, 7)),  # another connection names p0's session
+    ]
+    for peer, msg in steps:
+        for clock in (ca, cb):
+            clock.t += 0.5
+        assert a.handle(peer, msg) == b.heartbeat(peer, msg)
+        assert a.reign.votes == b.reign.votes and a.reign._majority_until == b.reign._majority_until
+        assert [(s.last_seen, s.peer) for s in a.sessions.values()] == [(s.last_seen, s.peer) for s in b.sessions.values()]
+    for t in (a, b):
+        t.reign.forget([sa[1]])  # as a step-down leaves it: the session is answered StepDown
+    msg = m.Heartbeat(7, (sa[1], sa[0]), 1002.5, 7)
+    via_handle, via_entry = a.handle("p1", msg), b.heartbeat("p1", msg)
+    assert via_handle == via_entry and any(isinstance(x, m.StepDown) for _, x in via_entry)

@@ -661,7 +661,10 @@ class SplitBrainMachine(RuleBasedStateMachine):
         t = self.tables.get(srv)
         if t is None or not c.alive or not self.up(c.name, srv):
             return
-        self.deliver(srv, t.handle(c.name, msg))
+        if isinstance(msg, m.Heartbeat) and msg.req % 2:  # the server's socket reader's path (half of them)
+            self.deliver(srv, t.heartbeat(c.name, msg))
+        else:
+            self.deliver(srv, t.handle(c.name, msg))
 
     def deliver(self, srv: str, out: list) -> None:
         t = self.tables[srv]
@@ -864,3 +867,30 @@ def test_split_brain_walks(seed: int) -> None:
         _, b = split_brain_walk(seed + k, 400)
         backup += b
     assert backup > 0, "the backup never reigned: the walks exercise nothing"
+
+
+def test_a_session_the_primary_kept_alive_is_not_removed_by_the_backup_taking_over(seed: int) -> None:
+    """Heartbeats are votes that refresh deadlines, nothing more: after the primary dies, the
+    backup that takes over keeps every session its clients bring (none of them expires there),
+    and the primary never removed one it heard from. Seeded; the seed is printed on failure."""
+    machine = SplitBrainMachine()
+    machine.start(seed=seed)
+    p, b = machine.tables["P"], machine.tables["B"]
+    assert p is not None and b is not None
+    machine.advance(12.0)  # past a heartbeat timeout: every session kept alive by heartbeats alone
+    assert p.reign.reigning and set(p.reign.votes) == set(p.sessions)
+    assert sorted(s.replica.name for s in p.sessions.values()) == sorted(VOTER_NAMES)
+    assert p.stats["expired"] == 0, f"seed={seed}: the primary removed a session it heard from"
+    machine.cut.update({("P", "B"), ("B", "P")})  # the primary alone: it reigns by its votes (lease gone)
+    machine.advance(12.0)
+    assert p.reign.reigning and p.stats["expired"] == 0, f"seed={seed}: {p.reign.why_not()}"
+    machine.server_crash("P", restart=False)
+    machine.cut.clear()
+    machine.advance(3 * CONFIG.heartbeat_timeout)  # the clients move; the backup takes over
+    assert b.reign.reigning, f"seed={seed}: the backup did not take over: {b.reign.why_not()}"
+    assert all(c.at == "B" for c in machine.clients.values())
+    at_takeover = {sid: s.replica.name for sid, s in b.sessions.items()}
+    assert sorted(at_takeover.values()) == sorted(VOTER_NAMES)
+    machine.advance(3 * CONFIG.heartbeat_timeout)
+    assert {sid: s.replica.name for sid, s in b.sessions.items()} == at_takeover, f"seed={seed}"
+    assert b.stats["expired"] == 0, f"seed={seed}: the backup removed a session that heartbeats"

@@ -500,14 +500,14 @@ class ServerActor(Actor):
             self._input_waits()  # the replies' sends may have taken the descriptor's signal
 
     def _answer_beats(self, beats: list[_Frames]) -> None:
-        """Answer heartbeats read together. A server alone without keys answers each through
-        the table's :meth:`~ReferenceTable.heartbeat` and counts them in its metrics once for
-        all of them (a heartbeat is most of what thousands of sessions send: the per-frame
-        bookkeeping of :meth:`_handle` was half its cost); with keys (each frame's key is
-        checked) or a reign (heartbeats are votes), and for a frame that does not decode to a
-        heartbeat, each goes through :meth:`_handle`."""
+        """Answer heartbeats read together, each through the table's
+        :meth:`~ReferenceTable.heartbeat`, and count them in the metrics once for all of them (a
+        heartbeat is most of what thousands of sessions send: the per-frame bookkeeping of
+        :meth:`_handle` was half its cost). A primary's or backup's heartbeats (votes) take this
+        path too. With keys (each frame's key is checked), and for a frame that does not decode
+        to a heartbeat, each goes through :meth:`_handle`."""
         table = self.table
-        if self.config.keys is not None or table.reign.role != "solo":
+        if self.config.keys is not None:
             for f in beats:
                 self._handle(f)
             return
@@ -521,12 +521,14 @@ class ServerActor(Actor):
             if type(request) is not m.Heartbeat:
                 self._handle(f)  # answered with its error (or as what it is) by the whole path
                 continue
-            ack = table.heartbeat(f.peer, request)
+            out = table.heartbeat(f.peer, request)
             ok += 1
-            if sock is not None:
+            if len(out) != 1 or out[0][0] != f.peer:
+                self._send(out)  # the reign began or ended just now, or a step-down dropped a session
+            elif sock is not None:
                 try:
                     sock.send(f.peer, _SNDMORE_NOBLOCK)
-                    sock.send(encode(ack), _NOBLOCK)
+                    sock.send(encode(out[0][1]), _NOBLOCK)
                 except zmq.ZMQError as err:
                     self._dropped(err, f.peer, "HeartbeatAck")
             self.m_latency.observe(time.monotonic() - f.at, "heartbeat")

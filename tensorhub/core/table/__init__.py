@@ -95,7 +95,7 @@ import random
 from typing import Any, Callable, Hashable
 
 from .. import messages as m
-from ..errors import InvalidArgument, ProtocolError, ReplicaRemoved, TensorHubError
+from ..errors import ProtocolError, ReplicaRemoved, TensorHubError
 from .conversions import ConversionMixin
 from .deltas import DeltaMixin
 from .failover import FailoverMixin, ReignMixin
@@ -232,20 +232,41 @@ class ReferenceTable(
             return out
         return self._reign_after(peer, msg, out)
 
-    def heartbeat(self, peer: Hashable, msg: m.Heartbeat) -> m.HeartbeatAck:
-        """:meth:`handle` of a heartbeat, for a server alone (``reign`` None: its heartbeats are
-        no votes), without the dispatch around it: the same effect and the same answer, for
-        the server's socket reader, which answers heartbeats as it reads them.
+    def heartbeat(self, peer: Hashable, msg: m.Heartbeat) -> Outbox:
+        """:meth:`handle` of a heartbeat without the dispatch around it: the same effect and the
+        same answer, for the server's socket reader, which answers heartbeats as it reads them.
 
-        Raises:
-            InvalidArgument: this table has a reign (a primary's or backup's heartbeats are
-                votes: they go through :meth:`handle`).
+        A heartbeat only refreshes deadlines: each session's expiry and, with a reign, the vote
+        of the connection that opened it (until the echoed stamp plus the lease). What else a
+        heartbeat may meet (the reign beginning or ending now, a session a step-down dropped) is
+        left to :meth:`handle` itself, so that those paths stay one.
         """
-        if self.reign.role != "solo":
-            raise InvalidArgument(f"heartbeat() is for a server alone; a {self.reign.role} handles heartbeats in handle()")
-        self._on_heartbeat(peer, msg)
-        ((_, ack),) = self._flush()  # a heartbeat answers its sender once and changes nothing to settle
-        return ack  # type: ignore[no-any-return]
+        reign = self.reign
+        if reign.role == "solo":
+            self._on_heartbeat(peer, msg)
+            return self._flush()  # a heartbeat answers its sender once and changes nothing to settle
+        self._check_reign()
+        dropped = reign.dropped
+        if self._out or self._dirty_models or (dropped and any(sid in dropped for sid in msg.sessions)):
+            return self.handle(peer, msg)  # checking the rule again changes nothing: it just ran
+        now = self.clock()
+        sessions, owner, expiry, vote = self.sessions, reign.owner, self.expiry, reign.vote
+        term = self.term
+        stamp = msg.stamp if msg.stamp_term == term and msg.stamp > 0 else None
+        unknown = []
+        for sid in msg.sessions:
+            s = sessions.get(sid)
+            if s is None:
+                unknown.append(sid)
+                continue
+            if owner.get(sid) == peer:  # only the connection that opened a session votes for it
+                vote(sid, s.slot, now, stamp)
+            if s.peer != peer:  # a session another connection opened is not kept alive from here
+                unknown.append(sid)
+                continue
+            s.last_seen = now
+            expiry.move_to_end(sid)
+        return [(peer, m.HeartbeatAck(msg.req, tuple(unknown), term, now, reign.lease, reign.reigning))]
 
     def tick(self) -> Outbox:
         """Apply the passage of time up to ``clock()``; return the messages to send."""
