@@ -1,0 +1,122 @@
+"""Checksums declared in parts (issue 37): the table relays each part of a publisher's checksums
+to the readers pulling without them, keeps the declared prefix for readers granted later, and
+refuses a part that leaves a gap, overruns the layout, or differs from what was declared."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorhub.core import errors as e
+from tensorhub.core import messages as m
+from tensorhub.core.invariants import assert_invariants
+
+from .table_driver import Driver, make_layout
+
+LAYOUT = make_layout(3 << 20, 2 << 20, chunk=1 << 20)  # 5 checksum units
+N = LAYOUT.checksum_count()
+SUMS = tuple(range(101, 101 + N))
+
+
+@pytest.fixture
+def d() -> Driver:
+    drv = Driver()
+    drv.advance(11)  # past the start-up grace period
+    yield drv
+    assert_invariants(drv.table)
+
+
+def _part(s, version: int, first: int, values: tuple[int, ...]) -> int:
+    return s.request(m.DeclareChecksumsPart, s.session, version, first, values)
+
+
+def _publisher_and_reader(d: Driver):
+    t = d.shard("trainer", layout=LAYOUT)
+    t.expect_ok(t.publish(1))
+    r = d.shard("r", layout=LAYOUT)
+    r.replicate(1)
+    g = r.grant()
+    assert g.checksums is None
+    return t, r, g
+
+
+def test_each_part_reaches_the_reader_pulling_without_checksums_then_the_whole(d):
+    assert N == 5
+    t, r, g = _publisher_and_reader(d)
+    t.expect_ok(_part(t, 1, 0, SUMS[:2]))
+    (p,) = r.take(m.ChecksumsPartReady)
+    assert (p.grant, p.version, p.first, p.checksums) == (g.grant, 1, 0, SUMS[:2])
+    t.expect_ok(_part(t, 1, 1, SUMS[1:4]))  # overlaps what was declared: only the new ones travel
+    (p,) = r.take(m.ChecksumsPartReady)
+    assert (p.first, p.checksums) == (2, SUMS[2:4])
+    t.expect_ok(_part(t, 1, 0, SUMS[:3]))  # nothing new: nothing sent
+    assert r.take(m.ChecksumsPartReady) == []
+    t.expect_ok(t.request(m.DeclareChecksums, t.session, 1, SUMS))
+    (ready,) = r.take(m.ChecksumsReady)
+    assert ready.checksums == SUMS
+    assert d.table.models["actor"].versions[1].prefix == {}
+
+
+def test_a_reader_granted_after_parts_gets_the_declared_prefix_with_its_grant(d):
+    t = d.shard("trainer", layout=LAYOUT)
+    t.expect_ok(t.publish(1))
+    t.expect_ok(_part(t, 1, 0, SUMS[:3]))
+    r = d.shard("r", layout=LAYOUT)
+    r.replicate(1)
+    g = r.grant()
+    (p,) = r.take(m.ChecksumsPartReady)
+    assert (p.grant, p.first, p.checksums) == (g.grant, 0, SUMS[:3])
+
+
+@pytest.mark.parametrize(
+    "first, values, error, words",
+    [
+        (3, SUMS[3:4], e.InvalidArgument, "gap"),  # 2 declared: unit 2 would be missing
+        (4, SUMS[4:] + (9,), e.InvalidArgument, "5 checksum units"),  # past the layout's units
+    ],
+)
+def test_a_part_with_a_gap_or_past_the_layout_is_refused_and_changes_nothing(d, first, values, error, words):
+    t, r, _ = _publisher_and_reader(d)
+    t.expect_ok(_part(t, 1, 0, SUMS[:2]))
+    r.take(m.ChecksumsPartReady)
+    err = t.expect_error(_part(t, 1, first, values), error)
+    assert words in str(err) and "actor" in str(err)
+    assert r.take(m.ChecksumsPartReady) == []
+    assert d.table.models["actor"].versions[1].prefix == {0: SUMS[:2]}
+
+
+def test_a_part_that_differs_from_the_declared_prefix_quarantines_its_holder(d):
+    t, r, _ = _publisher_and_reader(d)
+    t.expect_ok(_part(t, 1, 0, SUMS[:2]))
+    t.expect_error(_part(t, 1, 1, (999, SUMS[2])), e.VersionConflict)
+    assert t.take(m.Quarantined)
+
+
+def test_a_whole_declaration_that_differs_from_the_parts_is_a_conflict(d):
+    t, _, _ = _publisher_and_reader(d)
+    t.expect_ok(_part(t, 1, 0, SUMS[:2]))
+    t.expect_error(t.request(m.DeclareChecksums, t.session, 1, (7,) + SUMS[1:]), e.VersionConflict)
+    assert t.take(m.Quarantined)
+
+
+def test_another_publisher_of_the_version_must_agree_with_the_parts(d):
+    t = d.shard("trainer", layout=LAYOUT)
+    t.expect_ok(t.publish(1))
+    t.expect_ok(_part(t, 1, 0, SUMS[:2]))
+    other = d.shard("other", layout=LAYOUT)
+    other.expect_ok(other.publish(1))
+    other.expect_error(other.request(m.DeclareChecksums, other.session, 1, (5,) * N), e.VersionConflict)
+
+
+def test_parts_of_a_version_not_published_are_a_contract_violation(d):
+    t = d.shard("trainer", layout=LAYOUT)
+    t.expect_error(_part(t, 1, 0, SUMS[:1]), e.ContractViolation)
+    t.expect_ok(t.publish(1))
+    t.expect_error(_part(t, 2, 0, SUMS[:1]), e.ContractViolation)
+
+
+def test_a_part_after_the_whole_declaration_must_agree_and_is_not_relayed(d):
+    t, r, _ = _publisher_and_reader(d)
+    t.expect_ok(t.request(m.DeclareChecksums, t.session, 1, SUMS))
+    r.take(m.ChecksumsReady)
+    t.expect_ok(_part(t, 1, 2, SUMS[2:4]))
+    assert r.take(m.ChecksumsPartReady) == []
