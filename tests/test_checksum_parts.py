@@ -120,3 +120,79 @@ def test_a_part_after_the_whole_declaration_must_agree_and_is_not_relayed(d):
     r.take(m.ChecksumsReady)
     t.expect_ok(_part(t, 1, 2, SUMS[2:4]))
     assert r.take(m.ChecksumsPartReady) == []
+
+
+# --- end to end: a publisher declaring parts, readers verifying against them --------------------
+
+MIB = 1 << 20
+
+
+def _weights(seed: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    # six 2 MiB tensors (not packed): one checksum unit each
+    return {f"w{i}": torch.randint(0, 255, (2 * MIB,), dtype=torch.uint8, generator=g) for i in range(6)}
+
+
+@pytest.mark.parametrize("unit", [0, 3, 5])  # in the first part, in the last part, in the units declared only whole
+def test_reads_are_verified_against_parts_and_a_byte_flipped_in_any_part_is_refused(inproc_server, monkeypatch, seed, unit):
+    """The publisher's hash stops after its parts (units 0-3 of 6) until the test lets it go on:
+    the reader verifies what those parts cover meanwhile, and a byte flipped as it lands (in unit
+    ``unit``) is refused, whether its unit's checksum came in a part or only with the whole;
+    the reader ends with the publishers' bytes."""
+    import threading
+
+    import torch
+
+    import tensorhub
+    from tensorhub.runtime import checksum
+
+    from .procs import wait_until
+
+    srv = inproc_server
+    monkeypatch.setattr(checksum, "_PART_FIRST", 2 * MIB)  # parts: units [0, 1), [1, 2), [2, 4)
+    release = threading.Event()
+    real = checksum._unit_checksum
+
+    def stalled(buffers, u):
+        if u.index >= 4:  # the publishers' hash waits here (bounded) until the test releases it
+            release.wait(30)
+        return real(buffers, u)
+
+    monkeypatch.setattr(checksum, "_unit_checksum", stalled)
+    at = unit * 2 * MIB + 12345 + seed % 1000
+    monkeypatch.setenv("TENSORHUB_CHUNK_BYTES", str(2 * MIB))  # reads of one unit each
+    transports = {"local": {"faults": [{"op": "corrupt", "at": at, "times": 1}]}}
+    want = _weights(seed)
+    handles = []
+    try:
+        for name in ("trainer", "trainer-b"):
+            h = tensorhub.open(model="actor", replica=name, server=srv.address, retain=None, transports=transports)
+            handles.append(h)
+            tensors = _weights(seed)
+            h.register(tensors)
+            h.publish(1)
+        r = tensorhub.open(model="actor", replica="rollout", server=srv.address, retain=None, transports=transports)
+        handles.append(r)
+        got = {k: torch.zeros_like(v) for k, v in want.items()}
+        r.register(got)
+        out: list = []
+        t = threading.Thread(target=lambda: out.append(r.replicate(1, timeout=60)), daemon=True)
+        t.start()
+        # Units 0-3 (8 MiB) verified while the publishers have not hashed units 4-5.
+        wait_until(lambda: r.buffers.progress.snapshot()[2] >= 8 * MIB, 30, "the reader's prefix verified from the parts")
+        assert srv.checksums("actor", 1) is None, "the whole checksums were declared: nothing tested the parts"
+        assert r.buffers.progress.snapshot()[2] == 8 * MIB  # and nothing the parts do not cover
+        release.set()
+        t.join(60)
+        assert out == [1]
+        assert all(torch.equal(got[k], want[k]) for k in want), "the reader holds bytes that are not version 1"
+        stats = r.last_pull
+        assert stats is not None and stats.verified_early >= 2  # the reads of units 0-3 (4 MiB each)
+        assert len(stats.sources) == 2, f"the flipped byte at {at} was not refused: {stats.sources}"
+        assert srv.stats()["quarantined"] == 0
+    finally:
+        release.set()
+        for h in reversed(handles):
+            h.close()
