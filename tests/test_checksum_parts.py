@@ -4,6 +4,8 @@ refuses a part that leaves a gap, overruns the layout, or differs from what was 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tensorhub.core import errors as e
@@ -196,3 +198,37 @@ def test_reads_are_verified_against_parts_and_a_byte_flipped_in_any_part_is_refu
         release.set()
         for h in reversed(handles):
             h.close()
+
+
+@pytest.mark.parametrize("raw, words", [("lots", "whole number"), ("-1", ">= 0")])
+def test_a_bad_part_size_is_refused_with_a_typed_error(monkeypatch, raw, words):
+    from tensorhub.runtime import checksum
+
+    monkeypatch.setenv("TENSORHUB_CHECKSUM_PART_BYTES", raw)
+    with pytest.raises(e.InvalidArgument, match=words) as info:
+        checksum._part_first()
+    assert "TENSORHUB_CHECKSUM_PART_BYTES" in str(info.value)
+
+
+def test_parts_cover_the_units_in_order_and_leave_the_last_to_the_whole(monkeypatch):
+    """The parts handed out while hashing are consecutive, each at least as large as the ones
+    before (up to the cap), and never include the last units: those come with the whole set."""
+    import torch
+
+    from tensorhub.runtime import checksum
+    from tensorhub.transports.buffers import ShardBuffers, layout_of
+
+    monkeypatch.setenv("TENSORHUB_CHECKSUM_PART_BYTES", str(1 << 20))
+    monkeypatch.setenv("TENSORHUB_HASH_THREADS", "2")
+    tensors = {f"w{i}": torch.full((3 << 19,), i, dtype=torch.uint8) for i in range(11)}  # 1.5 MiB each
+    b = ShardBuffers(tensors, layout_of(tensors, chunk_bytes=1 << 20, pack_threshold=4096))
+    parts: list[tuple[int, list[int]]] = []
+    whole = checksum.compute(b, None, lambda first, values: parts.append((first, list(values))))
+    assert whole == checksum.compute(b)
+    assert [p[0] for p in parts] == [0, *itertools.accumulate(len(p[1]) for p in parts[:-1])]
+    assert sum(len(p[1]) for p in parts) < len(whole) and parts[0][0] == 0
+    assert [v for p in parts for v in p[1]] == whole[: sum(len(p[1]) for p in parts)]
+    assert len(parts) >= 3
+    monkeypatch.setenv("TENSORHUB_CHECKSUM_PART_BYTES", "0")  # no parts
+    parts.clear()
+    assert checksum.compute(b, None, lambda first, values: parts.append((first, values))) == whole and parts == []

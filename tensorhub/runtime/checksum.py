@@ -206,11 +206,26 @@ def _checksums(buffers: ShardBuffers, units: Sequence[Unit]) -> list[int]:
 
 
 #: A publisher's checksums in parts (:func:`compute` with ``on_part``): the first part covers this
-#: many bytes (a pull's first read through ``local``), each next one as many as all before it, up
-#: to :data:`_PART_MAX`; a shard under twice the first part is declared whole.
+#: many bytes (a pull's first read through ``local``; ``$TENSORHUB_CHECKSUM_PART_BYTES`` overrides
+#: it, 0: no parts), each next one as many as all before it, up to :data:`_PART_MAX`; a shard
+#: under twice the first part is declared whole.
 _PART_FIRST = 32 << 20
 _PART_MAX = 256 << 20
 _BATCH = 16 << 20  # ... hashed in order, in runs of this many bytes, on the hash threads
+
+
+def _part_first() -> int:
+    """The first part's bytes (:data:`_PART_FIRST`, or ``$TENSORHUB_CHECKSUM_PART_BYTES``; 0: none)."""
+    raw = os.environ.get("TENSORHUB_CHECKSUM_PART_BYTES")
+    if raw is None:
+        return _PART_FIRST
+    try:
+        n = int(raw)
+    except ValueError:
+        raise InvalidArgument(f"TENSORHUB_CHECKSUM_PART_BYTES must be a whole number of bytes, got {raw!r}") from None
+    if n < 0:
+        raise InvalidArgument(f"TENSORHUB_CHECKSUM_PART_BYTES must be >= 0 (0: no parts), got {n}")
+    return n
 
 
 def _batches(units: Sequence[Unit], size: int) -> list[Sequence[Unit]]:
@@ -227,13 +242,15 @@ def _batches(units: Sequence[Unit], size: int) -> list[Sequence[Unit]]:
     return out
 
 
-def _xxh3_in_parts(buffers: ShardBuffers, units: Sequence[Unit], on_part: Callable[[int, list[int]], None]) -> list[int]:
+def _xxh3_in_parts(
+    buffers: ShardBuffers, units: Sequence[Unit], on_part: Callable[[int, list[int]], None], first: int
+) -> list[int]:
     """:func:`_xxh3_sums` of all the plan's units, hashed in order (runs of :data:`_BATCH` bytes
     on the hash threads, so the hashed prefix grows at their joint pace) and handed to
     ``on_part(first, values)`` each time the prefix has grown by the next part's bytes (see
     :data:`_PART_FIRST`); the last part is not handed over: the caller declares the whole."""
     threads = _hash_threads()
-    batches = _batches(units, min(_BATCH, _PART_FIRST))
+    batches = _batches(units, min(_BATCH, first))
 
     def run(batch: Sequence[Unit]) -> list[int]:
         return [_unit_checksum(buffers, u) for u in batch]
@@ -241,14 +258,14 @@ def _xxh3_in_parts(buffers: ShardBuffers, units: Sequence[Unit], on_part: Callab
     results = _hash_pool(threads).map(run, batches) if threads > 1 and len(batches) > 1 else map(run, batches)
     out: list[int] = []
     sent = hashed = 0
-    due = _PART_FIRST
+    due = first
     for batch, sums in zip(batches, results):
         out += sums
         hashed += sum(u.length for u in batch)
         if hashed >= due and len(out) < len(units):
             on_part(sent, out[sent:])
             sent = len(out)
-            due = hashed + min(max(hashed, _PART_FIRST), _PART_MAX)
+            due = hashed + min(max(hashed, first), _PART_MAX)
     return out
 
 
@@ -259,15 +276,16 @@ def compute(
     that order. Blocking: run it in a worker thread.
 
     ``on_part(first, values)``: for all the units of a CPU shard under ``xxh3-64`` of at least
-    twice :data:`_PART_FIRST` bytes, called (from this or a hash thread) with each part of the
+    twice :data:`_PART_FIRST` bytes (:func:`_part_first`), called (from this or a hash thread) with each part of the
     checksums as soon as the hash has reached its end, parts in order, the last one excepted
     (the return value has all of them): a publisher declares them so that readers verify what
     they pulled without waiting for the whole shard's hash. Not called otherwise."""
     _check_algorithm(buffers)
     all_units = buffers.plan.units
-    if (on_part is not None and units is None and buffers.layout.checksum == "xxh3-64" and not buffers.on_cuda
-            and buffers.total_bytes >= 2 * _PART_FIRST):  # fmt: skip
-        return _xxh3_in_parts(buffers, all_units, on_part)
+    if on_part is not None and units is None and buffers.layout.checksum == "xxh3-64" and not buffers.on_cuda:
+        first = _part_first()
+        if first and buffers.total_bytes >= 2 * first:
+            return _xxh3_in_parts(buffers, all_units, on_part, first)
     picked = all_units if units is None else [all_units[i] for i in units]
     return _checksums(buffers, picked)
 
