@@ -19,7 +19,10 @@ same run, interleaved round by round, the copies a replicate is made of:
   pieces, on 1 thread and on the local transport's copy threads (the kernel's copy, nothing
   else: no description, no progress words, no engine);
 - ``vm read + xxh3``: the same, each piece hashed (xxh3-64) right after it landed: the floor of
-  a verified copy.
+  a verified copy;
+- ``tensorhub-whole`` (not by default): TensorHub with the publisher's checksums declared whole
+  once it has hashed the shard, not in parts as it hashes (``$TENSORHUB_CHECKSUM_PART_BYTES=0``
+  in the holder for that round): the A/B of the parts, in the same processes.
 
 Each round starts at one instant in every process (the holder publishes then, the readers
 replicate then); a reader's time ends when ``replicate`` returns. Figures per row: the median
@@ -202,6 +205,7 @@ _READER_EVENTS = (
     ("tensorhub.runtime.engine", "EngineActor", "_read", "read", lambda a: a[2].offset),
     ("tensorhub.runtime.engine", "EngineActor", "on__ReadDone", "read done", lambda a: a[1].offset),
     ("tensorhub.runtime.engine", "EngineActor", "_learn_checksums", "checksums", lambda a: None),
+    ("tensorhub.runtime.engine", "EngineActor", "_learn_part", "part", lambda a: a[3]),
     ("tensorhub.runtime.engine", "EngineActor", "on__Verified", "verified", lambda a: a[1].offset),
     ("tensorhub.transports.local", "LocalTransport", "_wait", "wait", lambda a: a[3]),
     ("tensorhub.transports.local", "LocalTransport", "_copy", "copy", lambda a: a[3]),
@@ -278,6 +282,7 @@ def _account(events: list[tuple[str, Any, float, float]], returned: float) -> st
     loop_lag = [verified[k] - ret[k] for k in ret if k in verified]
     done_lag = [done[k] - ret[k] for k in ret if k in done]
     sums = by.get("checksums", [])
+    part = min((a for _, _, a, _ in by.get("part", [])), default=-1.0)
     flight = _busy([(a, b) for _, _, a, b in reads])
     wait = sum(b - a for _, _, a, b in by.get("wait", []))
     copy = _busy([(a, b) for _, _, a, b in by.get("copy", [])])
@@ -285,8 +290,8 @@ def _account(events: list[tuple[str, Any, float, float]], returned: float) -> st
     landed = min((b for _, _, _, b in reads), default=0.0)
     v = sorted(verified.values())
     src = ",".join(str(g[1]) for g in grant)
-    return (f"from {src:<22} reads {len(reads):>3} first {first:6.0f} first-landed {landed:6.0f} sums {sums[0][2] if sums else -1:6.0f} "
-            f"first-verified {v[0] if v else -1:6.0f} returned {returned:6.0f} | in flight {flight:6.0f} wait {wait:6.0f} "
+    return (f"from {src:<24} reads {len(reads):>3} first {first:6.0f} first-landed {landed:6.0f} sums {sums[0][2] if sums else -1:6.0f} "
+            f"first part {part:6.0f} first-verified {v[0] if v else -1:6.0f} returned {returned:6.0f} | in flight {flight:6.0f} wait {wait:6.0f} "
             f"copy {copy:6.0f} idle {returned - first - flight:6.0f} | ret->done {median(done_lag) if done_lag else 0:5.1f} "
             f"ret->verified {median(loop_lag) if loop_lag else 0:5.1f} (max {max(loop_lag) if loop_lag else 0:5.0f}) ms")  # fmt: skip
 
@@ -404,7 +409,11 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
                     profiles.clear()
                 conn.send(("prepared",))
             elif msg[0] == "publish":
-                _, version, start = msg
+                _, version, start, whole = msg
+                if whole:  # the checksums declared whole, once hashed (as before issue 37's parts)
+                    os.environ["TENSORHUB_CHECKSUM_PART_BYTES"] = "0"
+                else:
+                    os.environ.pop("TENSORHUB_CHECKSUM_PART_BYTES", None)
                 _sleep_until(start)
                 c0, t0, f0 = _cpu(), _thread_cpu(), _faults()
                 handle.publish(version)
@@ -478,7 +487,7 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                 _, kind, version, start = msg
                 _sleep_until(start)
                 c0, t0, f0 = _cpu(), _thread_cpu(), _faults()
-                if kind == "tensorhub":
+                if kind.startswith("tensorhub"):
                     handle.replicate(version, timeout=300)
                 elif kind == "memcpy":
                     assert source is not None
@@ -495,7 +504,7 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                 end = time.monotonic()
                 c1, t1, f1 = _cpu(), _thread_cpu(), _faults()
                 ok = hashes_of(tensors) == expected  # untimed
-                stats = handle.last_pull if kind == "tensorhub" else None
+                stats = handle.last_pull if kind.startswith("tensorhub") else None
                 extra = {}
                 if stats is not None:
                     extra = {"reads": stats.reads, "verify_s": stats.verify_s, "hashed_on_landing": stats.hashed_on_landing}
@@ -556,8 +565,8 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
                 r.expect("prepared")
             start = time.monotonic() + 0.05
             server0 = process_cpu(args.server_pid)
-            if kind == "tensorhub":
-                holder.send("publish", version, start)
+            if kind.startswith("tensorhub"):
+                holder.send("publish", version, start, kind == "tensorhub-whole")
             for r in readers:
                 r.send("run", kind, version, start)
             done = [r.expect("done") for r in readers]
@@ -565,7 +574,7 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
             hold_cpu = 0.0
             hold_faults = 0
             holder_marks = None
-            if kind == "tensorhub":
+            if kind.startswith("tensorhub"):
                 c0 = holder.expect("published")[1]
                 holder.send("cpu")
                 got = holder.expect("cpu")
@@ -574,8 +583,8 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
                 hold_faults = got[4]
                 if args.events and not profiled:
                     hashes = [(a, b) for name, _, a, b in got[5] if name == "holder hash"]
-                    print(f"  events, {n} readers, round {version}: holder hash {hashes[0][0]:.0f}-{hashes[0][1]:.0f} ms"
-                          if hashes else f"  events, {n} readers, round {version}: no holder hash")
+                    what = f"  events, {kind}, {n} readers, round {version}"
+                    print(f"{what}: holder hash {hashes[0][0]:.0f}-{hashes[0][1]:.0f} ms" if hashes else f"{what}: no holder hash")
                     for i, d in enumerate(done):
                         print(f"    reader {i}: {_account(d[4]['events'], d[4]['returned'])}")
                 if args.threads_cpu:
@@ -635,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     readers = [int(x) for x in args.readers.split(",") if x.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    known = ("tensorhub", "memcpy", "vm1", "vmT", "vm1+xxh3", "vmT+xxh3")
+    known = ("tensorhub", "tensorhub-whole", "memcpy", "vm1", "vmT", "vm1+xxh3", "vmT+xxh3")
     if any(k not in known for k in kinds) or not kinds:
         raise SystemExit(f"--kinds: choose from {', '.join(known)}")
     if not readers or any(not 1 <= n <= 16 for n in readers) or not 1 <= args.size_mib <= 65536:
@@ -664,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
                 faults = median([r["faults"] for r in rows]) / (gb * n)
                 sc = median([r["server_cpu_s"] for r in rows]) / (gb * n)
                 print(f"{k:<22} {n:>7} {wall:>8.3f} {gb / wall:>12.2f} {rc + hc:>9.3f} {rc:>7.3f} {hc:>7.3f} {faults:>9.0f} {sc:>7.3f}")
-                if args.timeline and k == "tensorhub":
+                if args.timeline and k.startswith("tensorhub"):
                     print("  holder")
                     print("\n".join(_timeline([r["holder_marks"] for r in rows if r["holder_marks"]])))
                     for i in sorted({0, n - 1}):
