@@ -147,7 +147,8 @@ class PublishMixin(TableState):
         ctx = s.ctx(msg.version)
         if h is None or h.version != msg.version or h.state is P:
             raise ContractViolation("checksums declared for a version this shard has not published", **ctx)
-        assert s.layout is not None  # a holding implies registered tensors
+        if s.layout is None:
+            raise NotRegistered("checksums declared in parts before tensors were registered", **ctx)
         count, end = s.layout.checksum_count(), msg.first + len(msg.checksums)
         if end > count:
             raise InvalidArgument(f"checksums [{msg.first}, {end}) declared in a part; the layout has {count} checksum units", **ctx)
