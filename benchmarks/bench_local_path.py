@@ -19,7 +19,10 @@ same run, interleaved round by round, the copies a replicate is made of:
   pieces, on 1 thread and on the local transport's copy threads (the kernel's copy, nothing
   else: no description, no progress words, no engine);
 - ``vm read + xxh3``: the same, each piece hashed (xxh3-64) right after it landed: the floor of
-  a verified copy.
+  a verified copy;
+- ``tensorhub-whole`` (not by default): TensorHub with the publisher's checksums declared whole
+  once it has hashed the shard, not in parts as it hashes (``$TENSORHUB_CHECKSUM_PART_BYTES=0``
+  in the holder for that round): the A/B of the parts, in the same processes.
 
 Each round starts at one instant in every process (the holder publishes then, the readers
 replicate then); a reader's time ends when ``replicate`` returns. Figures per row: the median
@@ -35,6 +38,13 @@ running in every thread of the holder and the readers (the event loop, the trans
 copy threads, the hashing threads); DIR gets ``<readers>r-<process>.prof`` and a text summary
 of each (the top functions by own time and by cumulative time, all threads merged). Profiled
 rounds are not timed.
+
+``--events``: for each TensorHub round, a line per reader: its source (the holder, or which
+reader, ``(partial)`` while that one was still pulling), when its first read began and landed,
+when the publisher's checksums arrived and its first read was verified, when ``replicate``
+returned; the time its reads were in flight, of that waiting on the source's progress words
+(``wait``: a partial source not yet covering the range) and copying, the time with no read in
+flight, and the median time from a read's return to its verification (the event loop's share).
 """
 
 from __future__ import annotations
@@ -187,6 +197,105 @@ class _Marks:
         return out
 
 
+# ``--events``: every marked call with its key (``(module, class, attribute, name, key of the call's
+# arguments)``), for a per-reader account of where its time goes.
+_READER_EVENTS = (
+    ("tensorhub.runtime.engine", "EngineActor", "on_Grant", "grant", lambda a: f"{a[1].source.replica}"
+     f"{'' if a[1].source.complete else ' (partial)'}"),
+    ("tensorhub.runtime.engine", "EngineActor", "_read", "read", lambda a: a[2].offset),
+    ("tensorhub.runtime.engine", "EngineActor", "on__ReadDone", "read done", lambda a: a[1].offset),
+    ("tensorhub.runtime.engine", "EngineActor", "_learn_checksums", "checksums", lambda a: None),
+    ("tensorhub.runtime.engine", "EngineActor", "_learn_part", "part", lambda a: a[3]),
+    ("tensorhub.runtime.engine", "EngineActor", "on__Verified", "verified", lambda a: a[1].offset),
+    ("tensorhub.transports.local", "LocalTransport", "_wait", "wait", lambda a: a[3]),
+    ("tensorhub.transports.local", "LocalTransport", "_copy", "copy", lambda a: a[3]),
+)  # fmt: skip
+_HOLDER_EVENTS = (("tensorhub.runtime.checksum", None, "compute", "holder hash", lambda a: None),)
+
+
+class _Events:
+    """Every call of the marked functions in this process: ``(name, key, began, ended)`` on the
+    monotonic clock (one clock for every process of the host), from ``--events``."""
+
+    def __init__(self, marks: tuple) -> None:
+        import importlib
+        import inspect
+
+        self.seen: list[tuple[str, Any, float, float]] = []
+        for module, cls, attr, name, key in marks:
+            owner = importlib.import_module(module)
+            if cls is not None:
+                owner = getattr(owner, cls)
+            original = getattr(owner, attr)
+            wrap = self._wrap_async if inspect.iscoroutinefunction(original) else self._wrap
+            setattr(owner, attr, wrap(original, name, key))
+
+    def _wrap(self, original: Any, name: str, key: Any) -> Any:
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.monotonic()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seen.append((name, key(args), t0, time.monotonic()))
+
+        return marked
+
+    def _wrap_async(self, original: Any, name: str, key: Any) -> Any:
+        async def marked(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.monotonic()
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                self.seen.append((name, key(args), t0, time.monotonic()))
+
+        return marked
+
+    def take(self, start: float) -> list[tuple[str, Any, float, float]]:
+        """The calls since the last take, times in ms since ``start``."""
+        out = [(n, k, 1e3 * (a - start), 1e3 * (b - start)) for n, k, a, b in self.seen]
+        self.seen = []
+        return out
+
+
+def _busy(spans: list[tuple[float, float]]) -> float:
+    """Milliseconds covered by the union of ``spans``."""
+    total, end = 0.0, -1e18
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _account(events: list[tuple[str, Any, float, float]], returned: float) -> str:
+    """One reader's round, in one line: its source, when its reads began and the checksums came,
+    the time its reads were in flight, waited on the source's progress, copied, and the time
+    from a read's return to its verification (the event loop's share)."""
+    by: dict[str, list] = {}
+    for e in events:
+        by.setdefault(e[0], []).append(e)
+    grant = by.get("grant", [])
+    reads = by.get("read", [])
+    done = {k: a for _, k, a, _ in by.get("read done", [])}
+    verified = {k: a for _, k, a, _ in by.get("verified", [])}
+    ret = {k: b for _, k, _, b in reads}
+    loop_lag = [verified[k] - ret[k] for k in ret if k in verified]
+    done_lag = [done[k] - ret[k] for k in ret if k in done]
+    sums = by.get("checksums", [])
+    part = min((a for _, _, a, _ in by.get("part", [])), default=-1.0)
+    flight = _busy([(a, b) for _, _, a, b in reads])
+    wait = sum(b - a for _, _, a, b in by.get("wait", []))
+    copy = _busy([(a, b) for _, _, a, b in by.get("copy", [])])
+    first = min((a for _, _, a, _ in reads), default=0.0)
+    landed = min((b for _, _, _, b in reads), default=0.0)
+    v = sorted(verified.values())
+    src = ",".join(str(g[1]) for g in grant)
+    return (f"from {src:<24} reads {len(reads):>3} first {first:6.0f} first-landed {landed:6.0f} sums {sums[0][2] if sums else -1:6.0f} "
+            f"first part {part:6.0f} first-verified {v[0] if v else -1:6.0f} returned {returned:6.0f} | in flight {flight:6.0f} wait {wait:6.0f} "
+            f"copy {copy:6.0f} idle {returned - first - flight:6.0f} | ret->done {median(done_lag) if done_lag else 0:5.1f} "
+            f"ret->verified {median(loop_lag) if loop_lag else 0:5.1f} (max {max(loop_lag) if loop_lag else 0:5.0f}) ms")  # fmt: skip
+
+
 def _timeline(rows: list[dict[str, tuple[float, float]]]) -> list[str]:
     """Median first and last ms of each mark over the rounds, in time order."""
     names = sorted({k for r in rows for k in r}, key=lambda k: median([r[k][0] for r in rows if k in r]))
@@ -272,7 +381,8 @@ def _pieces(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> list
     return out
 
 
-def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, local: dict, timeline: bool = False) -> None:
+def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, local: dict, timeline: bool = False,
+                events: bool = False) -> None:  # fmt: skip
     try:
         profiles = _ThreadProfiles()
         if profile:
@@ -280,6 +390,7 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
         import tensorhub
 
         marks = _Marks(_HOLDER_MARKS) if timeline else None
+        calls = _Events(_HOLDER_EVENTS) if events else None
 
         tensors = allocate(spec)
         fill_seeded(tensors, seed)
@@ -298,14 +409,18 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
                     profiles.clear()
                 conn.send(("prepared",))
             elif msg[0] == "publish":
-                _, version, start = msg
+                _, version, start, whole = msg
+                if whole:  # the checksums declared whole, once hashed (as before issue 37's parts)
+                    os.environ["TENSORHUB_CHECKSUM_PART_BYTES"] = "0"
+                else:
+                    os.environ.pop("TENSORHUB_CHECKSUM_PART_BYTES", None)
                 _sleep_until(start)
                 c0, t0, f0 = _cpu(), _thread_cpu(), _faults()
                 handle.publish(version)
                 conn.send(("published", c0))
             elif msg[0] == "cpu":
                 conn.send(("cpu", _cpu(), _diff(_thread_cpu(), t0), marks.take(start) if marks is not None else None,
-                           _faults() - f0))  # fmt: skip
+                           _faults() - f0, calls.take(start) if calls is not None else None))  # fmt: skip
             elif msg[0] == "profile":
                 stats = profiles.snapshot()
                 text = ""
@@ -319,7 +434,7 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
 
 
 def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holder: tuple, threads: int,
-                profile: bool, local: dict, timeline: bool = False) -> None:  # fmt: skip
+                profile: bool, local: dict, timeline: bool = False, events: bool = False) -> None:  # fmt: skip
     try:
         profiles = _ThreadProfiles()
         if profile:
@@ -330,6 +445,7 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
         import tensorhub
 
         marks = _Marks(_READER_MARKS) if timeline else None
+        calls = _Events(_READER_EVENTS) if events else None
         from tensorhub.transports.local import _vm_read
 
         pid, remote, expected = holder
@@ -371,7 +487,7 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                 _, kind, version, start = msg
                 _sleep_until(start)
                 c0, t0, f0 = _cpu(), _thread_cpu(), _faults()
-                if kind == "tensorhub":
+                if kind.startswith("tensorhub"):
                     handle.replicate(version, timeout=300)
                 elif kind == "memcpy":
                     assert source is not None
@@ -388,7 +504,7 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                 end = time.monotonic()
                 c1, t1, f1 = _cpu(), _thread_cpu(), _faults()
                 ok = hashes_of(tensors) == expected  # untimed
-                stats = handle.last_pull if kind == "tensorhub" else None
+                stats = handle.last_pull if kind.startswith("tensorhub") else None
                 extra = {}
                 if stats is not None:
                     extra = {"reads": stats.reads, "verify_s": stats.verify_s, "hashed_on_landing": stats.hashed_on_landing}
@@ -397,6 +513,9 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                 if marks is not None:
                     extra["marks"] = marks.take(start)
                     extra["marks"]["replicate returned"] = (1e3 * (end - start),) * 2
+                if calls is not None:
+                    extra["events"] = calls.take(start)
+                    extra["returned"] = 1e3 * (end - start)
                 conn.send(("done", end - start, c1 - c0, ok, extra))
             elif msg[0] == "profile":
                 stats = profiles.snapshot()
@@ -418,13 +537,15 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
     """One holder and ``n`` readers; every kind in ``kinds`` for ``args.repeats`` rounds, the
     kinds interleaved round by round; then, with ``--profile``, one profiled TensorHub round."""
     profile = args.profile is not None
-    holder = Child("holder", holder_main, (spec, args.seed, server, profile, args.local_options, args.timeline), args.timeout)
+    holder = Child("holder", holder_main, (spec, args.seed, server, profile, args.local_options, args.timeline, args.events),
+                   args.timeout)  # fmt: skip
     readers: list[Child] = []
     try:
         _, pid, remote, expected = holder.expect("ready")
         for i in range(n):
             readers.append(Child(f"reader{i}", reader_main, (spec, args.seed, server, i, (pid, remote, expected),
-                                                              args.threads, profile, args.local_options, args.timeline),
+                                                              args.threads, profile, args.local_options, args.timeline,
+                                                              args.events),
                                  args.timeout))  # fmt: skip
         for r in readers:
             r.expect("ready")
@@ -444,8 +565,8 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
                 r.expect("prepared")
             start = time.monotonic() + 0.05
             server0 = process_cpu(args.server_pid)
-            if kind == "tensorhub":
-                holder.send("publish", version, start)
+            if kind.startswith("tensorhub"):
+                holder.send("publish", version, start, kind == "tensorhub-whole")
             for r in readers:
                 r.send("run", kind, version, start)
             done = [r.expect("done") for r in readers]
@@ -453,13 +574,19 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
             hold_cpu = 0.0
             hold_faults = 0
             holder_marks = None
-            if kind == "tensorhub":
+            if kind.startswith("tensorhub"):
                 c0 = holder.expect("published")[1]
                 holder.send("cpu")
                 got = holder.expect("cpu")
                 hold_cpu = got[1] - c0
                 holder_marks = got[3]
                 hold_faults = got[4]
+                if args.events and not profiled:
+                    hashes = [(a, b) for name, _, a, b in got[5] if name == "holder hash"]
+                    what = f"  events, {kind}, {n} readers, round {version}"
+                    print(f"{what}: holder hash {hashes[0][0]:.0f}-{hashes[0][1]:.0f} ms" if hashes else f"{what}: no holder hash")
+                    for i, d in enumerate(done):
+                        print(f"    reader {i}: {_account(d[4]['events'], d[4]['returned'])}")
                 if args.threads_cpu:
                     print(f"  {kind} {n}r holder threads: {got[2]}")
             if args.threads_cpu:
@@ -507,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads-cpu", action="store_true", help="print each round's CPU seconds by thread kind")
     ap.add_argument("--timeline", action="store_true",
                     help="print when the holder's and the first and last reader's steps happened (median ms after the start)")  # fmt: skip
+    ap.add_argument("--events", action="store_true",
+                    help="print, for each TensorHub round, each reader's source, when its reads began, landed and were "
+                         "verified, and how long they waited, copied and idled")  # fmt: skip
     ap.add_argument("--local-options", type=json.loads, default={},
                     help='options of the local transport, as JSON (e.g. \'{"piece_bytes": 4194304}\')')  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
@@ -514,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     readers = [int(x) for x in args.readers.split(",") if x.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    known = ("tensorhub", "memcpy", "vm1", "vmT", "vm1+xxh3", "vmT+xxh3")
+    known = ("tensorhub", "tensorhub-whole", "memcpy", "vm1", "vmT", "vm1+xxh3", "vmT+xxh3")
     if any(k not in known for k in kinds) or not kinds:
         raise SystemExit(f"--kinds: choose from {', '.join(known)}")
     if not readers or any(not 1 <= n <= 16 for n in readers) or not 1 <= args.size_mib <= 65536:
@@ -543,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
                 faults = median([r["faults"] for r in rows]) / (gb * n)
                 sc = median([r["server_cpu_s"] for r in rows]) / (gb * n)
                 print(f"{k:<22} {n:>7} {wall:>8.3f} {gb / wall:>12.2f} {rc + hc:>9.3f} {rc:>7.3f} {hc:>7.3f} {faults:>9.0f} {sc:>7.3f}")
-                if args.timeline and k == "tensorhub":
+                if args.timeline and k.startswith("tensorhub"):
                     print("  holder")
                     print("\n".join(_timeline([r["holder_marks"] for r in rows if r["holder_marks"]])))
                     for i in sorted({0, n - 1}):

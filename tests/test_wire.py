@@ -100,6 +100,7 @@ SAMPLES: list[Any] = [
     m.Unregister(req=3, session=7),
     m.Publish(req=4, session=7, call=1, version=12, checksums=(0, 1, U64)),
     m.DeclareChecksums(req=5, session=7, version=12, checksums=(1, 2, 3)),
+    m.DeclareChecksumsPart(req=5, session=7, version=12, first=4, checksums=(1, 2, 3)),
     m.Unpublish(req=6, session=7, call=2),
     m.PublishOffload(req=7, session=7, version=12, ok=True),
     m.Replicate(req=8, session=7, call=3, spec="latest-2", timeout=30.5),
@@ -141,6 +142,7 @@ SAMPLES: list[Any] = [
     m.ConvertFailed(req=21, session=7, term=1, version=12, code="mapping_mismatch", message="tensor 'w': unfed"),
     m.Revoke(session=7, grant=5, term=1, reason="holder died"),
     m.ChecksumsReady(session=7, grant=5, term=1, version=12, checksums=(5, 6)),
+    m.ChecksumsPartReady(session=7, grant=5, term=1, version=12, first=0, checksums=(5, 6)),
     m.OffloadRequest(session=7, version=12),
     m.FreeOffload(session=7, version=12),
     m.VerifyRequest(session=7, version=12),
@@ -765,6 +767,10 @@ SEMANTIC = [
     ("publish", {"checksums": [-1]}),
     ("checksums", {"version": -1}),
     ("checksums", {"checksums": [1, -2]}),
+    ("checksums_part", {"first": -1}),
+    ("checksums_part", {"checksums": []}),
+    ("checksums_part_ready", {"first": -3}),
+    ("checksums_part_ready", {"checksums": []}),
     ("progress", {"verified": -1}),
     ("source_failed", {"verified": -1}),
     ("checksum_failed", {"unit": -1}),
@@ -1096,6 +1102,10 @@ BY_FIELD: dict[tuple[type, str], st.SearchStrategy] = {
     (m.LeaseRequest, "epoch"): NONNEG,
     (m.LeaseReply, "epoch"): NONNEG,
     (m.LeaseReply, "lease"): st.floats(min_value=0, max_value=1e4),
+    (m.DeclareChecksumsPart, "first"): NONNEG,
+    (m.DeclareChecksumsPart, "checksums"): st.lists(U64S, min_size=1, max_size=5).map(tuple),
+    (m.ChecksumsPartReady, "first"): NONNEG,
+    (m.ChecksumsPartReady, "checksums"): st.lists(U64S, min_size=1, max_size=5).map(tuple),
 }
 @st.composite
 def announces(draw) -> m.Announce:

@@ -277,6 +277,31 @@ class DeclareChecksums:
         _checksums(self.checksums)
 
 
+def _part(first: int, checksums: tuple[int, ...]) -> None:
+    _nonneg("first", first)
+    if not checksums:
+        raise ValueError("a part of the checksums holds at least one value")
+    _checksums(checksums)
+
+
+@message("checksums_part")
+class DeclareChecksumsPart:
+    """Checksums ``[first, first + len(checksums))`` of a published version's units, declared
+    while the publisher is still hashing the rest, in order (each part continues the last;
+    :class:`DeclareChecksums` with all of them follows, and must agree): readers verify what
+    they pulled of that prefix without waiting for the whole shard's hash."""
+
+    req: int
+    session: int
+    version: int
+    first: int
+    checksums: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        _part(self.first, self.checksums)
+
+
 @message("unpublish")
 class Unpublish:
     req: int
@@ -617,6 +642,24 @@ class ChecksumsReady:
     term: int
     version: int
     checksums: tuple[int, ...]
+
+
+@message("checksums_part_ready")
+class ChecksumsPartReady:
+    """Checksums ``[first, first + len(checksums))`` of the version being pulled, from a publisher
+    still hashing the rest (:class:`DeclareChecksumsPart`): verify what they cover now;
+    :class:`ChecksumsReady` brings all of them later."""
+
+    session: int
+    grant: int
+    term: int
+    version: int
+    first: int
+    checksums: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        validate_version(self.version)
+        _part(self.first, self.checksums)
 
 
 @message("offload_request")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -205,27 +205,107 @@ def _checksums(buffers: ShardBuffers, units: Sequence[Unit]) -> list[int]:
     return wordmix.sums([_unit_bytes(buffers, u) for u in units])
 
 
-def compute(buffers: ShardBuffers, units: Iterable[int] | None = None) -> list[int]:
+#: A publisher's checksums in parts (:func:`compute` with ``on_part``): the first part covers this
+#: many bytes (a pull's first read through ``local``; ``$TENSORHUB_CHECKSUM_PART_BYTES`` overrides
+#: it, 0: no parts), each next one as many as all before it, up to :data:`_PART_MAX`; a shard
+#: under twice the first part is declared whole.
+_PART_FIRST = 32 << 20
+_PART_MAX = 256 << 20
+_BATCH = 16 << 20  # ... hashed in order, in runs of this many bytes, on the hash threads
+
+
+def _part_first() -> int:
+    """The first part's bytes (:data:`_PART_FIRST`, or ``$TENSORHUB_CHECKSUM_PART_BYTES``; 0: none)."""
+    raw = os.environ.get("TENSORHUB_CHECKSUM_PART_BYTES")
+    if raw is None:
+        return _PART_FIRST
+    try:
+        n = int(raw)
+    except ValueError:
+        raise InvalidArgument(f"TENSORHUB_CHECKSUM_PART_BYTES must be a whole number of bytes, got {raw!r}") from None
+    if n < 0:
+        raise InvalidArgument(f"TENSORHUB_CHECKSUM_PART_BYTES must be >= 0 (0: no parts), got {n}")
+    return n
+
+
+def _batches(units: Sequence[Unit], size: int) -> list[Sequence[Unit]]:
+    """``units`` cut, in order, into runs of at least ``size`` bytes (the last may be less)."""
+    out: list[Sequence[Unit]] = []
+    start = acc = 0
+    for i, u in enumerate(units):
+        acc += u.length
+        if acc >= size:
+            out.append(units[start : i + 1])
+            start, acc = i + 1, 0
+    if start < len(units):
+        out.append(units[start:])
+    return out
+
+
+def _xxh3_in_parts(
+    buffers: ShardBuffers, units: Sequence[Unit], on_part: Callable[[int, list[int]], None], first: int
+) -> list[int]:
+    """:func:`_xxh3_sums` of all the plan's units, hashed in order (runs of :data:`_BATCH` bytes
+    on the hash threads, so the hashed prefix grows at their joint pace) and handed to
+    ``on_part(first, values)`` each time the prefix has grown by the next part's bytes (see
+    :data:`_PART_FIRST`); the last part is not handed over: the caller declares the whole."""
+    threads = _hash_threads()
+    batches = _batches(units, min(_BATCH, first))
+
+    def run(batch: Sequence[Unit]) -> list[int]:
+        return [_unit_checksum(buffers, u) for u in batch]
+
+    results = _hash_pool(threads).map(run, batches) if threads > 1 and len(batches) > 1 else map(run, batches)
+    out: list[int] = []
+    sent = hashed = 0
+    due = first
+    for batch, sums in zip(batches, results):
+        out += sums
+        hashed += sum(u.length for u in batch)
+        if hashed >= due and len(out) < len(units):
+            on_part(sent, out[sent:])
+            sent = len(out)
+            due = hashed + min(max(hashed, first), _PART_MAX)
+    return out
+
+
+def compute(
+    buffers: ShardBuffers, units: Iterable[int] | None = None, on_part: Callable[[int, list[int]], None] | None = None
+) -> list[int]:
     """The checksums of ``units`` (indices into the plan's units; all of them by default), in
-    that order. Blocking: run it in a worker thread."""
+    that order. Blocking: run it in a worker thread.
+
+    ``on_part(first, values)``: for all the units of a CPU shard under ``xxh3-64`` of at least
+    twice :data:`_PART_FIRST` bytes (:func:`_part_first`), called (from this or a hash thread) with each part of the
+    checksums as soon as the hash has reached its end, parts in order, the last one excepted
+    (the return value has all of them): a publisher declares them so that readers verify what
+    they pulled without waiting for the whole shard's hash. Not called otherwise."""
     _check_algorithm(buffers)
     all_units = buffers.plan.units
+    if on_part is not None and units is None and buffers.layout.checksum == "xxh3-64" and not buffers.on_cuda:
+        first = _part_first()
+        if first and buffers.total_bytes >= 2 * first:
+            return _xxh3_in_parts(buffers, all_units, on_part, first)
     picked = all_units if units is None else [all_units[i] for i in units]
     return _checksums(buffers, picked)
 
 
-def first_mismatch(buffers: ShardBuffers, units: Iterable[int], expected: Sequence[int]) -> int | None:
+def first_mismatch(buffers: ShardBuffers, units: Iterable[int], expected: Sequence[int], prefix: bool = False) -> int | None:
     """The index of the first of ``units`` whose bytes do not match ``expected`` (the layout's
-    declared checksums, all of them), or None if all match. Blocking: run it in a worker thread.
+    declared checksums, all of them; with ``prefix``, the first of them, as declared in parts so
+    far, covering ``units``), or None if all match. Blocking: run it in a worker thread.
 
     Raises:
-        InvalidArgument: ``expected`` does not have one value per checksum unit.
+        InvalidArgument: ``expected`` does not have one value per checksum unit (with ``prefix``:
+            has more, or does not reach one of ``units``).
     """
     _check_algorithm(buffers)
     all_units = buffers.plan.units
-    if len(expected) != len(all_units):
-        raise InvalidArgument(f"{len(expected)} checksums for a layout of {len(all_units)} checksum units")
     picked = list(units)
+    if len(expected) != len(all_units) and not (
+        prefix and len(expected) <= len(all_units) and all(0 <= i < len(expected) for i in picked)
+    ):
+        raise InvalidArgument(f"{len(expected)} checksums for a layout of {len(all_units)} checksum units")
     if buffers.layout.checksum == wordmix.NAME:  # all at once: one kernel on a GPU
         got = _checksums(buffers, [all_units[i] for i in picked])
         return next((i for i, v in zip(picked, got) if v != expected[i]), None)

@@ -101,7 +101,8 @@ __all__ = ["Call", "ClientActor", "Send", "SessionOwner"]
 
 _REPLIES = (m.Ack, m.Failed, m.Opened, m.Replicated, m.Updated, m.Listing, m.HeartbeatAck)
 _TO_ENGINE = (
-    m.Grant, m.Convert, m.Revoke, m.ChecksumsReady, m.OffloadRequest, m.FreeOffload, m.VerifyRequest, m.Quarantined, m.Removed,
+    m.Grant, m.Convert, m.Revoke, m.ChecksumsReady, m.ChecksumsPartReady, m.OffloadRequest, m.FreeOffload, m.VerifyRequest,
+    m.Quarantined, m.Removed,
 )  # fmt: skip
 
 #: Local session ids in use in this process (the engine's slots are keyed by them). A session's

@@ -71,6 +71,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 from tensorhub.core import messages as m
@@ -129,6 +130,8 @@ class PullStats:
     regions: int = 0  #: regions of the shard (what a one-sided transport registers)
     verify_s: float = 0.0  #: seconds spent hashing landed bytes (in worker threads, overlapped)
     hashed_on_landing: int = 0  #: reads whose bytes were hashed as they landed (no second pass)
+    #: reads verified against checksums declared in parts, before the publisher had hashed the rest
+    verified_early: int = 0
 
 
 class _Slot:
@@ -147,6 +150,7 @@ class _Slot:
         "offloads",
         "parked",
         "peer",
+        "prefixes",
         "packed",
         "peer_generation",
         "progress_timer",
@@ -178,6 +182,8 @@ class _Slot:
         self.stats: PullStats | None = None
         self.ctx = ctx
         self.checksums: dict[int, tuple[int, ...]] = {}  # version -> its checksums, once known
+        #: version -> its checksums declared so far in parts (a prefix of the units), until all are known
+        self.prefixes: dict[int, list[int]] = {}
         self.parked: list[VerifyRead] = []  # landed reads waiting for checksums
         #: ((grant, term), offset) -> the digests of that read's units, hashed as they landed
         self.landed: dict[tuple[GrantKey, int], dict[int, int]] = {}
@@ -579,12 +585,33 @@ class EngineActor(Actor):
         slot.stats = PullStats(version, regions=len(b.regions))
         b.progress.reset(version, 0)
         slot.checksums = {v: c for v, c in slot.checksums.items() if v in slot.offloads}
+        slot.prefixes.clear()
 
     def _learn_checksums(self, slot: _Slot, version: int, checksums: tuple[int, ...]) -> None:
         if len(checksums) != len(slot.buffers.plan.units):
             self.log.error("checksums of the wrong length; ignored", version=version, got=len(checksums), **slot.ctx)
             return
         slot.checksums[version] = checksums
+        slot.prefixes.pop(version, None)
+        parked, slot.parked = slot.parked, []
+        for a in parked:
+            self._verify(slot, a)
+
+    def _learn_part(self, slot: _Slot, version: int, first: int, values: tuple[int, ...]) -> None:
+        """Checksums ``[first, first + len(values))`` of ``version``, declared while its publisher
+        hashes the rest: parked reads whose units they cover are verified now. A part that
+        leaves a gap or overruns the layout is logged and ignored (the whole set still comes)."""
+        if version in slot.checksums:
+            return
+        got = slot.prefixes.setdefault(version, [])
+        count = len(slot.buffers.plan.units)
+        if first > len(got) or first + len(values) > count:
+            self.log.error("a part of the checksums that does not continue the declared ones; ignored", version=version,
+                           first=first, got=len(values), declared=len(got), units=count, **slot.ctx)  # fmt: skip
+            return
+        if first + len(values) <= len(got):
+            return
+        got.extend(values[len(got) - first :])
         parked, slot.parked = slot.parked, []
         for a in parked:
             self._verify(slot, a)
@@ -846,25 +873,30 @@ class EngineActor(Actor):
         slot.progress_timer = loop.call_later(max(wait, 0.0), due)
 
     def _verify(self, slot: _Slot, a: VerifyRead) -> None:
-        expected = slot.checksums.get(a.version)
+        expected: Sequence[int] | None = slot.checksums.get(a.version)
+        units = slot.reads[a.offset].units
         if expected is None:
-            slot.parked.append(a)  # the publisher has not declared them yet
-            return
+            # Declared in parts so far: enough if they reach this read's last unit.
+            expected = slot.prefixes.get(a.version)
+            if expected is None or not units or max(units) >= len(expected):
+                slot.parked.append(a)  # the publisher has not declared them yet
+                return
+            if slot.stats is not None and slot.core.is_current(a.pull):
+                slot.stats.verified_early += 1
         digests = slot.landed.pop((a.grant, a.offset), None)
         if digests is not None:  # hashed as the bytes landed: only the comparison is left
             if slot.stats is not None and slot.core.is_current(a.pull):
                 slot.stats.hashed_on_landing += 1
-            units = slot.reads[a.offset].units
             bad = next((u for u in units if digests.get(u) != expected[u]), None)
             self.tell(_Verified(slot.session, a.pull, a.grant, a.offset, bad))
             return
         self.spawn(self._check(slot, a, expected), "verify")
 
-    async def _check(self, slot: _Slot, a: VerifyRead, expected: tuple[int, ...]) -> None:
+    async def _check(self, slot: _Slot, a: VerifyRead, expected: Sequence[int]) -> None:
         units = slot.reads[a.offset].units
         t0 = time.perf_counter()
         try:
-            bad = await asyncio.to_thread(checksum.first_mismatch, slot.buffers, units, expected)
+            bad = await asyncio.to_thread(checksum.first_mismatch, slot.buffers, units, expected, True)
         except (RuntimeError, OSError, InvalidArgument) as err:  # e.g. a CUDA error staging the bytes
             # Never accept bytes that were not checked: count the read as bad (it is read again).
             self.log.error("verifying landed bytes failed locally", error=repr(err), **slot.ctx)
@@ -1070,6 +1102,11 @@ class EngineActor(Actor):
         if slot is not None:
             self._learn_checksums(slot, msg.version, msg.checksums)
 
+    def on_ChecksumsPartReady(self, msg: m.ChecksumsPartReady) -> None:
+        slot = self.slots.get(msg.session)
+        if slot is not None:
+            self._learn_part(slot, msg.version, msg.first, msg.checksums)
+
     # ---- publishing --------------------------------------------------------------------------
 
     def on_StartPublish(self, msg: StartPublish) -> None:
@@ -1099,7 +1136,12 @@ class EngineActor(Actor):
             b.progress.advance(b.total_bytes)
             if known is not None:
                 return
-            sums = tuple(await asyncio.to_thread(checksum.compute, b))
+            loop = asyncio.get_running_loop()
+
+            def part(first: int, values: list[int]) -> None:  # from a hashing thread
+                loop.call_soon_threadsafe(self._declare_part, slot, version, gen, first, tuple(values))
+
+            sums = tuple(await asyncio.to_thread(checksum.compute, b, None, part))
         except (RuntimeError, ValueError, InvalidArgument) as err:
             self.log.error("publish job failed: the version stays without checksums", version=version, error=repr(err), **slot.ctx)
             return
@@ -1107,6 +1149,12 @@ class EngineActor(Actor):
             return
         slot.checksums[version] = sums
         self._report(slot, lambda req: m.DeclareChecksums(req, slot.session, version, sums))
+
+    def _declare_part(self, slot: _Slot, version: int, gen: int, first: int, values: tuple[int, ...]) -> None:
+        """Declare a part of the checksums the publish job is computing (readers verify the bytes
+        it covers without waiting for the rest), unless the slot no longer holds that version."""
+        if self.slots.get(slot.session) is slot and slot.buffers.progress.snapshot()[:2] == (gen, version):
+            self._report(slot, lambda req: m.DeclareChecksumsPart(req, slot.session, version, first, values))
 
     def on_HashBuffers(self, msg: HashBuffers) -> Any:
         slot = self.slots.get(msg.session)

@@ -182,6 +182,7 @@ class ReferenceTable(
             m.Unregister: self._on_unregister,
             m.Publish: self._on_publish,
             m.DeclareChecksums: self._on_checksums,
+            m.DeclareChecksumsPart: self._on_checksums_part,
             m.Unpublish: self._on_unpublish,
             m.PublishOffload: self._on_offloaded,
             m.Replicate: self._on_pull,

@@ -127,6 +127,10 @@ class GrantMixin(TableState):
         reader.upstream = g
         s = reader.session
         self._out.append((s.peer, m.Grant(g.req, s.id, g.id, self.term, reader.version, reader.shard_idx, info, reader.checksums, token)))
+        if reader.checksums is None:  # the publisher is still hashing: what it declared so far
+            prefix = s.model.versions[reader.version].prefix.get(reader.shard_idx)
+            if prefix:
+                self._out.append((s.peer, m.ChecksumsPartReady(s.id, g.id, self.term, reader.version, 0, prefix)))
         self._grants_sent += 1
 
     def _no_source(self, reader: _Holder, txn: _Txn) -> None:

@@ -9,8 +9,10 @@ is left at ``drain_timeout`` is revoked); offloading the last non-spot copy of a
 version into a CPU copy before it goes; releasing offload copies once retention no longer needs
 them; the highest published version, from which retention counts.
 
-Invariants: the checksums of a (version, shard) are declared once; a publish with other ones is
-refused (``VersionConflict``), a publish without them of a (version, shard) whose checksums are
+Invariants: the checksums of a (version, shard) are declared once (a publisher may declare them
+in parts while it hashes, in order, each relayed at once to the readers pulling without them;
+the whole declaration that follows, or anyone else's, must agree with the parts); a publish with
+other ones is refused (``VersionConflict``), a publish without them of a (version, shard) whose checksums are
 known is refused with ``ChecksumsRequired`` (the handle hashes and makes the call again with
 them), and a holding declaring other ones is quarantined. An unpublishing holder gets no new
 grants and is freed only when drained. The last non-spot complete copy of a retained version (or
@@ -94,6 +96,9 @@ class PublishMixin(TableState):
         known = ver.checksums.get(s.shard_idx) if ver is not None else None
         if known is not None and known != checksums:
             raise VersionConflict("another holder of this version and shard declared different checksums", **ctx)
+        prefix = ver.prefix.get(s.shard_idx) if ver is not None and known is None else None
+        if prefix is not None and checksums[: len(prefix)] != prefix:
+            raise VersionConflict("the checksums differ from those declared in parts for this version and shard", **ctx)
 
     def _set_checksums(self, h: _Holder, checksums: tuple[int, ...]) -> None:
         h.checksums = checksums
@@ -101,6 +106,7 @@ class PublishMixin(TableState):
         if h.shard_idx in ver.checksums:
             return
         ver.checksums[h.shard_idx] = checksums
+        ver.prefix.pop(h.shard_idx, None)
         self._wake_converters(h.session.model)  # a converter waits for every source shard's checksums
         for other in ver.holders[h.shard_idx].values():  # readers pulling without them get them now
             if other.state is P and other.checksums is None:
@@ -121,13 +127,50 @@ class PublishMixin(TableState):
         try:
             self._check_checksums(s, msg.version, msg.checksums)
         except VersionConflict:
-            # The holding is not the version others hold under that number: it must not serve.
-            self._remove_holder(h, Event.QUARANTINE, "the holder's checksums conflict with the version's")
-            self._send(s, m.Quarantined(s.id, msg.version))
-            self._fail_pulls(s, msg.version, VersionConflict("this shard's copy conflicts with the version", **s.ctx(msg.version)))
+            self._conflicting(s, h, msg.version)
             raise
         self._set_checksums(h, msg.checksums)
         self._ack(s, msg.req)
+
+    def _conflicting(self, s: _Session, h: _Holder, version: int) -> None:
+        """The holding is not the version others hold under that number: it must not serve."""
+        self._remove_holder(h, Event.QUARANTINE, "the holder's checksums conflict with the version's")
+        self._send(s, m.Quarantined(s.id, version))
+        self._fail_pulls(s, version, VersionConflict("this shard's copy conflicts with the version", **s.ctx(version)))
+
+    def _on_checksums_part(self, peer: Hashable, msg: m.DeclareChecksumsPart) -> None:
+        """Checksums ``[first, end)`` of a version this shard published and is hashing: they
+        extend the (version, shard)'s declared prefix (a part may repeat what it holds, never
+        differ from it or leave a gap), and the new ones go to every reader pulling without them."""
+        s = self._session(peer, msg.session)
+        h = s.holder
+        ctx = s.ctx(msg.version)
+        if h is None or h.version != msg.version or h.state is P:
+            raise ContractViolation("checksums declared for a version this shard has not published", **ctx)
+        if s.layout is None:
+            raise NotRegistered("checksums declared in parts before tensors were registered", **ctx)
+        count, end = s.layout.checksum_count(), msg.first + len(msg.checksums)
+        if end > count:
+            raise InvalidArgument(f"checksums [{msg.first}, {end}) declared in a part; the layout has {count} checksum units", **ctx)
+        ver = s.model.versions[msg.version]
+        known = ver.checksums.get(s.shard_idx)
+        prefix = known if known is not None else ver.prefix.get(s.shard_idx, ())
+        if msg.first > len(prefix):
+            raise InvalidArgument(f"a part of the checksums from unit {msg.first} leaves a gap: {len(prefix)} are declared", **ctx)
+        held = prefix[msg.first : end]
+        if held != msg.checksums[: len(held)]:
+            self._conflicting(s, h, msg.version)
+            raise VersionConflict("the part's checksums differ from those declared for this version and shard", **ctx)
+        new = msg.checksums[len(held) :]
+        self._ack(s, msg.req)
+        if not new or known is not None:
+            return
+        first = len(prefix)
+        ver.prefix[s.shard_idx] = prefix + new
+        for other in ver.holders[s.shard_idx].values():  # readers pulling without checksums verify these now
+            g = other.upstream
+            if other.state is P and other.checksums is None and g is not None:
+                self._send(other.session, m.ChecksumsPartReady(other.session.id, g.id, self.term, other.version, first, new))
 
     def _on_unpublish(self, peer: Hashable, msg: m.Unpublish) -> None:
         s = self._session(peer, msg.session)

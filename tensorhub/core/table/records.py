@@ -325,8 +325,8 @@ class _Version:
     holder transition so that availability and the listing cost O(1) per event."""
 
     __slots__ = (
-        "version", "holders", "ever_available", "checksums", "serving", "shards_serving", "per_replica", "full", "index",
-        "bases", "layouts", "delta_pending",
+        "version", "holders", "ever_available", "checksums", "prefix", "serving", "shards_serving", "per_replica", "full",
+        "index", "bases", "layouts", "delta_pending",
     )  # fmt: skip
 
     def __init__(self, version: int, num_shards: int, sources: Callable[[], "SourcePolicy"]) -> None:
@@ -334,6 +334,8 @@ class _Version:
         self.holders: list[dict[int, _Holder]] = [{} for _ in range(num_shards)]
         self.ever_available = False
         self.checksums: dict[int, tuple[int, ...]] = {}  # shard_idx -> the declared checksums
+        #: shard_idx -> the checksums declared so far in parts (a prefix of the units), until all are
+        self.prefix: dict[int, tuple[int, ...]] = {}
         self.serving = [0] * num_shards  # complete/offload holders per shard
         self.shards_serving = 0  # shards with at least one
         self.per_replica: dict[str, list[int]] = {}  # replica -> [serving shards, of which offload]
