@@ -430,19 +430,19 @@ def vllm_placements(
         if fused_experts:  # vLLM's own 3-D parameters
             if expert_parallel:
                 return out + [TensorPlacement(f"{routed}.w13_weight", wdtype, (e, 2 * w, h), (ranks,), (0,)),
-                              TensorPlacement(f"{routed}.w2_weight", wdtype, (e, h, w), (ranks,), (0,))] + shared(p)  # fmt: skip
+                              TensorPlacement(f"{routed}.w2_weight", wdtype, (e, h, w), (ranks,), (0,))] + shared_experts(p)  # fmt: skip
             across = (REPLICATE,) * (len(mesh) - 1)  # tensor parallelism: the last mesh dimension
             return out + [TensorPlacement(f"{routed}.w13_weight", wdtype, (e, 2 * w, h), mesh, (*across, 1), (w, w), 1),
-                          TensorPlacement(f"{routed}.w2_weight", wdtype, (e, h, w), mesh, (*across, 2))] + shared(p)  # fmt: skip
+                          TensorPlacement(f"{routed}.w2_weight", wdtype, (e, h, w), mesh, (*across, 2))] + shared_experts(p)  # fmt: skip
         if expert_parallel:  # rank r: experts r*E/ranks ... whole
             out += stacked(f"{routed}.w13_weight", (e * 2 * w, h), (0,), (), (ranks,))
             out += stacked(f"{routed}.w2_weight", (e * h, w), (0,), (), (ranks,))
         else:  # every rank: its slice of every expert's gate and up rows, and of its down columns
             out += stacked(f"{routed}.w13_weight", (e * 2 * w, h), col, (w,) * (2 * e), mesh)
             out += stacked(f"{routed}.w2_weight", (e * h, w), row, (), mesh)
-        return out + shared(p)
+        return out + shared_experts(p)
 
-    def shared(p: str) -> list[TensorPlacement]:
+    def shared_experts(p: str) -> list[TensorPlacement]:
         if not s.shared_intermediate:
             return []
         n, h = s.shared_intermediate, s.hidden
