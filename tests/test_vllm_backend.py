@@ -25,6 +25,7 @@ import glob
 import json
 import os
 import re
+import signal as signal_
 import subprocess
 import sys
 import threading
@@ -393,7 +394,7 @@ def _two_versions(tmp_path, server, model: str, kind: str, script: str, *args: s
         with open(log, "w") as out:  # a file, not a pipe nobody reads while the engine starts
             proc = subprocess.Popen([sys.executable, str(tmp_path / "engine.py"), str(tmp_path / "v0"), server.address, model,
                                      str(tmp_path / "v1"), str(tmp_path / "v2"), str(signal), json.dumps(PROMPTS), *args],
-                                    stdout=out, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+                                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + timeout
         while not signal.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -404,8 +405,8 @@ def _two_versions(tmp_path, server, model: str, kind: str, script: str, *args: s
         lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, f"the engine process failed ({proc.returncode}):\n{text[-6000:]}"
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+        if proc is not None and proc.poll() is None:  # its engine core and workers too (its process group)
+            os.killpg(proc.pid, signal_.SIGKILL)
             proc.wait(60)
         trainer.close()
     out = json.loads(lines[-1].removeprefix("RESULT "))
