@@ -8,12 +8,14 @@ through vLLM's own weight-transfer API (``init_weight_transfer_engine``, ``start
 vLLM's default compiled mode, from other weights. After each version its greedy tokens equal
 those of the same engine loaded directly from that version's safetensors checkpoint by vLLM's
 own loader (``reload_weights``), and differ from the version before; vLLM reports the TensorHub
-version as its weight version. Dense (Qwen3) and mixture-of-experts (Qwen3-MoE: stacked
-``w13``/``w2`` experts) and DeepSeek-V3-shaped (MLA) in-process, dense in vLLM's multiprocess
-mode and in an ``AsyncLLM`` too; a version prefetched
-while the engine keeps generating from the one before; bad init and update
-info are typed errors, and a checkpoint that does not fill a parameter is a ``MappingMismatch``
-naming it, at init, before any byte moves.
+version as its weight version; v2 is prefetched while the engine keeps generating v1. Three models:
+dense (Qwen3), mixture-of-experts (Qwen3-MoE: stacked ``w13``/``w2`` experts) and DeepSeek-V3-shaped
+(MLA + routed and shared experts). Modes: in-process compiled (all three; the MoE and DeepSeek
+trainers publish transformers 5's fused experts, ``named_parameters()`` of the loaded model),
+vLLM's multiprocess mode compiled (all three), tensor parallelism 2 (two worker processes; all
+three), ``AsyncLLM`` (dense and MoE); ``test_vllm_serve.py`` has ``vllm serve``. Bad init and
+update info are typed errors, and a checkpoint that does not fill a parameter (or a fused expert
+tensor of a bad shape) is a ``MappingMismatch`` naming it, at init, before any byte moves.
 
 Skipped where vLLM is not installed: ``bash scripts/dev test-vllm`` makes its environment and
 runs these. One engine per test (start-up is 20-80 s here).
@@ -70,8 +72,9 @@ from .vllm_support import (  # noqa: E402,F401
 
 pytestmark = [
     pytest.mark.integration,
-    # engine start-up (compiling) took 60-290 s per test on two cores shared with other work
-    pytest.mark.timeout(900),
+    # engine start-up (compiling) took 60-290 s per test on two cores shared with other work, and a
+    # whole multiprocess test of the MoE or DeepSeek model 220-650 s at load 10-20
+    pytest.mark.timeout(1500),
     pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning",
                                "ignore::ResourceWarning", "ignore::RuntimeWarning",
                                "ignore::pytest.PytestUnraisableExceptionWarning"),
@@ -375,7 +378,7 @@ if __name__ == "__main__":
 """
 
 
-def _two_versions(tmp_path, server, model: str, kind: str, script: str, *args: str, timeout: float = 800) -> dict:
+def _two_versions(tmp_path, server, model: str, kind: str, script: str, *args: str, timeout: float = 1300) -> dict:
     """``script`` (ENGINE_SCRIPT or ASYNC_SCRIPT) in a process of its own, in vLLM's multiprocess
     mode, started from the ``kind`` model's v0 checkpoint: a trainer of SHARDS publishes v1; once the
     engine holds it and has started prefetching v2 (its signal file), the trainer publishes v2.
