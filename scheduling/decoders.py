@@ -30,9 +30,19 @@ an up part per expert, ``w2`` split along its columns) or, with ``expert_paralle
 places the experts on their own mesh as in the Perplexity write-up: expert-parallel group ``g``
 (of ``ep``) holds experts ``g x E/ep ...``, each FSDP-sharded over the group's ranks only, while
 every other tensor is FSDP-sharded over all ranks. The trainer's names are the checkpoints' (one
-tensor per expert); transformers 5 keeps a loaded model's routed experts fused instead
-(``mlp.experts.gate_up_proj`` ``[experts, 2 x width, hidden]``, ``down_proj`` ``[experts, hidden,
-width]``: vLLM's ``w13``/``w2`` layout), which these shapes do not describe.
+tensor per expert) by default.
+
+**Fused experts** (``fused_experts=True``): transformers 5 keeps a loaded model's routed experts
+fused (``mlp.experts.gate_up_proj`` ``[experts, 2 x width, hidden]``, each expert's gate then up
+rows, and ``down_proj`` ``[experts, hidden, width]``), so a trainer publishing its
+``named_parameters()`` has those names, in vLLM's own ``w13``/``w2`` layout. :func:`hf_tensors`,
+:func:`hf_placements` and :func:`hf_layout` then list them (3-D, FSDP over the experts; with ``ep``
+group ``g``'s experts sharded over its ranks: ``Shard(0)`` on both mesh dimensions), and
+:func:`vllm_placements` describes ``w13``/``w2`` in vLLM's 3-D shape (tensor parallelism: ``w13``
+packed along dim 1 with a gate and an up part, ``w2`` split along dim 2; expert parallelism:
+``Shard(0)``), so the preset's renames (:func:`~tensorhub.scheduling.mapping.preset`) move each
+fused tensor as it is, its 3-D placements kept. Block FP8 quantizes 2-D weights only: FP8 with
+fused experts is refused.
 
 **Multi-head latent attention** (``kv_lora_rank`` > 0: DeepSeek-V2/V3, Kimi-K2): the trainer holds
 Hugging Face's ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` (or, without ``q_lora_rank``, one
@@ -173,8 +183,9 @@ class DecoderShape:
         return cls(**sizes)
 
 
-def hf_tensors(shape: DecoderShape) -> list[tuple[str, tuple[int, ...]]]:
-    """Hugging Face's parameter names and global shapes, in ``named_parameters`` order."""
+def hf_tensors(shape: DecoderShape, *, fused_experts: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """Hugging Face's parameter names and global shapes, in ``named_parameters`` order (the
+    checkpoint's per-expert tensors; with ``fused_experts``, transformers 5's fused ones)."""
     s = shape
     out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (s.vocab, s.hidden))]
     for i in range(s.layers):
@@ -184,7 +195,7 @@ def hf_tensors(shape: DecoderShape) -> list[tuple[str, tuple[int, ...]]]:
         else:
             out += _hf_attention(s, p)
         if s.moe(i):
-            out += _hf_experts(s, p)
+            out += _hf_experts(s, p, fused_experts)
         else:
             out += _mlp(f"{p}.mlp", s.intermediate, s.hidden)
         out += [(f"{p}.input_layernorm.weight", (s.hidden,)), (f"{p}.post_attention_layernorm.weight", (s.hidden,))]
@@ -235,60 +246,78 @@ def _mlp(prefix: str, width: int, hidden: int) -> list[tuple[str, tuple[int, ...
             (f"{prefix}.down_proj.weight", (hidden, width))]  # fmt: skip
 
 
-def _hf_experts(s: DecoderShape, p: str) -> list[tuple[str, tuple[int, ...]]]:
+def _hf_experts(s: DecoderShape, p: str, fused: bool) -> list[tuple[str, tuple[int, ...]]]:
     out: list[tuple[str, tuple[int, ...]]] = [(f"{p}.mlp.gate.weight", (s.experts, s.hidden))]
     if s.router_bias:
         out.append((f"{p}.mlp.gate.e_score_correction_bias", (s.experts,)))
-    for e in range(s.experts):
-        out += _mlp(f"{p}.mlp.experts.{e}", s.expert_intermediate, s.hidden)
+    e, w, h = s.experts, s.expert_intermediate, s.hidden
+    if fused:  # transformers 5's Qwen3MoeExperts / DeepseekV3NaiveMoe: gate_up_proj, then down_proj
+        out += [(f"{p}.mlp.experts.gate_up_proj", (e, 2 * w, h)), (f"{p}.mlp.experts.down_proj", (e, h, w))]
+    else:
+        for i in range(e):
+            out += _mlp(f"{p}.mlp.experts.{i}", w, h)
     if s.shared_intermediate:
         out += _mlp(f"{p}.mlp.shared_experts", s.shared_intermediate, s.hidden)
     return out
 
 
-def _expert_of(name: str) -> int | None:
-    """The routed expert a Hugging Face tensor belongs to (``...mlp.experts.{e}...``), else None."""
+def _expert_of(name: str) -> int | str | None:
+    """The routed expert a Hugging Face tensor belongs to (``...mlp.experts.{e}...``), ``"all"``
+    for a fused tensor of every expert (``...mlp.experts.gate_up_proj``), else None."""
     head, sep, tail = name.partition(".mlp.experts.")
     if not sep:
         return None
     index = tail.split(".", 1)[0]
-    return int(index) if index.isdecimal() else None
+    return int(index) if index.isdecimal() else "all"
 
 
-def hf_layout(shape: DecoderShape, shards: int, dtype: str = "bfloat16", *, ep: int = 1) -> ReplicaLayout:
+def hf_layout(
+    shape: DecoderShape, shards: int, dtype: str = "bfloat16", *, ep: int = 1, fused_experts: bool = False
+) -> ReplicaLayout:
     """The trainer's layout: :func:`hf_placements` (every tensor FSDP-sharded over all ``shards``)
     or, with ``ep`` > 1, the routed experts on their own mesh: ``ep`` expert-parallel groups of
     ``shards / ep`` consecutive ranks, group ``g`` holding experts ``g x E/ep`` to
-    ``(g + 1) x E/ep - 1``, each sharded along dim 0 over its group's ranks only.
+    ``(g + 1) x E/ep - 1``, each sharded along dim 0 over its group's ranks only (with
+    ``fused_experts``: the fused tensors ``Shard(0)`` over the mesh ``(ep, shards / ep)``, the
+    same experts on the same ranks).
 
     Raises:
         InvalidArgument: ``ep`` does not divide the ranks and the experts.
     """
     if ep == 1:
-        return ReplicaLayout.spmd(hf_placements(shape, shards, dtype), shards)
+        return ReplicaLayout.spmd(hf_placements(shape, shards, dtype, fused_experts=fused_experts), shards)
     if ep < 1 or shards % ep or not shape.experts or shape.experts % ep:
         raise InvalidArgument(f"{ep} expert-parallel groups need to divide the {shards} ranks and the {shape.experts} experts")
     fsdp, per_group = shards // ep, shape.experts // ep
     rows: list[list[PlacedTensor]] = [[] for _ in range(shards)]
-    for name, dims in hf_tensors(shape):
+    for name, dims in hf_tensors(shape, fused_experts=fused_experts):
         e = _expert_of(name)
+        if e == "all":  # every expert in one tensor: group g's experts, sharded over its ranks
+            t = TensorPlacement(name, dtype, dims, (ep, fsdp), (0, 0))
+            for r in range(shards):
+                rows[r].append(PlacedTensor(t, (r // fsdp, r % fsdp)))
+            continue
         if e is None:
             t = TensorPlacement(name, dtype, dims, (shards,), (0,))
             for r in range(shards):
                 rows[r].append(PlacedTensor(t, (r,)))
             continue
         t = TensorPlacement(name, dtype, dims, (fsdp,), (0,))
+        assert isinstance(e, int)
         g = e // per_group
         for f in range(fsdp):
             rows[g * fsdp + f].append(PlacedTensor(t, (f,)))
     return ReplicaLayout(tuple(tuple(r) for r in rows))
 
 
-def hf_placements(shape: DecoderShape, shards: int, dtype: str = "bfloat16", dim: int = 0) -> list[TensorPlacement]:
+def hf_placements(
+    shape: DecoderShape, shards: int, dtype: str = "bfloat16", dim: int = 0, *, fused_experts: bool = False
+) -> list[TensorPlacement]:
     """The trainer's tensors, each ``Shard(dim)`` over ``shards`` shards (FSDP: dim 0);
     1-D tensors are sharded along their only dimension."""
     return [
-        TensorPlacement(name, dtype, dims, (shards,), (min(dim, len(dims) - 1),)) for name, dims in hf_tensors(shape)
+        TensorPlacement(name, dtype, dims, (shards,), (min(dim, len(dims) - 1),))
+        for name, dims in hf_tensors(shape, fused_experts=fused_experts)
     ]
 
 
@@ -301,9 +330,15 @@ def vllm_placements(
     block: int = 128,
     expert_parallel: bool = False,
     dp: int = 1,
+    fused_experts: bool = False,
 ) -> list[TensorPlacement]:
     """An inference engine's tensors under vLLM's names and tensor parallelism over ``tp`` ranks
     (with ``expert_parallel``, the routed experts whole, ``experts / tp`` per rank).
+
+    ``fused_experts`` describes the routed experts' ``w13_weight``/``w2_weight`` in vLLM's 3-D
+    shape (``[experts, 2 x width, hidden]``, ``[experts, hidden, width]``), for a trainer holding
+    transformers 5's fused ``gate_up_proj``/``down_proj`` (see the module's docstring); without
+    it they are flattened to 2-D, for per-expert checkpoint names.
 
     ``dp`` > 1 is vLLM's data-parallel attention with expert parallelism (``--data-parallel-size
     dp --enable-expert-parallel``): ``dp x tp`` ranks, rank ``r`` at ``(r // tp, r % tp)``; every
@@ -316,6 +351,8 @@ def vllm_placements(
     s = shape
     if type(dp) is not int or dp < 1 or (dp > 1 and not (expert_parallel and s.experts)):
         raise InvalidArgument(f"dp={dp!r}: data-parallel attention is for experts spread over every rank (expert_parallel)")
+    if fused_experts and fp8 and s.experts:
+        raise InvalidArgument(f"{s}: block FP8 quantizes 2-D weights: fused (3-D) experts cannot be FP8 here")
     ranks = dp * tp
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     dense = s.experts == 0 or s.dense_layers > 0
@@ -390,17 +427,28 @@ def vllm_placements(
         if s.router_bias:  # float32 in vLLM whatever the model's dtype
             out.append(TensorPlacement(f"{p}.mlp.gate.e_score_correction_bias", "float32", (e,), mesh, rep))
         routed = f"{p}.mlp.experts.routed_experts"
+        if fused_experts:  # vLLM's own 3-D parameters
+            if expert_parallel:
+                return out + [TensorPlacement(f"{routed}.w13_weight", wdtype, (e, 2 * w, h), (ranks,), (0,)),
+                              TensorPlacement(f"{routed}.w2_weight", wdtype, (e, h, w), (ranks,), (0,))] + shared_experts(p)  # fmt: skip
+            across = (REPLICATE,) * (len(mesh) - 1)  # tensor parallelism: the last mesh dimension
+            return out + [TensorPlacement(f"{routed}.w13_weight", wdtype, (e, 2 * w, h), mesh, (*across, 1), (w, w), 1),
+                          TensorPlacement(f"{routed}.w2_weight", wdtype, (e, h, w), mesh, (*across, 2))] + shared_experts(p)  # fmt: skip
         if expert_parallel:  # rank r: experts r*E/ranks ... whole
             out += stacked(f"{routed}.w13_weight", (e * 2 * w, h), (0,), (), (ranks,))
             out += stacked(f"{routed}.w2_weight", (e * h, w), (0,), (), (ranks,))
         else:  # every rank: its slice of every expert's gate and up rows, and of its down columns
             out += stacked(f"{routed}.w13_weight", (e * 2 * w, h), col, (w,) * (2 * e), mesh)
             out += stacked(f"{routed}.w2_weight", (e * h, w), row, (), mesh)
-        if s.shared_intermediate:
-            n = s.shared_intermediate
-            out += linear(f"{p}.mlp.shared_experts.gate_up_proj", (2 * n, h), col, (n, n))
-            out += linear(f"{p}.mlp.shared_experts.down_proj", (h, n), row)
-        return out
+        return out + shared_experts(p)
+
+    def shared_experts(p: str) -> list[TensorPlacement]:
+        if not s.shared_intermediate:
+            return []
+        n, h = s.shared_intermediate, s.hidden
+        return linear(f"{p}.mlp.shared_experts.gate_up_proj", (2 * n, h), col, (n, n)) + linear(
+            f"{p}.mlp.shared_experts.down_proj", (h, n), row
+        )
 
     def attention(p: str) -> list[TensorPlacement]:
         out = linear(f"{p}.self_attn.qkv_proj", (q + 2 * kv, s.hidden), col, (q, kv, kv), s.head_dim)

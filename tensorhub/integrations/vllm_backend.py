@@ -112,6 +112,7 @@ import tensorhub
 from tensorhub.core.errors import ContractViolation, InvalidArgument, MappingMismatch, UsageError
 from tensorhub.core.naming import validate_replica
 from tensorhub.core.placement import REPLICATE, TensorPlacement
+from tensorhub.integrations.vllm_experts import join_fused_experts, split_fused_experts
 from tensorhub.integrations.vllm_plugin import BACKEND
 from tensorhub.integrations.vllm_shadow import (
     _MISSING,
@@ -329,6 +330,8 @@ def trace_loader(
     from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_size
 
     t0 = time.perf_counter()
+    given = tensors  # transformers 5's fused experts traced as the per-expert tensors they hold
+    tensors, origin = split_fused_experts(given)
     names = _module_names(model)
     # Parameters several modules share (tied embeddings): one of them loads it.
     owners: dict[int, list[Any]] = {}
@@ -370,8 +373,8 @@ def trace_loader(
             missing += [f"{where}.{n}" for n in loadable.get(mod, ())]
             continue
         modules[mod] = [
-            Scatter(c.src[0], tuple(c.src[1]), mod, c.param_name, tuple(c.shape), tuple(c.stride), int(c.offset),
-                    getattr(mod, c.param_name).dtype)  # fmt: skip
+            join_fused_experts(Scatter(c.src[0], tuple(c.src[1]), mod, c.param_name, tuple(c.shape), tuple(c.stride),
+                                       int(c.offset), getattr(mod, c.param_name).dtype), origin)  # fmt: skip
             for c in recorded
         ]
     filled = {id(m) for m in modules}
@@ -394,8 +397,8 @@ def trace_loader(
     staged: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for scatters in modules.values():
         for s in scatters:
-            staged.setdefault(s.source, (s.dtype, tuple(tensors[s.source][1])))
-    skipped = [n for n in tensors if n not in staged]
+            staged.setdefault(s.source, (s.dtype, tuple(given[s.source][1])))
+    skipped = [n for n in given if n not in staged]
     return LoaderTrace(modules, staged, skipped, time.perf_counter() - t0)
 
 
