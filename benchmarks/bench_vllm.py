@@ -38,8 +38,22 @@ from ``/pause`` to the end of ``/resume``:
   ``/collective_rpc`` ``tensorhub_backend``) that the version is staged and its processed layers
   built, then ``/pause`` -> ``/update_weights`` (the swap) ->
   ``/finish_weight_update`` -> ``/resume``;
+- ``tensorhub-live``: update while serving, no ``/pause``: the same prefetch, then, while a
+  streamed completion is generating, ``/update_weights`` (the swap) -> ``/finish_weight_update``.
+  vLLM runs both as utility calls of its engine core, between two engine steps (its busy loop
+  handles its input queue between steps; the CPU platform turns async scheduling off, so no step
+  is in flight then): a step runs on the old weights or the new ones, never a mix. Requests in
+  flight go on with the new weights over the KV cache of the old ones (what update-while-serving
+  means; ``/pause`` with ``mode=keep`` or ``wait`` is the choice where that must not happen). The
+  figure is the longest gap between two tokens of that stream that overlaps the calls (one engine
+  step included: generation, not stall), printed beside the stream's typical gap, the excess over
+  it (what the flip added) and the calls' own time; the excess's median closes the report.
 - ``pause-resume``: ``/pause`` -> ``/resume``, nothing between: what the HTTP calls and the
-  engine's own pause cost, the floor of every route.
+  engine's own pause cost, the floor of every route that pauses.
+
+The trainer (in this process) keeps no offload copy (``retain=None``): with ``"latest"`` each
+round's unpublish copied its 309 MiB to CPU memory in this process, work of neither route that
+only added CPU noise (in the offline mode the engine shares this process).
 """
 
 from __future__ import annotations
@@ -120,7 +134,8 @@ def main() -> int:
           f"{'eager' if args.eager else 'compiled'}", flush=True)  # fmt: skip
 
     server = ServerProcess()
-    trainer = tensorhub.open("bench", "trainer", num_shards=1, shard_idx=0, server=server.address)
+    # no offload copy at each unpublish (the trainer's retention is not either route's work)
+    trainer = tensorhub.open("bench", "trainer", num_shards=1, shard_idx=0, server=server.address, retain=None)
     trainer.register(weights, placements={n: TensorPlacement(n, "bfloat16", tuple(t.shape), (1,), (REPLICATE,))
                                           for n, t in weights.items()})  # fmt: skip
     t0 = time.perf_counter()
@@ -215,6 +230,7 @@ def serve_main(args: argparse.Namespace) -> int:
     import json
     import socket
     import subprocess
+    import threading
 
     import requests
     import safetensors.torch
@@ -231,7 +247,8 @@ def serve_main(args: argparse.Namespace) -> int:
     print(f"model: {_what(args)}: {nbytes / 2**20:.0f} MiB bf16, {len(weights)} tensors; "
           f"{'eager' if args.eager else 'compiled'}; through vLLM's HTTP server", flush=True)  # fmt: skip
     server = ServerProcess()
-    trainer = tensorhub.open("bench", "trainer", num_shards=1, shard_idx=0, server=server.address)
+    # no offload copy at each unpublish (the trainer's retention is not either route's work)
+    trainer = tensorhub.open("bench", "trainer", num_shards=1, shard_idx=0, server=server.address, retain=None)
     trainer.register(weights, placements={n: TensorPlacement(n, "bfloat16", tuple(t.shape), (1,), (REPLICATE,))
                                           for n, t in weights.items()})  # fmt: skip
     with socket.socket() as sock:
@@ -286,7 +303,23 @@ def serve_main(args: argparse.Namespace) -> int:
 
         post("/init_weight_transfer_engine", {"init_info": {"source_model": "bench", "replica": "rollout-0",
                                                             "server": server.address}})  # fmt: skip
-        pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-flip": [], "pause-resume": []}
+        def stream(arrivals: list[float], going: threading.Event) -> None:
+            """A streamed completion: each token's arrival time (one SSE event per engine step)."""
+            body = {"model": served, "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+                    "stream": True}  # fmt: skip
+            try:
+                with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=600) as r:
+                    for line in r.iter_lines(chunk_size=None):
+                        if line.startswith(b"data: ") and line != b"data: [DONE]":
+                            arrivals.append(time.perf_counter())
+                            if len(arrivals) >= 8:
+                                going.set()
+            finally:
+                going.set()
+
+        pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-flip": [], "tensorhub-live": [],
+                                          "pause-resume": []}  # fmt: skip
+        excess: list[float] = []  # tensorhub-live: the longest gap across the calls less the stream's typical gap
         version = 0
         for rnd in range(args.rounds):
             for route in pauses:
@@ -299,7 +332,35 @@ def serve_main(args: argparse.Namespace) -> int:
                     continue
                 version += 1
                 path = _next_version(trainer, weights, version, tmp)
-                if route == "tensorhub-flip":
+                live = ""
+                if route == "tensorhub-live":
+                    post("/start_weight_update")
+                    post("/update_weights", {"update_info": {"version": version, "prefetch": True}})
+                    deadline = time.monotonic() + 300
+                    while not staged(version) and time.monotonic() < deadline:
+                        generate()
+                    arrivals: list[float] = []
+                    going = threading.Event()
+                    streaming = threading.Thread(target=stream, args=(arrivals, going), daemon=True)
+                    streaming.start()
+                    going.wait(120)
+                    t0 = time.perf_counter()
+                    post("/update_weights", {"update_info": {"version": version}})
+                    post("/finish_weight_update", {"weight_version": str(version)})
+                    t1 = time.perf_counter()
+                    streaming.join(600)
+                    gaps = [(a, b) for a, b in zip(arrivals, arrivals[1:])]
+                    during = [b - a for a, b in gaps if b > t0 and a < t1]
+                    other = [b - a for a, b in gaps if not (b > t0 and a < t1)]
+                    if not during or not arrivals or arrivals[-1] < t1:
+                        print(f"the stream ended before the flip did ({len(arrivals)} tokens): make it longer")
+                        return 1
+                    pauses[route].append(max(during))
+                    # the gap holds one engine step too (generation, not stall): what the flip added is the excess
+                    excess.append(max(during) - median(other))
+                    live = (f"  (calls {(t1 - t0) * 1000:.1f} ms; typical gap {median(other) * 1000:.1f} ms, so the flip "
+                            f"added {excess[-1] * 1000:.1f} ms; longest gap elsewhere {max(other) * 1000:.1f} ms)")  # fmt: skip
+                elif route == "tensorhub-flip":
                     post("/start_weight_update")
                     post("/update_weights", {"update_info": {"version": version, "prefetch": True}})
                     deadline = time.monotonic() + 300
@@ -322,7 +383,7 @@ def serve_main(args: argparse.Namespace) -> int:
                     post("/pause", mode="wait")
                     post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
                     post("/resume")
-                pause = time.perf_counter() - t0
+                pause = pauses[route].pop() if live else time.perf_counter() - t0
                 post("/reset_prefix_cache")
                 got = generate()
                 if route != "vllm-reload":
@@ -333,7 +394,7 @@ def serve_main(args: argparse.Namespace) -> int:
                         return 1
                 pauses[route].append(pause)
                 phases = "" if route == "vllm-reload" else _phases(backends()[0]["last"])
-                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms{phases}", flush=True)
+                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms{live}{phases}", flush=True)
         post("/shutdown_weight_transfer_engine")
     finally:
         proc.terminate()
@@ -347,6 +408,9 @@ def serve_main(args: argparse.Namespace) -> int:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint per version: gigabytes
     _print_medians(pauses, f"through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run)", 15)
+    print("  (tensorhub-live: no /pause; the longest gap between a streamed completion's tokens across the calls,")
+    print(f"   one engine step included; less the stream's typical gap, median {median(excess) * 1000:.1f} ms: "
+          f"ratio to vllm-reload {median(excess) / median(pauses['vllm-reload']):.3f})")  # fmt: skip
     return 0
 
 

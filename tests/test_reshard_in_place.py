@@ -133,3 +133,57 @@ def test_a_unit_damaged_on_the_way_is_caught_where_it_landed_and_read_again(serv
     finally:
         for h in (conv, *trainer):
             h.close()
+
+
+def _runs_source(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {"a": torch.randn(ROWS // 2, 1024, generator=g), "b": torch.randn(ROWS // 2, 1024, generator=g)}
+    out.update({f"n{i}": torch.randn(256, generator=g) for i in range(8)})  # tiny: end to end in the pack
+    return out
+
+
+def _runs_dest(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``a`` and ``b`` as views of one buffer, end to end (a fused parameter's halves)."""
+    fused = torch.zeros(2 * full["a"].numel())
+    dest = {"a": fused[: full["a"].numel()].view(full["a"].shape), "b": fused[full["a"].numel() :].view(full["b"].shape)}
+    dest.update({n: torch.zeros_like(t) for n, t in full.items() if n not in dest})
+    return dest, fused
+
+
+def test_reads_that_follow_each_other_in_the_source_are_read_as_one(server):
+    """Reads landing in place that follow each other in the source's transfer space are one
+    transport read: ``a`` and ``b`` into their fused buffer, the eight tiny tensors through one
+    staging buffer and copied out. The bytes, the declared checksums and a damaged byte in the
+    tiny run (caught, read again) hold as for single reads."""
+    full = _runs_source(3)
+    places = {n: TensorPlacement.of(n, "float32", tuple(t.shape), Replicate(), 1) for n, t in full.items()}
+    # a byte of the pack at the start of the source's transfer space (n0..n7, 1 KiB each): the tiny run
+    damaged = {"local": {"faults": [{"op": "corrupt", "at": 512 + 3, "times": 1}]}}
+    conv = tensorhub.open("dstr", "infer-1", server=server.address, convert_from="srcr", transports=damaged)
+    trainer = tensorhub.open("srcr", "train", server=server.address)
+    peer = None
+    try:
+        dest, fused = _runs_dest(full)
+        conv.register(dest, placements=places)
+        trainer.register({n: t.clone() for n, t in full.items()}, placements=places)
+        trainer.publish(1)
+        assert conv.replicate(1, timeout=30) == 1
+        for n, t in full.items():
+            assert torch.equal(dest[n], t), n
+        assert torch.equal(fused, torch.cat([full["a"].reshape(-1), full["b"].reshape(-1)]))
+        stats = conv.last_conversion
+        assert stats is not None and stats.in_place == 10 and stats.tasks == 10, stats
+        # a|b in place (one read), n0..n7 staged (one read), and the damaged run read again
+        assert stats.failures == 1 and stats.reads == 3, stats
+        # the declared checksums are those of the converter's bytes: a peer verifies them all
+        peer = tensorhub.open("dstr", "infer-2", server=server.address, convert_from="srcr")
+        peer_dest, _ = _runs_dest(full)
+        peer.register(peer_dest, placements=places)
+        assert peer.replicate(1, timeout=30) == 1
+        for n, t in full.items():
+            assert torch.equal(peer_dest[n], t), n
+        assert peer.last_conversion is None  # pulled the converted bytes, verified against those checksums
+    finally:
+        for h in (peer, conv, trainer):
+            if h is not None:
+                h.close()

@@ -1436,3 +1436,19 @@ def test_a_kind_prefix_begins_every_frame_of_its_kind_and_no_other():
     assert not wire.encode(m.Ack(7)).startswith(beat)
     with pytest.raises(TypeError, match="not a registered wire message"):
         wire.kind_prefix(int)
+
+
+def test_a_convert_sources_layout_is_decoded_once_and_bad_bytes_are_still_refused():
+    """``ConvertSource.layout`` and ``placements`` are kept by their encoded bytes: the same
+    bytes in the next version's ``Convert`` give the very value decoded before; other bytes are
+    decoded (and checked) afresh."""
+    src = m.ConvertSource(5, 1, SOURCE, (1, 2, 3), b"t" * 40, LAYOUT, PLACED)
+    first = wire.decode(wire.encode(m.Convert(1, 2, 3, 4, 0, "src", 1, (src,))))
+    again = wire.decode(wire.encode(m.Convert(9, 2, 3, 5, 0, "src", 1, (dataclasses.replace(src, grant=6, checksums=(4, 5, 6)),))))
+    assert again.sources[0].layout is first.sources[0].layout
+    assert again.sources[0].placements is first.sources[0].placements
+    assert again.sources[0].checksums == (4, 5, 6) and again.version == 5
+    body = body_of(m.Convert(1, 2, 3, 4, 0, "src", 1, (src,)))
+    body["sources"][0]["layout"]["tensors"][0]["dtype"] = "no-such-dtype"
+    with pytest.raises(MalformedMessage):
+        wire.decode(msgpack.packb([WIRE_VERSION, "convert", body]))

@@ -598,8 +598,8 @@ class ConvertSource:
     source: SourceInfo
     checksums: tuple[int, ...]
     token: bytes | None = field(metadata={"max_len": 256})
-    layout: Layout
-    placements: tuple[PlacedTensor, ...]
+    layout: Layout = field(metadata={"memo": 16})  # the same every version: decoded once
+    placements: tuple[PlacedTensor, ...] = field(metadata={"memo": 16})
 
     def __post_init__(self) -> None:
         _checksums(self.checksums)

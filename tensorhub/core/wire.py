@@ -20,7 +20,10 @@ generated decoder, which checks every field in one function and builds the messa
 Supported annotations: ``int``, ``float``, ``bool``, ``str``, ``bytes``, ``X | None``,
 ``int | str``, ``tuple[X, ...]``, ``dict[str, X]``, another :func:`struct` class, and
 :data:`Opaque` (nested plain msgpack data: transport descriptors). A field may narrow its
-limit with ``field(metadata={"max_len": N})``.
+limit with ``field(metadata={"max_len": N})``. A field whose value repeats from message to
+message (a source shard's layout in every ``Convert``) may ask for its decoded values to be kept,
+by their encoded bytes, with ``field(metadata={"memo": N})`` (the last ``N``): equal bytes decode
+to an equal frozen value, so a repeat is checked and built once.
 """
 
 from __future__ import annotations
@@ -100,9 +103,31 @@ class _Schema:
         for f in fields:
             max_len = f.metadata.get("max_len")
             self.decoders[f.name] = _compile_decoder(hints[f.name], max_len)
+            if f.metadata.get("memo"):
+                self.decoders[f.name] = _memoized(self.decoders[f.name], int(f.metadata["memo"]))
             encoders[f.name] = _compile_encoder(hints[f.name])
         self.build: Callable[[Any, str], Any] = _compile_build(self, [(f.name, hints[f.name], f.metadata.get("max_len")) for f in fields])
         self.encode: Callable[[Any], dict[str, Any]] = _compile_encode(self, encoders)
+
+
+def _memoized(conv: _Conv, kept: int) -> _Conv:
+    """``conv`` keeping the last ``kept`` values it built, by their encoded bytes (a value is
+    frozen: what a fresh decode of the same bytes would build, checks passed)."""
+    cache: dict[bytes, Any] = {}
+    pack = msgpack.packb
+
+    def dec(v: Any, path: str) -> Any:
+        key = pack(v)
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+        out = conv(v, path)
+        cache[key] = out
+        while len(cache) > kept:
+            del cache[next(iter(cache))]
+        return out
+
+    return dec
 
 
 def _dataclass(cls: type[T]) -> type[T]:

@@ -756,7 +756,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             self.last = {"pull_s": t1 - t0}
             conv = self._need_handle().last_conversion
             if self._moved and conv is not None and conv.version == version:  # converted here, now (else: a peer's bytes)
-                self.last.update(convert_s=conv.seconds, convert_tasks=float(conv.tasks), in_place_tasks=float(conv.in_place))
+                self.last.update(convert_s=conv.seconds, convert_tasks=float(conv.tasks), in_place_tasks=float(conv.in_place),
+                                 reads=float(conv.reads))  # fmt: skip
             shadow, self._shadow = self._shadow, None
             if shadow is None or shadow.version != version:
                 shadow = self._build_shadow(version) if self.swap else None

@@ -21,7 +21,12 @@ checksums and the grant token. :class:`Conversion` then:
    of the destination tensor: a same-dtype rename, a row block of a dim-0 shard) lands its
    reads **in place**: straight into the destination's bytes, verified there, with no staging
    buffer, no gather and no copy after; those units' verified checksums are the destination's
-   own (the same bytes), so step 3 hashes only the rest. Reads are staged on the device
+   own (the same bytes), so step 3 hashes only the rest. Such reads that follow each other in a
+   source shard's transfer space are one transport read (a run, :meth:`Conversion._schedule`):
+   straight into the destination where their bytes follow each other there too (a fused
+   parameter's parts), else, for small reads (a checkpoint's norms, end to end in its pack),
+   through one staging buffer they are copied out of (and hashed in step 3). Which tasks land
+   in place, and the runs, are worked out once per plan and buffers. Reads are staged on the device
    of this shard: a GPU shard's reads land in GPU memory (``local`` copies GPU to GPU, ``tcp``
    through its pinned staging), are verified there (``wordmix-64``: one kernel per read) and
    gathered and quantized by the GPU; nothing but checksums comes back to the CPU. A task starts only when its
@@ -51,6 +56,7 @@ import asyncio
 import bisect
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -82,6 +88,17 @@ _STAGED = ("local", "tcp")
 #: Plans kept per process, by (source layout, destination layout, mapping, shard, task size).
 _PLANS_KEPT = 16
 _PLANS: dict[tuple, ShardPlan] = {}
+#: Reads that land in place and follow each other in one source shard's transfer space are read
+#: as one (a run): straight into the destination where its bytes follow each other there too (up
+#: to ``_RUN_BYTES``); else, where each is at most ``_SMALL_READ``, through one staging buffer of at
+#: most ``_GROUP_BYTES`` and copied out (a tiny read costs a whole read's bookkeeping, and a
+#: checkpoint's norms and small projections sit end to end in its pack region).
+_RUN_BYTES = 64 << 20
+_GROUP_BYTES = 4 << 20
+_SMALL_READ = 1 << 20
+#: Per destination buffers, the schedule of the last plan they were converted by (the same every
+#: version: built once).
+_SCHEDULES: weakref.WeakKeyDictionary[ShardBuffers, tuple[ShardPlan, _Schedule]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,7 @@ class ConversionStats:
     plan_s: float = 0.0
     seconds: float = 0.0
     failures: int = 0  #: reads that failed or failed verification (and were tried again)
+    reads: int = 0  #: transport reads made (a run of the plan's reads read as one counts once)
     sources: list[str] = field(default_factory=list)
 
 
@@ -191,6 +209,49 @@ class _Source:
     plan: Plan
     peer: tuple[Transport, dict, int] | None = None
     generation: int | None = None
+
+
+@dataclass(frozen=True)
+class _Landing:
+    """A read of a task that lands in place: its source shard, the source units it covers
+    (whole), their first transfer offset and bytes, where they land (a flat uint8 view of the
+    destination's bytes), and the destination tensor and byte offset there of the first byte."""
+
+    shard: int
+    units: tuple[Unit, ...]
+    base: int
+    n: int
+    place: torch.Tensor
+    tensor: str
+    at: int
+    needed: int  #: the plan's bytes for the read
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Landings read with one transport read: ``[base, base + n)`` of source shard ``shard``.
+    ``place``: their destination bytes, one contiguous run (the read lands there); None: they
+    are apart there, and the read goes through a staging buffer they are copied out of."""
+
+    shard: int
+    base: int
+    n: int
+    members: tuple[_Landing, ...]
+    place: torch.Tensor | None
+
+    @property
+    def units(self) -> list[Unit]:
+        return [u for m in self.members for u in m.units]
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """A plan's work for one destination: the tasks that are staged (cast, gather, quantize) and
+    the runs that land the other tasks' reads in place."""
+
+    staged: tuple[Task, ...]
+    runs: tuple[_Run, ...]
+    in_place: int  #: tasks landing in place
 
 
 class _Budget:
@@ -317,15 +378,23 @@ class Conversion:
         dest_tensors = {spec.name: t for spec, t in zip(b.layout.tensors, b.tensors)}
         budget = _Budget(self.spec.budget)
         running: set[asyncio.Task] = set()
-        # decided for every task before any read starts: this Python work would otherwise contend
-        # for the interpreter with the copy threads of the reads already in flight
-        in_place = [self._in_place(task, dest_tensors) for task in shard_plan.tasks]
+        # decided before any read starts (this Python work would otherwise contend for the
+        # interpreter with the copy threads of the reads in flight), once per plan and buffers
+        cached = _SCHEDULES.get(b)
+        if cached is not None and cached[0] is shard_plan:
+            schedule = cached[1]
+        else:
+            schedule = self._schedule(shard_plan, dest_tensors)
+            _SCHEDULES[b] = (shard_plan, schedule)
+        self.stats.in_place = schedule.in_place
+        work: list[tuple[int, Callable[[], Any]]] = [
+            *((0 if r.place is not None else r.n, lambda r=r: self._land_run(r)) for r in schedule.runs),
+            *((self._cost(t), lambda t=t: self._task(t, dest_tensors)) for t in schedule.staged),
+        ]
         try:
-            for task, places in zip(shard_plan.tasks, in_place):
-                cost = 0 if places is not None else self._cost(task)
-                self.stats.in_place += places is not None
+            for cost, job in work:
                 await budget.take(cost)
-                t = asyncio.ensure_future(self._task(task, dest_tensors, budget, cost, places))
+                t = asyncio.ensure_future(self._job(job, budget, cost))
                 running.add(t)
                 t.add_done_callback(running.discard)
                 failed = [err for x in list(running) if x.done() and (err := x.exception()) is not None]
@@ -362,6 +431,62 @@ class Conversion:
         for i, v in zip(rest, checksum.compute(b, rest) if rest else ()):
             sums[i] = v
         return [v for v in sums if v is not None]
+
+    def _schedule(self, shard_plan: ShardPlan, dest: dict[str, torch.Tensor]) -> _Schedule:
+        """Which tasks land in place (:meth:`_in_place`), and their reads as runs: sorted by
+        source transfer offset, a read joins the run before it when it starts where that run ends
+        (whole units both) and either its destination bytes follow the run's (then the run lands
+        in place, up to ``_RUN_BYTES``) or the run goes through staging (each read at most
+        ``_SMALL_READ``, the run at most ``_GROUP_BYTES``)."""
+        staged: list[Task] = []
+        landings: list[_Landing] = []
+        in_place = 0
+        for task in shard_plan.tasks:
+            places = self._in_place(task, dest)
+            if places is None:
+                staged.append(task)
+                continue
+            in_place += 1
+            tensor = task.outputs[0].tensor
+            origin = dest[tensor].data_ptr()
+            for read, place in zip(task.reads, places):
+                units, base, n = self._span(read)
+                landings.append(_Landing(read.shard, tuple(units), base, n, place, tensor, place.data_ptr() - origin, read.nbytes))
+        landings.sort(key=lambda x: (x.shard, x.base))
+        runs: list[_Run] = []
+        group: list[_Landing] = []
+        through_staging = False
+
+        def close() -> None:
+            if not group:
+                return
+            first = group[0]
+            total = sum(x.n for x in group)
+            place = None
+            if not through_staging:  # one contiguous run of the destination: a view over it
+                place = first.place if len(group) == 1 else first.place.as_strided((total,), (1,), first.place.storage_offset())
+            runs.append(_Run(first.shard, first.base, total, tuple(group), place))
+
+        for x in landings:
+            if group:
+                last = group[-1]
+                total = sum(y.n for y in group) + x.n
+                follows = x.shard == last.shard and x.n and last.n and x.base == last.base + last.n
+                adjacent = (follows and x.place.device == last.place.device
+                            and x.place.untyped_storage().data_ptr() == last.place.untyped_storage().data_ptr()
+                            and x.place.data_ptr() == last.place.data_ptr() + last.n)  # fmt: skip
+                small = follows and x.n <= _SMALL_READ and all(y.n <= _SMALL_READ for y in group) and total <= _GROUP_BYTES
+                if not through_staging and adjacent and total <= _RUN_BYTES:
+                    group.append(x)
+                    continue
+                if small:
+                    through_staging = True
+                    group.append(x)
+                    continue
+            close()
+            group, through_staging = [x], False
+        close()
+        return _Schedule(tuple(staged), tuple(runs), in_place)
 
     def _in_place(self, task: Task, dest: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
         """Per read of ``task``, the destination bytes it lands in as they are (flat uint8
@@ -408,37 +533,55 @@ class Conversion:
         first = units[0].offset
         return units, first, units[-1].offset + units[-1].length - first
 
-    async def _task(
-        self, task: Task, dest: dict[str, torch.Tensor], budget: _Budget, cost: int, places: list[torch.Tensor] | None
-    ) -> None:
+    async def _job(self, job: Callable[[], Any], budget: _Budget, cost: int) -> None:
         try:
-            views = []
-            for k, read in enumerate(task.reads):
-                if places is None:
-                    views.append(await self._fetch(read, task.dtype))
-                    continue
-                tensor = task.outputs[0].tensor
-                # where the read's first source byte lands in the destination tensor, in bytes
-                await self._fetch(read, task.dtype, places[k], (tensor, places[k].data_ptr() - dest[tensor].data_ptr()))
-            if places is None:
-                await asyncio.to_thread(run_task, task, views, dest)
+            await job()
         finally:
             await budget.give(cost)
 
-    async def _fetch(
-        self, read: Read, dtype: str, place: torch.Tensor | None = None, at: tuple[str, int] | None = None
-    ) -> torch.Tensor:
-        """``read``'s box of the source tensor, as a view of verified staged bytes: landed in
-        ``place`` when given (the destination's own bytes, ``at``: its tensor and the byte
-        offset there of the read's first byte), whose units' checksums are then noted as this
-        shard's own."""
+    async def _task(self, task: Task, dest: dict[str, torch.Tensor]) -> None:
+        """A staged task: its reads fetched and verified in staging, then transformed into ``dest``."""
+        views = [await self._fetch(read, task.dtype) for read in task.reads]
+        await asyncio.to_thread(run_task, task, views, dest)
+
+    async def _land_run(self, run: _Run) -> None:
+        """Read ``run`` (one transport read), verified where it lands: in the destination's bytes
+        (whose units' verified checksums are then noted as this shard's own), or in staging,
+        copied out after (those bytes are hashed with the rest of the shard's own)."""
+        staging = run.place if run.place is not None else torch.empty(run.n, dtype=torch.uint8, device=self._device)
+        what = run.members[0].tensor if len(run.members) == 1 else f"{len(run.members)} tensors from {run.members[0].tensor!r}"
+        src = await self._verified(run.shard, run.units, run.base, run.n, staging, what)
+        self.stats.needed_bytes += sum(x.needed for x in run.members)
+        if run.place is None:
+            for x in run.members:
+                at = x.base - run.base
+                x.place.copy_(staging[at : at + x.n])
+        elif src.plan.layout.checksum == self.buffers.layout.checksum:
+            for x in run.members:
+                for u in x.units:  # verified where they stay: these bytes' checksums, as the source declared them
+                    self._landed[(x.tensor, x.at + u.start - x.units[0].start, u.length)] = src.checksums[u.index]
+
+    async def _fetch(self, read: Read, dtype: str) -> torch.Tensor:
+        """``read``'s box of the source tensor, as a view of verified staged bytes."""
         self.stats.needed_bytes += read.nbytes
+        units, base, n = self._span(read)
+        staging = torch.empty(n, dtype=torch.uint8, device=self._device)
+        await self._verified(read.shard, units, base, n, staging, read.tensor)
+        elem = torch.empty((), dtype=torch_dtype(dtype)).element_size()
+        tensor = staging.view(torch_dtype(dtype)) if n else torch.empty(0, dtype=torch_dtype(dtype))
+        offset = (read.start - (units[0].start if units else 0)) // elem
+        local = self._local_strides(read)
+        return tensor.as_strided(read.box.shape, local, offset)
+
+    async def _verified(self, shard: int, units: Sequence[Unit], base: int, n: int, staging: torch.Tensor, what: str) -> _Source:
+        """Read the source shard's bytes ``[base, base + n)`` (whole ``units``) into ``staging``
+        and verify each unit against the source's declared checksum, trying again (after the
+        server grants the shard again) on a failed read or a failed unit. Returns the source read."""
         for _attempt in range(_ATTEMPTS):
-            await self.ready[read.shard].wait()
-            src = self.sources[read.shard]
-            units, base, n = self._span(read)
-            staging = place if place is not None else torch.empty(n, dtype=torch.uint8, device=self._device)
+            await self.ready[shard].wait()
+            src = self.sources[shard]
             try:
+                self.stats.reads += 1
                 digests = await self._read(src, base, staging, units) if n else None
                 if digests is not None:  # hashed as it landed, while in cache: only compared here
                     bad = next((u.index for u in units if digests.get(u.index) != src.checksums[u.index]), None)
@@ -446,28 +589,18 @@ class Conversion:
                     bad = await asyncio.to_thread(_first_bad, staging, base, units, src.checksums, src.plan.layout.checksum)
             except (TransportError, InvalidArgument) as err:
                 reason = str(err)[:1000]
-                self._failed(read.shard, src, lambda req: m.SourceFailed(req, self.session, src.grant, src.term, 0, reason))
+                self._failed(shard, src, lambda req: m.SourceFailed(req, self.session, src.grant, src.term, 0, reason))
                 continue
             if bad is not None:
                 self.log.error("source bytes failed verification while converting", source=src.info.replica,
-                               shard=read.shard, unit=bad)  # fmt: skip
+                               shard=shard, unit=bad)  # fmt: skip
                 unit = bad
-                self._failed(read.shard, src, lambda req: m.ChecksumFailed(req, self.session, src.grant, src.term, 0, unit))
+                self._failed(shard, src, lambda req: m.ChecksumFailed(req, self.session, src.grant, src.term, 0, unit))
                 continue
             self.stats.read_bytes += n
-            self.read_by_source[read.shard] = self.read_by_source.get(read.shard, 0) + n
-            if place is not None:
-                if at is not None and src.plan.layout.checksum == self.buffers.layout.checksum:
-                    name, offset = at
-                    for u in units:  # verified where they stay: these bytes' checksums, as the source declared them
-                        self._landed[(name, offset + u.start - read.start, u.length)] = src.checksums[u.index]
-                return place
-            elem = torch.empty((), dtype=torch_dtype(dtype)).element_size()
-            tensor = staging.view(torch_dtype(dtype)) if n else torch.empty(0, dtype=torch_dtype(dtype))
-            offset = (read.start - (units[0].start if units else 0)) // elem
-            local = self._local_strides(read)
-            return tensor.as_strided(read.box.shape, local, offset)
-        raise TransportError(f"source shard {read.shard}: {_ATTEMPTS} reads of {read.tensor!r} failed")
+            self.read_by_source[shard] = self.read_by_source.get(shard, 0) + n
+            return src
+        raise TransportError(f"source shard {shard}: {_ATTEMPTS} reads of {what!r} failed")
 
     def _local_strides(self, read: Read) -> tuple[int, ...]:
         """Row-major element strides of the read's source shard's local tensor."""
