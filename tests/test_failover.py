@@ -299,8 +299,11 @@ def test_backup_takes_over_then_hands_back_to_the_returning_primary(servers, han
     down and tells its clients, and they move back, with their data; the two never reign at
     the same time."""
     port = _free_port()
-    backup = servers("--role", "backup")
-    primary = servers("--role", "primary", "--peer", backup.address, "--bind", f"tcp://127.0.0.1:{port}")
+    # A lease of 2 s, not FAST's 1 s: at load 14-20 the primary stood still past 1 s and stepped
+    # down at the first register ("0 of 2 voters"), which failed the call as the contract says.
+    slower = ("--heartbeat-timeout", "4.0")
+    backup = servers("--role", "backup", *slower)
+    primary = servers("--role", "primary", "--peer", backup.address, "--bind", f"tcp://127.0.0.1:{port}", *slower)
     addresses = f"{primary.address},{backup.address}"
     trainer = handles("trainer", server=addresses)
     rollouts = [handles(f"rollout-{i}", server=addresses) for i in range(2)]
@@ -322,7 +325,7 @@ def test_backup_takes_over_then_hands_back_to_the_returning_primary(servers, han
         assert r.call("update", "latest", 30.0) is True
         assert r.call("holds", 2)
 
-    again = servers("--role", "primary", "--peer", backup.address, "--bind", f"tcp://127.0.0.1:{port}")
+    again = servers("--role", "primary", "--peer", backup.address, "--bind", f"tcp://127.0.0.1:{port}", *slower)
     deadline = time.monotonic() + 20
     while any(h.call("server_address") != again.address for h in (trainer, *rollouts)):
         assert time.monotonic() < deadline, "the clients did not move back to the primary"
