@@ -97,8 +97,8 @@ _RUN_BYTES = 64 << 20
 _GROUP_BYTES = 4 << 20
 _SMALL_READ = 1 << 20
 #: Per destination buffers, the schedule of the last plan they were converted by (the same every
-#: version: built once).
-_SCHEDULES: weakref.WeakKeyDictionary[ShardBuffers, tuple[ShardPlan, _Schedule]] = weakref.WeakKeyDictionary()
+#: version: built once), with the addresses of the tensors it was worked out for.
+_SCHEDULES: weakref.WeakKeyDictionary[ShardBuffers, tuple[ShardPlan, tuple[int, ...], _Schedule]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -380,12 +380,14 @@ class Conversion:
         running: set[asyncio.Task] = set()
         # decided before any read starts (this Python work would otherwise contend for the
         # interpreter with the copy threads of the reads in flight), once per plan and buffers
+        # (its runs hold views of the destination: kept only while every tensor is where it was)
+        ptrs = tuple(t.data_ptr() for t in b.tensors)
         cached = _SCHEDULES.get(b)
-        if cached is not None and cached[0] is shard_plan:
-            schedule = cached[1]
+        if cached is not None and cached[0] is shard_plan and cached[1] == ptrs:
+            schedule = cached[2]
         else:
             schedule = self._schedule(shard_plan, dest_tensors)
-            _SCHEDULES[b] = (shard_plan, schedule)
+            _SCHEDULES[b] = (shard_plan, ptrs, schedule)
         self.stats.in_place = schedule.in_place
         work: list[tuple[int, Callable[[], Any]]] = [
             *((0 if r.place is not None else r.n, lambda r=r: self._land_run(r)) for r in schedule.runs),
