@@ -18,9 +18,13 @@ import socket
 import time
 
 import pytest
+import structlog
 
 import tensorhub
 from tensorhub.core import errors as e
+from tensorhub.core import messages as m
+from tensorhub.core.wire import encode
+from tensorhub.runtime.client import _HOLD_MOVE_S, ClientActor, _Incoming, _MoveBack
 
 from .procs import RemoteError, ServerProcess, wait_until
 
@@ -30,6 +34,7 @@ pytestmark = pytest.mark.integration
 #: clients fail over from a healthy primary, and servers remove live replicas, on a machine whose
 #: cores were all busy: processes there stand still for longer than that.)
 FAST = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "2.0")
+SLOWER = ("--heartbeat-timeout", "4.0")  # after FAST: a 2 s lease, for tests that need no takeover
 
 
 def _free_port() -> int:
@@ -299,11 +304,10 @@ def test_backup_takes_over_then_hands_back_to_the_returning_primary(servers, han
     down and tells its clients, and they move back, with their data; the two never reign at
     the same time."""
     port = _free_port()
-    # A lease of 2 s, not FAST's 1 s: at load 14-20 the primary stood still past 1 s and stepped
-    # down at the first register ("0 of 2 voters"), which failed the call as the contract says.
-    slower = ("--heartbeat-timeout", "4.0")
-    backup = servers("--role", "backup", *slower)
-    primary = servers("--role", "primary", "--peer", backup.address, "--bind", f"tcp://127.0.0.1:{port}", *slower)
+    # A lease of 2 s (SLOWER), not FAST's 1 s: at load 14-20 the primary stood still past 1 s and
+    # stepped down at the first register ("0 of 2 voters"), which failed the call as the contract says.
+    backup = servers("--role", "backup", *SLOWER)
+    primary = servers("--role", "primary", "--peer", backup.address, "--bind", f"tcp://127.0.0.1:{port}", *SLOWER)
     addresses = f"{primary.address},{backup.address}"
     trainer = handles("trainer", server=addresses)
     rollouts = [handles(f"rollout-{i}", server=addresses) for i in range(2)]
@@ -325,7 +329,7 @@ def test_backup_takes_over_then_hands_back_to_the_returning_primary(servers, han
         assert r.call("update", "latest", 30.0) is True
         assert r.call("holds", 2)
 
-    again = servers("--role", "primary", "--peer", backup.address, "--bind", f"tcp://127.0.0.1:{port}", *slower)
+    again = servers("--role", "primary", "--peer", backup.address, "--bind", f"tcp://127.0.0.1:{port}", *SLOWER)
     deadline = time.monotonic() + 20
     while any(h.call("server_address") != again.address for h in (trainer, *rollouts)):
         assert time.monotonic() < deadline, "the clients did not move back to the primary"
@@ -401,8 +405,10 @@ def test_update_on_a_server_that_does_not_reign_moves_to_the_one_that_does(serve
     """A rollout whose list names the backup first opens there, where nothing is decided while
     the primary holds the lease: its update() finds the reigning server and moves (issue 34: it
     raised ServerUnavailable)."""
-    backup = servers("--role", "backup")
-    primary = servers("--role", "primary", "--peer", backup.address)
+    # A 2 s lease, as in the hands-back test: at load 19 the primary stepped down at the first
+    # register ("0 of 1 voters") with FAST's 1 s.
+    backup = servers("--role", "backup", *SLOWER)
+    primary = servers("--role", "primary", "--peer", backup.address, *SLOWER)
     trainer = handles("trainer", server=primary.address)
     rollout = handles("rollout-0", server=f"{backup.address},{primary.address}")
     for h in (trainer, rollout):
@@ -412,3 +418,60 @@ def test_update_on_a_server_that_does_not_reign_moves_to_the_one_that_does(serve
     assert rollout.call("update", "latest", 30.0) is True
     assert rollout.call("holds", 1)
     assert rollout.call("server_address") == primary.address
+
+
+def _parked_client(calls: set[int]):
+    """A client actor parked on a backup that does not decide (index 1), with ``calls`` in flight:
+    only the fields the move-back path reads."""
+    client = ClientActor.__new__(ClientActor)
+    client.lost, client.reigning, client.stopped = None, False, False
+    client.addresses, client.index = ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), 1
+    client.address, client.sock = client.addresses[1], object()
+    client.last_heard, client.sessions, client._remote, client._dead = time.monotonic(), {}, {}, {}
+    client.pending = {req: (_Future(), None, None) for req in calls}
+    client._calls, client._held_move = set(calls), None
+    client.log = structlog.get_logger()
+    moves: list[int | None] = []
+    client._lose = lambda err, start=None: moves.append(start)  # type: ignore[method-assign]
+    told: list = []
+    client.tell = told.append  # type: ignore[method-assign]
+    return client, moves, told
+
+
+class _Future:
+    def __init__(self):
+        self.result = None
+
+    def done(self):
+        return self.result is not None
+
+    def set_result(self, value):
+        self.result = value
+
+    def set_exception(self, err):
+        self.result = err
+
+
+def test_a_move_back_waits_for_the_calls_in_flight_to_be_answered():
+    """Parked on a backup, a client that finds the primary moves back, which fails the calls in
+    flight with ServerUnavailable: a `register` sent just before the move failed so at load 17.
+    The move now waits for their answers (10 s at most)."""
+    client, moves, told = _parked_client({7})
+    client.on__MoveBack(_MoveBack(0))
+    assert moves == [] and client._held_move is not None and client._held_move[0] == 0
+    client.on__Incoming(_Incoming(client.sock, [encode(m.Ack(7))]))  # the register's answer
+    assert client.pending == {} and told == [_MoveBack(0)]
+    client.on__MoveBack(told.pop())
+    assert moves == [0]
+
+    # a call that is never answered holds the move no longer than _HOLD_MOVE_S
+    client, moves, _ = _parked_client({9})
+    client._held_move = (0, time.monotonic() - _HOLD_MOVE_S - 0.1)
+    client.on__MoveBack(_MoveBack(0))
+    assert moves == [0]
+
+    # nothing in flight (heartbeats and reports are not calls): the move is at once
+    client, moves, _ = _parked_client(set())
+    client.pending[3] = (_Future(), None, None)
+    client.on__MoveBack(_MoveBack(0))
+    assert moves == [0]

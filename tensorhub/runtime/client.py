@@ -119,6 +119,9 @@ def _take_local_id(remote: int) -> int:
 _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 2.0
 _LOOK_BACK_EVERY = 2.0  # seconds between probes of the earlier servers while parked on one that does not decide
+#: the longest a move back to a server that decides waits for the calls in flight to be answered
+#: (moving fails them with ServerUnavailable: a ``register`` sent just before the move was lost so)
+_HOLD_MOVE_S = 10.0
 
 #: ``send(build)`` as a handle's ``restore`` gets it: one request to the new server, bounded in time.
 Exchange = Callable[[Callable[[int], Any]], Awaitable[Any]]
@@ -263,6 +266,9 @@ class ClientActor(Actor):
         self._reader_task: asyncio.Task | None = None
         self._req = itertools.count(1)
         self.pending: dict[int, tuple[asyncio.Future, int | None, SessionOwner | None]] = {}
+        self._calls: set[int] = set()  # the pending requests that are a handle's calls (not reports or heartbeats)
+        #: a move back held until the calls in flight are answered: (the server's index, held since)
+        self._held_move: tuple[int, float] | None = None
         self.sessions: dict[int, _Shard] = {}  # local id -> shard
         self._remote: dict[int, int] = {}  # the current server's session id -> local id
         self._dead: dict[int, TensorHubError] = {}  # local sessions that could not be restored, or that the server removed
@@ -368,6 +374,7 @@ class ClientActor(Actor):
         self._send(msg)
         fut = asyncio.get_running_loop().create_future()
         self.pending[req] = (fut, session, adopt)
+        self._calls.add(req)
         return fut
 
     def on_Call(self, call: Call) -> asyncio.Future:
@@ -505,12 +512,22 @@ class ClientActor(Actor):
         return False
 
     def on__MoveBack(self, msg: _MoveBack) -> None:
-        if self.lost is None and not self.reigning and msg.index != self.index:
-            self._lose(ServerUnavailable(f"the server at {self.address} does not decide; moving back to "
-                                         f"{self.addresses[msg.index]}"), start=msg.index)  # fmt: skip
+        if self.lost is not None or self.reigning or msg.index == self.index:
+            self._held_move = None
+            return
+        # A handle's call in flight would fail with ServerUnavailable: the move waits for its
+        # answer (a server that does not decide answers at once), for _HOLD_MOVE_S at most.
+        now = time.monotonic()
+        since = self._held_move[1] if self._held_move is not None else now
+        if self._calls and now - since < _HOLD_MOVE_S:
+            self._held_move = (msg.index, since)
+            return
+        self._lose(ServerUnavailable(f"the server at {self.address} does not decide; moving back to "
+                                     f"{self.addresses[msg.index]}"), start=msg.index)  # fmt: skip
 
     def _lose(self, err: ServerUnavailable, start: int | None = None) -> None:
         self.lost = err
+        self._held_move = None
         self._connected.clear()
         self.log.error("server lost; failing over", address=self.address, others=len(self.addresses) - 1, reason=str(err))
         for local in self.sessions:
@@ -713,6 +730,9 @@ class ClientActor(Actor):
             # only that message failed; the server did not forget the sessions still open.
         if isinstance(reply, _REPLIES):
             entry = self.pending.pop(reply.req, None)
+            self._calls.discard(reply.req)
+            if not self._calls and self._held_move is not None:
+                self.tell(_MoveBack(self._held_move[0]))
             if entry is None:
                 if isinstance(reply, m.Failed):
                     self.log.warning("server reported an error", code=reply.code, error=reply.message)
@@ -731,11 +751,13 @@ class ClientActor(Actor):
         for req, (fut, s, _) in list(self.pending.items()):
             if s == local:
                 del self.pending[req]
+                self._calls.discard(req)
                 if not fut.done():
                     fut.set_exception(err)
 
     def _fail_all(self, err: TensorHubError) -> None:
         pending, self.pending = self.pending, {}
+        self._calls.clear()
         for fut, _, _ in pending.values():
             if not fut.done():
                 fut.set_exception(err)
