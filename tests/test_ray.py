@@ -9,8 +9,10 @@ Skipped, with the reason, where Ray is not installed (the ``ray`` extra) or cann
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -68,6 +70,12 @@ def cluster():
     yield
     thray.kill_server()
     ray.shutdown()
+    # Ray kills its node's processes without waiting for them: their Popen objects, collected
+    # later during another test, warned "subprocess N is still running", which failed that test
+    # (seen at load 15). Collected here, where that is known and harmless.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
 
 
 def test_named_server_actor_survives_a_crash(cluster):
