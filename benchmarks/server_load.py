@@ -951,8 +951,8 @@ def report(r: dict) -> None:
     print(line)
     g = r["gc"]
     print(f"  server's garbage collector ({r['gc_mode']}): " + "; ".join(
-        f"generation {k}: {g[k][0]:,} passes, {g[k][1]:.0f} ms ({g[k][3]:.0f} ms CPU), longest <= {g[k][2]:g} ms" for k in ("0", "1", "2") if k in g)
-        + f"; {g['full']} full passes on purpose; {g['frozen']:,} objects frozen")  # fmt: skip
+        f"{'generation ' + k if k.isdigit() else k}: {g[k][0]:,} passes, {g[k][1]:.0f} ms ({g[k][3]:.0f} ms CPU), longest <= {g[k][2]:g} ms"
+        for k in ("0", "1", "2", "full on purpose") if k in g) + f"; {g['frozen']:,} objects frozen")  # fmt: skip
     print(f"  server's event loop runnable but waiting for a CPU {r['server_cpu_wait']:.0%} of the time "
           f"(machine load average {r['loadavg']:.1f} on {os.cpu_count()} CPUs)")
     print(f"  generator {r['generator_cores']:.2f} cores in {r['generator_procs']} processes (on the same machine)")

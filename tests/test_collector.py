@@ -69,10 +69,13 @@ def test_the_watch_counts_each_generations_passes(clean_gc: None) -> None:
 
 def test_pacing_freezes_the_start_up_heap_and_what_survives_each_period(clean_gc: None) -> None:
     clock = _Clock()
+    thresholds = gc.get_threshold()
     pacing = CollectorPacing(freeze_every=5.0, full_every=600.0, full_growth=1.5, clock=clock)
     pacing.start()
     try:
         assert pacing.full_passes == 1 and gc.get_freeze_count() > 0
+        # generation 2 is the pacing's: CPython runs no full pass of its own
+        assert gc.get_threshold()[:2] == thresholds[:2] and gc.get_threshold()[2] >= 1 << 30
         frozen = gc.get_freeze_count()
         kept = [[i] for i in range(5000)]  # long-lived records arrive
         clock.now = 1.0
@@ -87,6 +90,7 @@ def test_pacing_freezes_the_start_up_heap_and_what_survives_each_period(clean_gc
     finally:
         pacing.stop()
     assert gc.get_freeze_count() == 0  # stop gives every object back to the collector
+    assert gc.get_threshold() == thresholds
 
 
 def test_frozen_cyclic_garbage_is_reclaimed_and_memory_stays_bounded(clean_gc: None) -> None:
@@ -108,7 +112,7 @@ def test_frozen_cyclic_garbage_is_reclaimed_and_memory_stays_bounded(clean_gc: N
 
     rounds, per_round = 10, 10_000
     clock = _Clock()
-    pacing = CollectorPacing(freeze_every=5.0, full_every=1e9, full_growth=1.3, clock=clock)
+    pacing = CollectorPacing(freeze_every=5.0, full_every=1e9, full_growth=1.3, full_floor=0, clock=clock)
     pacing.start()
     try:
         base = pacing.frozen_after_full
@@ -146,6 +150,8 @@ def test_pacing_refuses_bad_periods() -> None:
         CollectorPacing(full_every=-1)
     with pytest.raises(InvalidArgument, match="full_growth"):
         CollectorPacing(full_growth=1.0)
+    with pytest.raises(InvalidArgument, match="full_floor"):
+        CollectorPacing(full_floor=-1)
 
 
 def test_watched_pacing_leaves_the_collector_alone_and_the_server_reports_its_passes(clean_gc: None) -> None:

@@ -356,14 +356,15 @@ class ServerActor(Actor):
     @staticmethod
     def _collect_gc(pacing: CollectorPacing, out: list[Any]) -> None:
         gens = pacing.watch.generations
-        pauses = Histogram("tensorhub_gc_pause_seconds", "Cyclic garbage collector passes of the server process, by generation",
+        pauses = Histogram("tensorhub_gc_pause_seconds", "Cyclic garbage collector passes of the server process, by generation "
+                           "(0, 1, 2: CPython's own; 'full on purpose': the pacing's full passes over frozen objects too)",
                            ("generation",), PAUSE_BUCKETS)  # fmt: skip
         longest = Gauge("tensorhub_gc_longest_pause_seconds", "The longest collector pass, by generation", ("generation",))
         cpu = Counter("tensorhub_gc_cpu_seconds_total", "CPU time of the collector's passes, by generation", ("generation",))
-        for i, g in enumerate(gens):
-            pauses.series[(str(i),)] = [list(g.buckets[:-1]), g.seconds, g.passes]
-            longest.set(str(i), value=g.longest)
-            cpu.set(str(i), value=g.cpu_seconds)
+        for label, g in [(str(i), g) for i, g in enumerate(gens)] + [("full on purpose", pacing.watch.on_purpose)]:
+            pauses.series[(label,)] = [list(g.buckets[:-1]), g.seconds, g.passes]
+            longest.set(label, value=g.longest)
+            cpu.set(label, value=g.cpu_seconds)
         out += [pauses, longest, cpu]
         frozen = Gauge("tensorhub_gc_frozen_objects", "Objects the collector's passes skip (frozen long-lived objects)")
         frozen.set(value=gc.get_freeze_count())
