@@ -55,7 +55,19 @@ class Reign:
 
     A server that stops reigning **steps down**: every session is told ``StepDown`` (clients
     move to the next server of their list at once), and the table forgets its state under a new
-    term, so nothing it granted before is honoured by it again. A server that does not reign
+    term, so nothing it granted before is honoured by it again.
+
+    A primary whose lease ran out (and its majority with it: it stood still past its lease, or
+    lost the backup's replies) first **holds** instead: it stops deciding at once but keeps its
+    state and says nothing to its sessions, and waits, at most ``lease`` s, for the backup's
+    word. Each ``LeaseReply`` says how many reigns the backup has begun (``reigns``, with its
+    ``term``: a restarted backup counts from 0 under another term). A granted reply whose count
+    is the one the primary last had before it held means the backup began no reign in between:
+    nobody else decided, and the promise covers the primary from the reply on, so it reigns
+    again with its sessions and its term. A reply that differs (the backup reigned: clients may
+    hold its grants), one that does not say (a backup of an earlier release), or no granted
+    reply within ``lease`` s, and the primary steps down as above. A majority of votes alone
+    does not end the hold: it says nothing about whether the backup reigned meanwhile. A server that does not reign
     accepts sessions (open, register, announce, heartbeats: votes) and refuses every call with
     ``ServerUnavailable``.
 
@@ -69,6 +81,7 @@ class Reign:
     __slots__ = (
         "role", "lease", "lease_until", "promised_until", "epoch", "voters", "pending", "votes", "requests",
         "dropped", "spans", "reigning", "violations", "synced", "peer_epoch", "owner", "_majority_until", "_why",
+        "begun", "peer_reigns", "held_since", "held_for", "confirmed", "denied",
     )  # fmt: skip
 
     def __init__(self, role: str = "solo", lease: float = 5.0) -> None:
@@ -96,6 +109,12 @@ class Reign:
         self.violations = 0  # grants made while not reigning (never, by construction)
         self._majority_until: float | None = None  # a majority holds until then (cached)
         self._why = "not evaluated yet"
+        self.begun = 0  # reigns this server began (a backup says so in each LeaseReply)
+        self.peer_reigns: tuple[int, int] | None = None  # primary: the backup's (term, reigns), last reply
+        self.held_since: float | None = None  # primary: its lease ran out; holding its state since
+        self.held_for: tuple[int, int] | None = None  # the backup's (term, reigns) when it began to hold
+        self.confirmed = False  # holding: a granted reply said the backup began no reign since
+        self.denied = False  # holding: a reply said it did (or could not say)
 
     # ---- the rule ----------------------------------------------------------------------------
 
@@ -140,7 +159,8 @@ class Reign:
 
     def next_change(self, now: float) -> float | None:
         """When time alone may change :meth:`may_reign` (None: only messages can)."""
-        times = [t for t in (self.lease_until, self.promised_until, self._majority_until) if t is not None and t > now]
+        held_until = self.held_since + self.lease if self.held_since is not None else None
+        times = [t for t in (self.lease_until, self.promised_until, self._majority_until, held_until) if t is not None and t > now]
         return min(times) if times else None
 
     # ---- votes -------------------------------------------------------------------------------
@@ -193,8 +213,39 @@ class Reign:
             self.pending = None
             self._majority_until = None
         self.peer_epoch = msg.epoch
+        seen = (msg.term, msg.reigns) if msg.reigns is not None else None
+        if self.held_since is not None:
+            if seen is None or seen != self.held_for:
+                self.denied = True  # the backup reigned meanwhile, or cannot say
+            elif msg.granted:
+                self.confirmed = True
+        self.peer_reigns = seen
         if msg.granted:
             self.lease_until = max(self.lease_until, sent + min(msg.lease, self.lease) * (1 - _DRIFT))
+
+    def hold(self, now: float) -> None:
+        """The primary's reign ran out: stop deciding, keep the state, wait for the backup's word
+        (see the class docstring)."""
+        self.ended(now)
+        self.held_since, self.held_for = now, self.peer_reigns
+        self.confirmed = self.denied = False
+        self._why = (f"its lease ran out ({self.why_not()}); it holds its sessions until the backup says whether it "
+                     f"reigned meanwhile (at most {self.lease:g} s)")  # fmt: skip
+
+    def held_verdict(self, now: float) -> str | None:
+        """While holding: ``"resume"`` (the backup began no reign since, and its promise holds
+        now), ``"forget"`` (it did, or cannot say, or said nothing in time), None (wait)."""
+        if self.held_since is None:
+            return None
+        if self.denied or now >= self.held_since + self.lease:
+            return "forget"
+        if self.confirmed and now < self.lease_until:
+            return "resume"
+        return None
+
+    def release(self) -> None:
+        self.held_since = self.held_for = None
+        self.confirmed = self.denied = False
 
     # ---- the backup's side -------------------------------------------------------------------
 
@@ -206,12 +257,13 @@ class Reign:
         self.promised_until = max(self.promised_until, now + self.lease)
         self._majority_until = None
         newer = self.voters if self.epoch > msg.epoch else None
-        return m.LeaseReply(msg.req, term, True, self.lease, self.epoch, newer)
+        return m.LeaseReply(msg.req, term, True, self.lease, self.epoch, newer, self.begun)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
     def began(self, term: int, now: float) -> None:
         self.reigning = True
+        self.begun += 1
         self.spans.append([term, now, None, None, None, 0])
 
     def ended(self, now: float) -> None:
