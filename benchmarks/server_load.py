@@ -861,6 +861,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str,
                 ever.add(r)
                 down[r] = v + rng.choice((1, 3))
             b["crashed"], b["rejoined"] = len(crash), len(back)
+            b["rss_mib"] = memory_mib(servers[0].pid)[0]  # after each burst: does it level off?
             waits = [w for p in per for w in p["waits"]]
             b["wait_p50_s"], b["wait_p99_s"] = pct(waits, 0.5), pct(waits, 0.99)
             bursts.append(b)
@@ -953,6 +954,7 @@ def report(r: dict) -> None:
     print(f"  server's garbage collector ({r['gc_mode']}): " + "; ".join(
         f"{'generation ' + k if k.isdigit() else k}: {g[k][0]:,} passes, {g[k][1]:.0f} ms ({g[k][3]:.0f} ms CPU), longest <= {g[k][2]:g} ms"
         for k in ("0", "1", "2", "full on purpose") if k in g) + f"; {g['frozen']:,} objects frozen")  # fmt: skip
+    print("  server RSS after each burst: " + ", ".join(f"{b.get('rss_mib', float('nan')):.0f}" for b in bursts) + " MiB")
     print(f"  server's event loop runnable but waiting for a CPU {r['server_cpu_wait']:.0%} of the time "
           f"(machine load average {r['loadavg']:.1f} on {os.cpu_count()} CPUs)")
     print(f"  generator {r['generator_cores']:.2f} cores in {r['generator_procs']} processes (on the same machine)")
