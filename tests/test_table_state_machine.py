@@ -938,6 +938,11 @@ def test_a_primary_that_stood_still_past_its_lease_keeps_its_sessions_when_the_b
     next lease reply says it began no reign: the primary reigns again with every session and its
     term; no client is told to move. (Before: it stepped down and forgot every session.)"""
     machine, p, b, sessions = _primary_reigning_with_every_session(seed)
+    for name in VOTER_NAMES:  # a version published and replicated: state worth keeping
+        machine.call(name)
+    machine.advance(1.0)
+    held = {(s.replica.name, s.holder.version, s.holder.state) for s in p.sessions.values() if s.holder is not None}
+    assert ("trainer-0", 1, HolderState.COMPLETE) in held
     term = p.term
     machine.stall("P")
     machine.advance(LEASE + 2.0)  # past the lease, within the heartbeat timeout
@@ -945,9 +950,12 @@ def test_a_primary_that_stood_still_past_its_lease_keeps_its_sessions_when_the_b
     machine.wake("P")
     assert not p.reign.reigning and p.reign.held_since is not None, f"seed={seed}: {p.reign.why_not()}"
     assert "holds its sessions" in p.reign.why_not()
+    assert p.tick() == []  # holding: it decides nothing, time-driven decisions included
+    machine.call("rollout-0")  # refused while it holds (ServerUnavailable), not decided
     machine.advance(2.0)  # the next lease exchange
     assert p.reign.reigning, f"seed={seed}: {p.reign.why_not()}"
     assert p.term == term and {sid: s.replica.name for sid, s in p.sessions.items()} == sessions
+    assert held <= {(s.replica.name, s.holder.version, s.holder.state) for s in p.sessions.values() if s.holder is not None}
     assert not p.reign.dropped and p.stats["expired"] == 0
     assert all(c.at == "P" and c.session in sessions for c in machine.clients.values()), f"seed={seed}: a client moved"
     assert p.reign.violations == 0 and b.reign.violations == 0

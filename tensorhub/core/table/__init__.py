@@ -248,7 +248,8 @@ class ReferenceTable(
             return self._flush()  # a heartbeat answers its sender once and changes nothing to settle
         self._check_reign()
         dropped = reign.dropped
-        if self._out or self._dirty_models or (dropped and any(sid in dropped for sid in msg.sessions)):
+        dirty = self._dirty_models and reign.held_since is None  # a holding primary settles nothing
+        if self._out or dirty or (dropped and any(sid in dropped for sid in msg.sessions)):
             return self.handle(peer, msg)  # checking the rule again changes nothing: it just ran
         now = self.clock()
         sessions, owner, expiry, vote = self.sessions, reign.owner, self.expiry, reign.vote
@@ -274,6 +275,10 @@ class ReferenceTable(
         now = self.clock()
         if self.reign.role != "solo":
             self._check_reign()  # a reign that ran out steps down before anything else happens
+            if self.reign.held_since is not None:
+                # a primary holding its state decides nothing, time-driven decisions included
+                # (expiries, deadlines): they come due once it reigns again (Reign: "holds")
+                return self._flush()
         if self.reign.reigning:
             self._check_stragglers(now)
         while self.expiry:
