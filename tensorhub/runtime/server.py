@@ -840,8 +840,9 @@ class ServerActor(Actor):
         if self.collector is not None:
             self.collector.tick()
         if was != self.reign.reigning:
-            self.log.warning("reigns" if self.reign.reigning else "stepped down", role=self.config.role,
-                             term=self.table.term, why=None if self.reign.reigning else self.reign.why_not())  # fmt: skip
+            what = "reigns" if self.reign.reigning else "holds" if self.reign.held_since is not None else "stepped down"
+            self.log.warning(what, role=self.config.role, term=self.table.term,
+                             why=None if self.reign.reigning else self.reign.why_not())  # fmt: skip
         self._schedule()
         if self.config.idle_exit is not None:
             now = time.monotonic()
