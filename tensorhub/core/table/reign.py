@@ -67,9 +67,12 @@ class Reign:
     again with its sessions and its term. A reply that differs (the backup reigned: clients may
     hold its grants), one that does not say (a backup of an earlier release), or no granted
     reply within ``lease`` s, and the primary steps down as above. A majority of votes alone
-    does not end the hold: it says nothing about whether the backup reigned meanwhile. A server that does not reign
-    accepts sessions (open, register, announce, heartbeats: votes) and refuses every call with
-    ``ServerUnavailable``.
+    does not end the hold: it says nothing about whether the backup reigned meanwhile. While it
+    holds, the table decides nothing, time-driven decisions included (they come due once it
+    reigns again).
+
+    A server that does not reign accepts sessions (open, register, announce, heartbeats: votes)
+    and refuses every call with ``ServerUnavailable``.
 
     What it costs: a backup takes over ``lease`` after a majority of the voters reached it; a
     server with a peer that never held the lease (a primary started while its backup is down,
