@@ -318,12 +318,14 @@ class ReferenceTable(
         """The server stood still for ``seconds`` (its process was not scheduled, or its loop was
         busy): the heartbeats it could not read meanwhile are not held against the sessions. Each
         session's silence is shortened by that much, never past now, which keeps their order in
-        :attr:`expiry`. A session that really went silent is removed that much later."""
+        :attr:`expiry`. A session that really went silent is removed that much later; a primary
+        holding its state waits for its backup's word that much longer."""
         if seconds <= 0:
             return
         now = self.clock()
         for s in self.expiry.values():
             s.last_seen = min(s.last_seen + seconds, now)
+        self.reign.credit_hold(seconds, now)  # a holding primary waits for the backup's word that much longer
         self.stats["stalls_credited"] += 1
 
     def next_deadline(self) -> float | None:

@@ -223,7 +223,7 @@ class ReignMixin(TableState):
                 self._begin_reign(now)
             elif verdict == "forget":
                 why = ("the backup reigned while this primary's lease had run out" if reign.denied
-                       else f"no word from the backup within {reign.lease:g} s of the lease running out")  # fmt: skip
+                       else f"no word from the backup within {reign.hold_limit:g} s of the lease running out")  # fmt: skip
                 reign.release()
                 self._forget(why)
             return

@@ -59,14 +59,15 @@ class Reign:
 
     A primary whose lease ran out (and its majority with it: it stood still past its lease, or
     lost the backup's replies) first **holds** instead: it stops deciding at once but keeps its
-    state and says nothing to its sessions, and waits, at most ``lease`` s, for the backup's
-    word. Each ``LeaseReply`` says how many reigns the backup has begun (``reigns``, with its
+    state and says nothing to its sessions, and waits for the backup's word: at most two leases
+    of its own running time (a stall of its process is not counted, as for heartbeats). The backup's
+    ``LeaseReply`` says how many reigns the backup has begun (``reigns``, with its
     ``term``: a restarted backup counts from 0 under another term). A granted reply whose count
     is the one the primary last had before it held means the backup began no reign in between:
     nobody else decided, and the promise covers the primary from the reply on, so it reigns
     again with its sessions and its term. A reply that differs (the backup reigned: clients may
     hold its grants), one that does not say (a backup of an earlier release), or no granted
-    reply within ``lease`` s, and the primary steps down as above. A majority of votes alone
+    reply in that time, and the primary steps down as above. A majority of votes alone
     does not end the hold: it says nothing about whether the backup reigned meanwhile. While it
     holds, the table decides nothing, time-driven decisions included (they come due once it
     reigns again).
@@ -162,7 +163,7 @@ class Reign:
 
     def next_change(self, now: float) -> float | None:
         """When time alone may change :meth:`may_reign` (None: only messages can)."""
-        held_until = self.held_since + self.lease if self.held_since is not None else None
+        held_until = self.held_since + self.hold_limit if self.held_since is not None else None
         times = [t for t in (self.lease_until, self.promised_until, self._majority_until, held_until) if t is not None and t > now]
         return min(times) if times else None
 
@@ -233,18 +234,30 @@ class Reign:
         self.held_since, self.held_for = now, self.peer_reigns
         self.confirmed = self.denied = False
         self._why = (f"its lease ran out ({self.why_not()}); it holds its sessions until the backup says whether it "
-                     f"reigned meanwhile (at most {self.lease:g} s)")  # fmt: skip
+                     f"reigned meanwhile (at most {self.hold_limit:g} s)")  # fmt: skip
 
     def held_verdict(self, now: float) -> str | None:
         """While holding: ``"resume"`` (the backup began no reign since, and its promise holds
         now), ``"forget"`` (it did, or cannot say, or said nothing in time), None (wait)."""
         if self.held_since is None:
             return None
-        if self.denied or now >= self.held_since + self.lease:
+        if self.denied or now >= self.held_since + self.hold_limit:
             return "forget"
         if self.confirmed and now < self.lease_until:
             return "resume"
         return None
+
+    @property
+    def hold_limit(self) -> float:
+        """How long a primary holds without the backup's word (its own running time: see
+        :meth:`credit_hold`): two leases, ten of its lease requests."""
+        return 2 * self.lease
+
+    def credit_hold(self, seconds: float, now: float) -> None:
+        """The server stood still ``seconds``: a lease reply that came meanwhile may still sit
+        unread, so that time is not held against the backup."""
+        if self.held_since is not None and seconds > 0:
+            self.held_since = min(self.held_since + seconds, now)
 
     def release(self) -> None:
         self.held_since = self.held_for = None
