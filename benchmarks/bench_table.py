@@ -175,22 +175,51 @@ class Bench:
         return self.timed("unpublish", msgs)
 
 
-def run(clients: int, rounds: int, seed: int) -> dict[str, dict[str, list[float]]]:
-    """``rounds`` rounds in this process: operation -> {"cpu": rates, "wall": rates} (ops/s)."""
+def run(clients: int, rounds: int, seed: int, gc_mode: str | None = None) -> dict[str, dict[str, list[float]]]:
+    """``rounds`` rounds in this process: operation -> {"cpu": rates, "wall": rates} (ops/s).
+
+    ``gc_mode`` (``paced`` or ``watched``): the server process's collector pacing runs as in
+    ``tensorhub server --gc MODE`` (started before the sessions open, ticked once per operation,
+    each a second of its clock), and ``"gc"`` holds, per generation, the passes, their CPU
+    milliseconds and the longest pass's (in the rounds, after the sessions opened)."""
+    pacing = None
+    if gc_mode is not None:
+        from tensorhub.runtime.collector import CollectorPacing
+
+        pacing_clock = Clock()
+        pacing = CollectorPacing(clock=pacing_clock, pace=gc_mode == "paced")
+        pacing.start()
     bench = Bench(clients, seed)
     results: dict[str, dict[str, list[float]]] = {}
     version = 0
+    if pacing is not None:
+        pacing_clock.t += 1.0
+        pacing.tick()
+        watched = [*pacing.watch.generations, pacing.watch.on_purpose]
+        gens0 = [(g.passes, g.cpu_seconds) for g in watched]
+        for g in watched:
+            g.longest_cpu = 0.0
     for _ in range(rounds):
         version += 1
         bench.publish(version)
-        rows = [
-            bench.grant_complete(version), bench.heartbeat(), bench.listing(), bench.noop_update(), bench.unpublish_all(),
-            bench.decode_baseline(),
-        ]
+        rows = []
+        for phase in (lambda: bench.grant_complete(version), bench.heartbeat, bench.listing, bench.noop_update,
+                      bench.unpublish_all, bench.decode_baseline):  # fmt: skip
+            rows.append(phase())
+            if pacing is not None:  # the server's tick, between messages
+                pacing_clock.t += 1.0
+                pacing.tick()
         for label, ops, cpu, wall in rows:
             r = results.setdefault(label, {"cpu": [], "wall": []})
             r["cpu"].append(ops / cpu if cpu > 0 else float("nan"))
             r["wall"].append(ops / wall)
+    if pacing is not None:
+        names = ["generation 0", "generation 1", "generation 2", "full on purpose"]
+        results["gc"] = {
+            name: [g.passes - p0, (g.cpu_seconds - c0) * 1000, g.longest_cpu * 1000]
+            for name, g, (p0, c0) in zip(names, watched, gens0)
+        }
+        pacing.stop()
     bad = check_invariants(bench.table)
     if bad:
         raise SystemExit("invariants violated:\n  " + "\n  ".join(bad))
@@ -206,6 +235,36 @@ def _child(root: Path, args: argparse.Namespace) -> dict[str, dict[str, list[flo
     return figures
 
 
+def _gc_report(args: argparse.Namespace) -> int:
+    """``--gc``: the collector's passes over the rounds, paced against watched (CPython's own
+    thresholds), alternating in fresh processes (``--rounds`` processes each)."""
+    from benchmarks.harness.processes import in_checkout
+
+    modes = ("paced", "watched") if args.gc == "both" else (args.gc,)
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for _ in range(args.rounds):
+        for mode in modes:
+            runs[mode].append(in_checkout(Path(__file__).resolve(), ROOT, [
+                "--clients", str(args.clients), "--rounds", "3", "--seed", str(args.seed), "--gc", mode], timeout=600))  # fmt: skip
+    print(f"reference table, {args.clients} clients, 3 bursts per process, {args.rounds} processes per mode; the server's "
+          f"collector (load average {os.getloadavg()[0]:.1f}); CPU time, so the machine's load moves it little")  # fmt: skip
+    print(f"{'mode':<8} {'generation':<16} {'passes':>8} {'CPU ms':>8} {'longest ms':>11}   (per process, median)")
+    for mode, rs in runs.items():
+        for gen in ("generation 0", "generation 1", "generation 2", "full on purpose"):
+            rows = [r["gc"][gen] for r in rs]
+            print(f"{mode:<8} {gen:<16} {median([x[0] for x in rows]):>8.0f} {median([x[1] for x in rows]):>8.1f} "
+                  f"{median([x[2] for x in rows]):>11.1f}")  # fmt: skip
+        gcr = median([median(r["grant + complete"]["cpu"]) for r in rs])
+        hb = median([median(r["heartbeat"]["cpu"]) for r in rs])
+        print(f"{mode:<8} grant + complete {gcr:,.0f} ops/s, heartbeat {hb:,.0f} ops/s (CPU)")
+    if len(modes) == 2:
+        p, w = (median([sum(x[1] for x in r["gc"].values()) for r in runs[m]]) for m in modes)
+        lp, lw = (median([max(x[2] for x in r["gc"].values()) for r in runs[m]]) for m in modes)
+        print(f"paced against watched: collector CPU {p:.1f} vs {w:.1f} ms per process ({ratio(w, p):.2f}x less); "
+              f"longest pass {lp:.1f} vs {lw:.1f} ms ({ratio(lw, lp):.2f}x shorter)")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=1024)
@@ -216,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instructions", action="store_true", help="one burst in itertools.starmap, for valgrind")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--gc", choices=("paced", "watched", "both"),
+                    help="the server's collector pacing beside the table (both: paced and watched alternating, each in a fresh "
+                         "process): the collector's passes per generation, CPU ms and the longest pass")  # fmt: skip
     args = ap.parse_args(argv)
     if args.clients < 4 or args.rounds < 1:
         ap.error("--clients must be >= 4 and --rounds >= 1")
@@ -230,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"one grant + complete burst of {where}'s table: {ops} messages handled (divide callgrind's Collected by it)")
         return 0
     if args.child:
-        print(json.dumps(run(args.clients, args.rounds, args.seed)))
+        print(json.dumps(run(args.clients, args.rounds, args.seed, args.gc)))
         return 0
+    if args.gc is not None:
+        return _gc_report(args)
     if args.against is not None and not (args.against / "tensorhub" / "core" / "table").is_dir():
         ap.error(f"--against {args.against}: not a checkout of this project (no tensorhub/core/table)")
 

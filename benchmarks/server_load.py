@@ -38,11 +38,17 @@ the last request, and false removals (a session that did not crash told it was r
 unknown in a heartbeat ack; each session counted once). With ``--backup`` (the default runs both), the same with a backup
 server attached (the primary holds its lease; heartbeats are votes), and the backup's CPU and
 memory. The generator's own CPU is printed beside: on a small shared machine it competes with
-the server for the same cores.
+the server for the same cores, so its processes run ``--nice`` (5) nicer than the server.
+
+The server's garbage collector: every pass per generation (count, milliseconds, the longest),
+from the server's own ``gc.callbacks`` (``tensorhub_gc_*`` metrics). ``--gc paced,watched`` runs
+each session count with the server's collector paced (the default: long-lived records frozen
+out of the passes, :mod:`tensorhub.runtime.collector`) and then as CPython runs it, one right
+after the other: the A/B in the same machine's load.
 
 Usage: python benchmarks/server_load.py [--sessions 1024,4096,8192] [--quick] [--backup both|no|only]
        [--versions N] [--procs P] [--pull S] [--progress engine|eager] [--churn F] [--profile DIR]
-       [--json FILE]
+       [--json FILE] [--gc paced,watched] [--nice N]
 
 ``--profile DIR`` runs the server under cProfile (``TENSORHUB_SERVER_PROFILE``) and writes one
 profile per run there, and one per load generator process beside it (``RUN-load-I.prof``). Goals at 4,096 sessions: 0 false removals, heartbeat p99 <= 100 ms, <= 1
@@ -71,6 +77,7 @@ from tensorhub.core import messages as m  # noqa: E402
 from tensorhub.core.layout import Layout, TensorSpec  # noqa: E402
 from tensorhub.core.topology import Location  # noqa: E402
 from tensorhub.core.wire import decode, encode  # noqa: E402
+from tensorhub.runtime.collector import PAUSE_BUCKETS  # noqa: E402
 from tensorhub.runtime.metrics import LATENCY_BUCKETS, parse_text, scrape  # noqa: E402
 
 MODEL = "actor"
@@ -167,6 +174,47 @@ def server_latency(port: int) -> dict[str, list[int]]:
         out.setdefault(d["kind"], {})[float(d["le"])] = int(value)  # float("+Inf") is inf
     hist = {kind: [by.get(float(b), 0) for b in LATENCY_BUCKETS] + [by.get(float("inf"), 0)] for kind, by in out.items()}
     return {**hist, "paused": [paused]}
+
+
+def server_gc(port: int) -> dict[str, Any]:
+    """The server process's collector passes so far (``tensorhub_gc_*``): per generation,
+    cumulative counts per bucket of :data:`~tensorhub.runtime.collector.PAUSE_BUCKETS` then +Inf,
+    and the summed seconds; the objects frozen out of the passes; the full passes run on purpose."""
+    parsed = parse_text(scrape("127.0.0.1", port, timeout=120.0))
+    gens: dict[str, dict[float, int]] = {}
+    for labels, value in parsed.get("tensorhub_gc_pause_seconds_bucket", {}).items():
+        d = dict(labels)
+        gens.setdefault(d["generation"], {})[float(d["le"])] = int(value)
+    seconds = {dict(labels)["generation"]: float(v) for labels, v in parsed.get("tensorhub_gc_pause_seconds_sum", {}).items()}
+    cpu = {dict(labels)["generation"]: float(v) for labels, v in parsed.get("tensorhub_gc_cpu_seconds_total", {}).items()}
+    return {
+        "cpu": cpu,
+        "buckets": {g: [by.get(float(b), 0) for b in PAUSE_BUCKETS] + [by.get(float("inf"), 0)] for g, by in gens.items()},
+        "seconds": seconds,
+        "frozen": int(sum(parsed.get("tensorhub_gc_frozen_objects", {}).values())),
+        "full": int(sum(parsed.get("tensorhub_gc_full_passes_total", {}).values())),
+    }
+
+
+def gc_window(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The collector's passes between two :func:`server_gc` scrapes: per generation, passes,
+    wall milliseconds in all, the bound of the longest pass's bucket (ms, wall; inf: past the
+    last), and CPU milliseconds in all."""
+    out: dict[str, Any] = {"frozen": after["frozen"], "full": after["full"] - before["full"]}
+    for g, cum in sorted(after["buckets"].items()):
+        cum0 = before["buckets"].get(g, [0] * len(cum))
+        per = [c - c0 for c, c0 in zip(cum, cum0)]
+        passes = per[-1]
+        longest = 0.0
+        prev = 0
+        for bound, c in zip(list(PAUSE_BUCKETS) + [float("inf")], per):
+            if c > prev:
+                longest = bound * 1000
+            prev = c
+        ms = (after["seconds"].get(g, 0.0) - before["seconds"].get(g, 0.0)) * 1000
+        cpu_ms = (after["cpu"].get(g, 0.0) - before["cpu"].get(g, 0.0)) * 1000
+        out[g] = (passes, ms, longest, cpu_ms)
+    return out
 
 
 def bucket_pct(cumulative: list[int], q: float) -> float:
@@ -626,8 +674,11 @@ class Generator:
 
 
 def _generator_main(
-    conn: Any, address: str, replicas: list[str], pull_s: float, seed: int, eager: bool, profile: str | None = None
+    conn: Any, address: str, replicas: list[str], pull_s: float, seed: int, eager: bool, profile: str | None = None,
+    nice: int = 0,
 ) -> None:
+    if nice:  # the server first: on a machine short of cores the generator waits, not the server
+        os.nice(nice)
     try:
         import uvloop
 
@@ -711,7 +762,7 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str) -> dict:
+def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str, gc_mode: str = "paced") -> dict:
     """One server (and backup), ``sessions`` sessions; returns the figures."""
     replicas = ["trainer"] + [f"rollout-{i}" for i in range(1, sessions // SHARDS)]
     rollouts = replicas[1:]
@@ -725,7 +776,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
     rng = random.Random(args.seed * 1_000_003 + sessions)
     try:
         metrics_port = free_port()
-        extra = ["--seed", str(args.seed)]
+        extra = ["--seed", str(args.seed), "--gc", gc_mode]
         env = {"TENSORHUB_SERVER_PROFILE": env_profile} if env_profile else None
         if backup:
             bproc, baddr = start_server(30, "--role", "backup", *extra, echo_all=False)
@@ -739,7 +790,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
         parts = [replicas[i::procs] for i in range(procs)]
         for i, part in enumerate(parts):
             children.append(Child(f"load-{i}", _generator_main, (address, part, args.pull, args.seed + i, args.progress == "eager",
-                                                                  gen_profile and f"{gen_profile}-load-{i}.prof"),
+                                                                  gen_profile and f"{gen_profile}-load-{i}.prof", args.nice),
                                   timeout=120))
         trainer = next(c for c, part in zip(children, parts) if "trainer" in part)
         t0 = time.monotonic()
@@ -763,6 +814,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
         for c in children:
             c.expect("measure")
         handled0 = server_latency(metrics_port)
+        gc0 = server_gc(metrics_port)
         gen_cpu0 = sum(cpu_seconds(c.proc.pid) for c in children)
         cpu0 = [cpu_seconds(p.pid) for p in servers]
         wait0 = cpu_wait_seconds(servers[0].pid)
@@ -809,6 +861,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
                 ever.add(r)
                 down[r] = v + rng.choice((1, 3))
             b["crashed"], b["rejoined"] = len(crash), len(back)
+            b["rss_mib"] = memory_mib(servers[0].pid)[0]  # after each burst: does it level off?
             waits = [w for p in per for w in p["waits"]]
             b["wait_p50_s"], b["wait_p99_s"] = pct(waits, 0.5), pct(waits, 0.99)
             bursts.append(b)
@@ -816,6 +869,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
         window = time.monotonic() - w0
         handled = {kind: [n - n0 for n, n0 in zip(counts1, handled0.get(kind, [0] * len(counts1)))]
                    for kind, counts1 in server_latency(metrics_port).items()}  # fmt: skip
+        gc_passes = gc_window(gc0, server_gc(metrics_port))
         cpu1 = [cpu_seconds(p.pid) for p in servers]
         waited = cpu_wait_seconds(servers[0].pid) - wait0
         load = (load0 + os.getloadavg()[0]) / 2
@@ -851,7 +905,7 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str)
             except BenchmarkError:
                 pass
         return {
-            "sessions": len(replicas) * SHARDS, "backup": backup, "open_s": round(open_s, 2), "window_s": round(window, 2),
+            "sessions": len(replicas) * SHARDS, "backup": backup, "gc_mode": gc_mode, "gc": gc_passes, "open_s": round(open_s, 2), "window_s": round(window, 2),
             "server_cores": (cpu1[0] - cpu0[0]) / window, "server_rss_mib": mem[0][0], "server_peak_mib": mem[0][1],
             "backup_cores": (cpu1[1] - cpu0[1]) / window if backup else None,
             "backup_rss_mib": mem[1][0] if backup else None,
@@ -889,13 +943,18 @@ def report(r: dict) -> None:
         print(f"  false removals {r['false_removals']}; server {r['server_cores']:.2f} cores; no burst completed")
         return
     worst = max(bursts, key=lambda b: b["last_complete_s"])
-    setup = "primary + backup" if r["backup"] else "one server"
+    setup = ("primary + backup" if r["backup"] else "one server") + f", --gc {r['gc_mode']}"
     print(f"\n{r['sessions']:,} sessions ({r['sessions'] // SHARDS} replicas of {SHARDS} shards), {setup}; "
           f"{len(bursts)} bursts over {r['window_s']:.0f} s; opened in {r['open_s']:.1f} s")  # fmt: skip
     line = f"  server   {r['server_cores']:.2f} cores, RSS {r['server_rss_mib']:.0f} MiB (peak {r['server_peak_mib']:.0f})"
     if r["backup"]:
         line += f"; backup {r['backup_cores']:.2f} cores, RSS {r['backup_rss_mib']:.0f} MiB"
     print(line)
+    g = r["gc"]
+    print(f"  server's garbage collector ({r['gc_mode']}): " + "; ".join(
+        f"{'generation ' + k if k.isdigit() else k}: {g[k][0]:,} passes, {g[k][1]:.0f} ms ({g[k][3]:.0f} ms CPU), longest <= {g[k][2]:g} ms"
+        for k in ("0", "1", "2", "full on purpose") if k in g) + f"; {g['frozen']:,} objects frozen")  # fmt: skip
+    print("  server RSS after each burst: " + ", ".join(f"{b.get('rss_mib', float('nan')):.0f}" for b in bursts) + " MiB")
     print(f"  server's event loop runnable but waiting for a CPU {r['server_cpu_wait']:.0%} of the time "
           f"(machine load average {r['loadavg']:.1f} on {os.cpu_count()} CPUs)")
     print(f"  generator {r['generator_cores']:.2f} cores in {r['generator_procs']} processes (on the same machine)")
@@ -950,7 +1009,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=Path, default=None, help="write a cProfile of the server per run here")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--gc", default="paced",
+                    help="the server's collector, comma-separated to run each in turn: paced (the default), watched (CPython's as it is)")
+    ap.add_argument("--nice", type=int, default=5, help="the load generator runs this much nicer than the server (0: as nice)")
     args = ap.parse_args(argv)
+    gc_modes = args.gc.split(",")
+    if not gc_modes or any(g not in ("paced", "watched") for g in gc_modes):
+        ap.error(f"--gc: paced and/or watched, got {args.gc!r}")
+    if not 0 <= args.nice <= 19:
+        ap.error(f"--nice: 0 to 19, got {args.nice}")
     if args.quick:
         args.sessions, args.versions, args.procs, args.pull, args.warmup, args.gap = "256", 2, 2, 1.0, 1.0, 0.5
     counts = [int(x) for x in args.sessions.split(",")]
@@ -965,9 +1032,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n in counts:
         for backup in modes:
-            r = run_once(n, backup, args, f"s{n}{'-backup' if backup else ''}")
-            report(r)
-            results.append(r)
+            for gc_mode in gc_modes:  # in turn, one right after the other: the same machine's load
+                r = run_once(n, backup, args, f"s{n}{'-backup' if backup else ''}-{gc_mode}", gc_mode)
+                report(r)
+                results.append(r)
     if args.json:
         write_json(args.json, results, default=str)
     return 0

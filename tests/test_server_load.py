@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 def _args(seed: int, **kw) -> argparse.Namespace:
     base = dict(versions=2, procs=1, pull=0.75, churn=0.1, warmup=0.2, gap=0.2, timeout=30.0, seed=seed % 1000,
-                profile=None, progress="engine")  # fmt: skip  # a 0.75 s pull: 3 Progress each, as the engine sends them
+                profile=None, progress="engine", nice=5)  # fmt: skip  # a 0.75 s pull: 3 Progress each, as the engine sends them
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -44,6 +44,9 @@ def test_a_hundred_sessions_burst_and_churn_without_false_removals(seed, backup)
     assert r["server_ms"]["progress"][2] > 0  # the readers' progress reports reached the server
     assert (r["backup_cores"] is not None) == backup
     assert set(verdict(r)) >= {"0 false removals", "every update answered"}
+    # the server's collector, paced (the default): its passes counted, long-lived objects frozen
+    assert r["gc_mode"] == "paced" and r["gc"]["frozen"] > 0 and r["gc"]["0"][0] >= 0
+    assert all(b["rss_mib"] > 0 for b in r["bursts"])
 
 
 def test_the_generator_s_own_dealer_speaks_zmtp_to_a_zeromq_router():

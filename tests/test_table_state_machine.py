@@ -24,6 +24,7 @@ Profiles: ``ci`` (default) and ``long`` (>= 10,000 steps): TENSORHUB_HYPOTHESIS_
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -631,6 +632,9 @@ class SplitBrainMachine(RuleBasedStateMachine):
         self.req = 0
         self.next_beat = 0.0
         self.reigned_b = False
+        self.stalled: set[str] = set()  # servers standing still: nothing handled, what comes is queued
+        self.queued: list[tuple[VoterClient, str, Any]] = []
+        self.backup_release = "now"  # "earlier": the backup's lease replies say nothing of its reigns
 
     @initialize(seed=st.integers(0, 2**32 - 1))
     def start(self, seed: int) -> None:
@@ -658,6 +662,9 @@ class SplitBrainMachine(RuleBasedStateMachine):
     # ---- the network --------------------------------------------------------------------------
 
     def to_server(self, c: VoterClient, srv: str, msg: Any) -> None:
+        if srv in self.stalled:
+            self.queued.append((c, srv, msg))
+            return
         t = self.tables.get(srv)
         if t is None or not c.alive or not self.up(c.name, srv):
             return
@@ -705,14 +712,30 @@ class SplitBrainMachine(RuleBasedStateMachine):
         c.tried += 1
         self.connect(c, "B" if last == "P" else "P")
 
+    def stall(self, srv: str) -> None:
+        """The server's process stops being scheduled: no tick, nothing read, nothing sent."""
+        self.stalled.add(srv)
+
+    def wake(self, srv: str) -> None:
+        """It runs again and reads what came meanwhile, in order."""
+        self.stalled.discard(srv)
+        queued, self.queued = [q for q in self.queued if q[1] == srv], [q for q in self.queued if q[1] != srv]
+        t = self.tables[srv]
+        if t is not None:
+            self.deliver(srv, t.tick())  # its tick first, as the actor's stall credit runs
+        for c, _, msg in queued:
+            self.to_server(c, srv, msg)
+
     def lease_exchange(self) -> None:
         p, b = self.tables["P"], self.tables["B"]
-        if p is None:
+        if p is None or "P" in self.stalled:
             return
         request = p.lease_request(self.new_req())
         if b is None or not self.up("P", "B"):
             return
         for peer, reply in b.handle("peer-P", request):
+            if isinstance(reply, m.LeaseReply) and self.backup_release == "earlier":
+                reply = dataclasses.replace(reply, reigns=None)  # what a backup of an earlier release says
             if isinstance(reply, m.LeaseReply):
                 if self.up("B", "P"):
                     self.deliver("P", p.handle("peer-B", reply))
@@ -724,7 +747,7 @@ class SplitBrainMachine(RuleBasedStateMachine):
         while self.clock.t < end - 1e-9:
             self.clock.t += 0.25
             for srv in SERVER_NAMES:
-                if self.tables[srv] is not None:
+                if self.tables[srv] is not None and srv not in self.stalled:
                     self.deliver(srv, self.tables[srv].tick())
             if self.clock.t >= self.next_beat:
                 self.next_beat = self.clock.t + 1.0
@@ -894,3 +917,92 @@ def test_a_session_the_primary_kept_alive_is_not_removed_by_the_backup_taking_ov
     machine.advance(3 * CONFIG.heartbeat_timeout)
     assert {sid: s.replica.name for sid, s in b.sessions.items()} == at_takeover, f"seed={seed}"
     assert b.stats["expired"] == 0, f"seed={seed}: the backup removed a session that heartbeats"
+
+
+def _primary_reigning_with_every_session(seed: int) -> tuple[SplitBrainMachine, ReferenceTable, ReferenceTable, dict[int, str]]:
+    machine = SplitBrainMachine()
+    machine.start(seed=seed)
+    p, b = machine.tables["P"], machine.tables["B"]
+    assert p is not None and b is not None
+    machine.advance(8.0)
+    assert p.reign.reigning and p.reign.lease_until > machine.clock.t, f"seed={seed}: {p.reign.why_not()}"
+    sessions = {sid: s.replica.name for sid, s in p.sessions.items()}
+    assert sorted(sessions.values()) == sorted(VOTER_NAMES)
+    return machine, p, b, sessions
+
+
+def test_a_primary_that_stood_still_past_its_lease_keeps_its_sessions_when_the_backup_did_not_reign(seed: int) -> None:
+    """The primary's process stands still for longer than its lease (its lease and its votes run
+    out) but less than a heartbeat timeout: its clients stay, so the backup never gains a
+    majority and never reigns. On waking the primary holds (decides nothing), and the backup's
+    next lease reply says it began no reign: the primary reigns again with every session and its
+    term; no client is told to move. (Before: it stepped down and forgot every session.)"""
+    machine, p, b, sessions = _primary_reigning_with_every_session(seed)
+    for name in VOTER_NAMES:  # a version published and replicated: state worth keeping
+        machine.call(name)
+    machine.advance(1.0)
+    held = {(s.replica.name, s.holder.version, s.holder.state) for s in p.sessions.values() if s.holder is not None}
+    assert ("trainer-0", 1, HolderState.COMPLETE) in held
+    term = p.term
+    machine.stall("P")
+    machine.advance(LEASE + 2.0)  # past the lease, within the heartbeat timeout
+    assert not b.reign.reigning and b.reign.begun == 0
+    machine.wake("P")
+    assert not p.reign.reigning and p.reign.held_since is not None, f"seed={seed}: {p.reign.why_not()}"
+    assert "holds its sessions" in p.reign.why_not()
+    assert p.tick() == []  # holding: it decides nothing, time-driven decisions included
+    machine.call("rollout-0")  # refused while it holds (ServerUnavailable), not decided
+    machine.advance(2.0)  # the next lease exchange
+    assert p.reign.reigning, f"seed={seed}: {p.reign.why_not()}"
+    assert p.term == term and {sid: s.replica.name for sid, s in p.sessions.items()} == sessions
+    assert held <= {(s.replica.name, s.holder.version, s.holder.state) for s in p.sessions.values() if s.holder is not None}
+    assert not p.reign.dropped and p.stats["expired"] == 0
+    assert all(c.at == "P" and c.session in sessions for c in machine.clients.values()), f"seed={seed}: a client moved"
+    assert p.reign.violations == 0 and b.reign.violations == 0
+
+
+def test_a_primary_past_its_lease_forgets_its_sessions_when_the_backup_reigned_meanwhile(seed: int) -> None:
+    """The old rule where it is needed: the primary stands still long enough for its clients to
+    move to the backup, which reigns. On waking, the backup's reply counts a reign the primary
+    had not seen: the primary steps down under a new term, its old sessions told ``StepDown``
+    and answered so from then on."""
+    machine, p, b, sessions = _primary_reigning_with_every_session(seed)
+    term = p.term
+    machine.stall("P")
+    machine.advance(3 * CONFIG.heartbeat_timeout)  # the clients move; the backup takes over
+    assert b.reign.reigning and b.reign.begun == 1, f"seed={seed}: {b.reign.why_not()}"
+    machine.wake("P")  # (its old sessions expire on waking here: this machine credits no stall)
+    assert not p.reign.reigning and p.reign.held_since is not None
+    held = set(p.sessions)  # what it holds now: the clients the backup's step-down sends back
+    machine.advance(1.0)  # the next lease exchange: the backup's count changed
+    assert p.reign.held_since is None and p.term == term + 1, f"seed={seed}: {p.reign.why_not()}"
+    assert held <= set(p.reign.dropped) and not set(sessions) & set(p.sessions)
+    assert p.reign.violations == 0 and b.reign.violations == 0
+
+
+def test_a_primary_past_its_lease_forgets_when_the_backup_cannot_say_or_says_nothing(seed: int) -> None:
+    """A backup of an earlier release (its replies carry no count of reigns), and a backup
+    that does not answer at all within two leases: the primary cannot know, so it forgets, as
+    before."""
+    machine, p, _, sessions = _primary_reigning_with_every_session(seed)
+    machine.backup_release = "earlier"
+    term = p.term
+    machine.stall("P")
+    machine.advance(LEASE + 2.0)
+    machine.wake("P")
+    machine.advance(1.0)
+    assert p.reign.held_since is None and p.term == term + 1 and set(sessions) <= set(p.reign.dropped)
+
+    machine, p, _, sessions = _primary_reigning_with_every_session(seed)
+    term = p.term
+    machine.stall("P")
+    machine.advance(LEASE + 2.0)
+    machine.cut.update({("P", "B"), ("B", "P")})  # the backup is out of reach from now on
+    machine.wake("P")
+    machine.advance(LEASE)
+    assert not p.reign.reigning and p.reign.held_since is not None and p.term == term  # still holding
+    p.credit_stall(LEASE / 2)  # a stall of its own is not held against the backup
+    machine.advance(LEASE)
+    assert p.reign.held_since is not None and p.term == term
+    machine.advance(LEASE / 2 + 0.5)
+    assert p.reign.held_since is None and p.term == term + 1 and set(sessions) <= set(p.reign.dropped)

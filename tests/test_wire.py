@@ -190,7 +190,7 @@ SAMPLES: list[Any] = [
     ),), window_s=10.0, recent_bytes_per_s=0.0, reigns=(m.ReignSpan(term=2, start=5.0, end=None, first_grant=6.0,
                                                                      last_grant=7.5, grants=3),)),
     m.LeaseRequest(req=24, term=2, epoch=3, voters=("actor/trainer/0", "actor/rollout-1/0")),
-    m.LeaseReply(req=24, term=3, granted=True, lease=5.0, epoch=3, voters=None),
+    m.LeaseReply(req=24, term=3, granted=True, lease=5.0, epoch=3, voters=None, reigns=2),
     m.StepDown(session=7, term=2, reason="lost the lease and the majority"),
 ]
 BY_KIND = {type(s).KIND: s for s in SAMPLES}
@@ -260,7 +260,8 @@ def test_frame_shape(msg):
     version, kind, body = msgpack.unpackb(wire.encode(msg), raw=False)
     assert version == WIRE_VERSION
     assert kind == type(msg).KIND
-    assert set(body) == {f.name for f in dataclasses.fields(msg)}
+    # every field, but one added after earlier peers shipped the message is left out while None
+    assert set(body) == {f.name for f in dataclasses.fields(msg) if not (f.metadata.get("added") and getattr(msg, f.name) is None)}
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).KIND)
@@ -471,7 +472,8 @@ def test_body_must_be_a_map(body):
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).KIND)
 def test_each_missing_field_is_named(msg):
-    for name in body_of(msg):
+    added = {f.name for f in dataclasses.fields(msg) if f.metadata.get("added")}
+    for name in set(body_of(msg)) - added:  # an added field may be absent (an earlier peer's frame)
         body = body_of(msg)
         del body[name]
         with pytest.raises(MalformedMessage, match="missing") as info:
@@ -486,6 +488,35 @@ def test_an_unknown_field_is_named(msg):
     with pytest.raises(MalformedMessage, match="unknown") as info:
         wire.decode(frame(body, type(msg).KIND))
     assert "surprise_field" in str(info.value)
+
+
+def test_an_added_field_is_absent_in_an_earlier_peers_frame_and_left_out_while_none():
+    """``LeaseReply.reigns`` came after backups of an earlier release shipped lease replies:
+    their frames (without it) decode as None; this side's frame leaves it out while None, so it
+    decodes there too; a value is checked like any field."""
+    earlier = {"req": 24, "term": 3, "granted": True, "lease": 5.0, "epoch": 3, "voters": None}
+    msg = wire.decode(frame(earlier, "lease_reply"))
+    assert msg == m.LeaseReply(24, 3, True, 5.0, 3, None) and msg.reigns is None
+    assert msgpack.unpackb(wire.encode(msg), raw=False)[2] == earlier  # what an earlier backup sent
+    assert wire.decode(frame({**earlier, "reigns": 7}, "lease_reply")).reigns == 7
+    with pytest.raises(MalformedMessage, match="reigns"):
+        wire.decode(frame({**earlier, "reigns": -1}, "lease_reply"))
+    with pytest.raises(MalformedMessage, match="reigns"):
+        wire.decode(frame({**earlier, "reigns": "2"}, "lease_reply"))
+    with pytest.raises(MalformedMessage, match="'epoch'"):  # only an added field may be absent
+        wire.decode(frame({k: v for k, v in earlier.items() if k != "epoch"}, "lease_reply"))
+    with pytest.raises(MalformedMessage, match="surprise"):
+        wire.decode(frame({**{k: v for k, v in earlier.items() if k != "epoch"}, "surprise": 1}, "lease_reply"))
+
+
+def test_an_added_field_must_default_to_none():
+    @wire.struct
+    class Later:
+        a: int
+        b: int | None = dataclasses.field(default=0, metadata={"added": True})
+
+    with pytest.raises(TypeError, match="added"):
+        wire._schema(Later)  # compiled on first use
 
 
 def test_missing_and_unknown_fields_are_both_named():
@@ -1102,6 +1133,7 @@ BY_FIELD: dict[tuple[type, str], st.SearchStrategy] = {
     (m.LeaseRequest, "epoch"): NONNEG,
     (m.LeaseReply, "epoch"): NONNEG,
     (m.LeaseReply, "lease"): st.floats(min_value=0, max_value=1e4),
+    (m.LeaseReply, "reigns"): st.none() | NONNEG,
     (m.DeclareChecksumsPart, "first"): NONNEG,
     (m.DeclareChecksumsPart, "checksums"): st.lists(U64S, min_size=1, max_size=5).map(tuple),
     (m.ChecksumsPartReady, "first"): NONNEG,

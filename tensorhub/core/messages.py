@@ -1032,7 +1032,10 @@ class LeaseRequest:
 class LeaseReply:
     """Backup -> primary: the promise is made (``granted``) from when the request arrived;
     ``epoch`` is the membership the backup holds, with its ``voters`` when newer than the
-    request's."""
+    request's. ``reigns``: how many reigns the backup (this process, of ``term``'s line) has
+    begun so far; a primary whose lease ran out forgets its sessions only if that changed since
+    the last reply it had (None: a backup of an earlier release, which does not say: the
+    primary forgets them, as before)."""
 
     req: int
     term: int
@@ -1040,9 +1043,12 @@ class LeaseReply:
     lease: float
     epoch: int
     voters: tuple[str, ...] | None = field(default=None, metadata={"max_len": 1 << 20})
+    reigns: int | None = field(default=None, metadata={"added": True})
 
     def __post_init__(self) -> None:
         _nonneg("epoch", self.epoch)
+        if self.reigns is not None:
+            _nonneg("reigns", self.reigns)
         if not 0 <= self.lease <= 1e4:
             raise ValueError(f"lease must be in [0, 1e4] seconds, got {self.lease}")
 

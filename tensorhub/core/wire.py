@@ -24,6 +24,13 @@ limit with ``field(metadata={"max_len": N})``. A field whose value repeats from 
 message (a source shard's layout in every ``Convert``) may ask for its decoded values to be kept,
 by their encoded bytes, with ``field(metadata={"memo": N})`` (the last ``N``): equal bytes decode
 to an equal frozen value, so a repeat is checked and built once.
+
+A field added to a message after peers of an earlier release shipped it is marked
+``field(default=None, metadata={"added": True})`` (its type ``X | None``): the encoder leaves it
+out of the map while it is None, and the decoder takes its absence as None. So an earlier peer's
+frame (without it) still decodes here, and this side's frame decodes there while it carries
+None; a value it does carry is refused there as an unknown field (a typed
+``MalformedMessage`` naming it). Every other field must be present.
 """
 
 from __future__ import annotations
@@ -89,7 +96,7 @@ class _Schema:
     struct's fields and builds it; ``encode(value)`` makes the map. Both are generated for the
     class (:func:`_compile_build`, :func:`_compile_encode`)."""
 
-    __slots__ = ("cls", "kind", "names", "decoders", "nameset", "build", "encode")
+    __slots__ = ("cls", "kind", "names", "decoders", "nameset", "build", "encode", "added")
 
     def __init__(self, cls: type, kind: str | None) -> None:
         self.cls = cls
@@ -98,6 +105,11 @@ class _Schema:
         fields = dataclasses.fields(cls)
         self.names = tuple(f.name for f in fields)
         self.nameset = frozenset(self.names)
+        #: fields added after earlier peers shipped the message: absent on the wire means None
+        self.added = tuple(f.name for f in fields if f.metadata.get("added"))
+        for f in fields:
+            if f.metadata.get("added") and f.default is not None:
+                raise TypeError(f"{cls.__qualname__}.{f.name}: a field marked added must default to None")
         self.decoders: dict[str, _Conv] = {}
         encoders: dict[str, Callable[[Any], Any]] = {}
         for f in fields:
@@ -423,6 +435,7 @@ def _compile_build(schema: _Schema, fields: list[tuple[str, Any, int | None]]) -
     env: dict[str, Any] = {
         "_schema": schema, "_cls": schema.cls, "_bad": _bad, "_fields_error": _fields_error, "_at": _at,
         "_too_long": _too_long, "ProtocolError": ProtocolError, "MalformedMessage": MalformedMessage,
+        "_added": schema.added,
     }  # fmt: skip
     loads, checks = [], []
     for i, (name, tp, max_len) in enumerate(fields):
@@ -466,7 +479,11 @@ def _compile_build(schema: _Schema, fields: list[tuple[str, Any, int | None]]) -
         "    if type(body) is not dict:",
         "        raise _bad(path or 'body', 'map', body)",
         f"    if len(body) != {n}:",
-        "        raise _fields_error(_schema, body, path)",
+        *([f"        if {n} - len(_added) <= len(body) < {n}:  # an earlier peer's frame: its added fields are absent",
+           "            body = {**{k: None for k in _added}, **body}",
+           f"        if len(body) != {n}:",
+           "            raise _fields_error(_schema, body, path)"]
+          if schema.added else ["        raise _fields_error(_schema, body, path)"]),
         *(["    try:", *loads, "    except KeyError:", "        raise _fields_error(_schema, body, path) from None"] if n else []),
         *checks,
         "    try:",
@@ -556,13 +573,21 @@ def _compile_encode(schema: _Schema, encoders: dict[str, Callable[[Any], Any]]) 
     that need it (nested structs, and tuples or maps of them); None stays None."""
     env: dict[str, Any] = {}
     items = []
+    later = []  # fields added after earlier peers shipped the message: left out while None
     for i, (name, enc) in enumerate(encoders.items()):
-        if enc is _identity:
+        value = f"v.{name}" if enc is _identity else f"_e{i}(v.{name})"
+        if enc is not _identity:
+            env[f"_e{i}"] = enc
+        if name in schema.added:
+            later.append(f"    if v.{name} is not None:\n        d[{name!r}] = {value}")
+        elif enc is _identity:
             items.append(f"{name!r}: v.{name}")
         else:
-            env[f"_e{i}"] = enc
-            items.append(f"{name!r}: None if v.{name} is None else _e{i}(v.{name})")
-    src = "def encode(v):\n    return {" + ", ".join(items) + "}"
+            items.append(f"{name!r}: None if v.{name} is None else {value}")
+    if later:
+        src = "def encode(v):\n    d = {" + ", ".join(items) + "}\n" + "\n".join(later) + "\n    return d"
+    else:
+        src = "def encode(v):\n    return {" + ", ".join(items) + "}"
     exec(compile(src, f"<wire encoder of {schema.cls.__qualname__}>", "exec"), env)
     encode: Callable[[Any], dict[str, Any]] = env["encode"]
     return encode

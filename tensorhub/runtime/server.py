@@ -59,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import gc
 import os
 import random
 import signal
@@ -87,7 +88,8 @@ from tensorhub.core.wire import MAX_FRAME_BYTES, decode, encode, kind_prefix
 from tensorhub.scheduling.selection import SourceIndex
 
 from .actor import Actor
-from .metrics import DURATION_BUCKETS, Counter, Gauge, MetricsServer, Registry
+from .collector import PAUSE_BUCKETS, CollectorPacing
+from .metrics import DURATION_BUCKETS, Counter, Gauge, Histogram, MetricsServer, Registry
 from .security import KeyAuthenticator, ModelPolicy, ServerKeys, check_bind, user_id
 
 __all__ = ["ServerActor", "ServerConfig", "serve"]
@@ -203,11 +205,16 @@ _RIGHT_NEEDED: dict[type, str] = {
 
 
 class ServerActor(Actor):
-    """The reference server's actor. ``await start()`` binds; ``await stop()`` unbinds."""
+    """The reference server's actor. ``await start()`` binds; ``await stop()`` unbinds.
 
-    def __init__(self, config: ServerConfig, ctx: zmq.asyncio.Context | None = None) -> None:
+    ``collector``: the process's collector pacing (:mod:`tensorhub.runtime.collector`), started
+    with the server and paced by its tick; only a server that has its process to itself takes one."""
+
+    def __init__(self, config: ServerConfig, ctx: zmq.asyncio.Context | None = None,
+                 collector: CollectorPacing | None = None) -> None:  # fmt: skip
         super().__init__("server")
         self.config = config
+        self.collector = collector
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
         seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "big")
@@ -336,6 +343,8 @@ class ServerActor(Actor):
         gauge("tensorhub_server_reigning", "1 while this server decides (holds the lease or a majority of votes)",
               value=float(self.reign.reigning))  # fmt: skip
         gauge("tensorhub_mailbox_depth", "Frames waiting to be handled", value=self._queued)
+        if self.collector is not None:
+            self._collect_gc(self.collector, out)
         auth = Counter("tensorhub_auth_total", "CURVE authentication decisions", ("result",))
         if self.auth is not None:
             auth.set("accepted", value=self.auth.accepted)
@@ -343,6 +352,25 @@ class ServerActor(Actor):
                 auth.set(f"denied: {reason}", value=n)
         out.append(auth)
         return out
+
+    @staticmethod
+    def _collect_gc(pacing: CollectorPacing, out: list[Any]) -> None:
+        gens = pacing.watch.generations
+        pauses = Histogram("tensorhub_gc_pause_seconds", "Cyclic garbage collector passes of the server process, by generation "
+                           "(0, 1, 2: CPython's own; 'full on purpose': the pacing's full passes over frozen objects too)",
+                           ("generation",), PAUSE_BUCKETS)  # fmt: skip
+        longest = Gauge("tensorhub_gc_longest_pause_seconds", "The longest collector pass, by generation", ("generation",))
+        cpu = Counter("tensorhub_gc_cpu_seconds_total", "CPU time of the collector's passes, by generation", ("generation",))
+        for label, g in [(str(i), g) for i, g in enumerate(gens)] + [("full on purpose", pacing.watch.on_purpose)]:
+            pauses.series[(label,)] = [list(g.buckets[:-1]), g.seconds, g.passes]
+            longest.set(label, value=g.longest)
+            cpu.set(label, value=g.cpu_seconds)
+        out += [pauses, longest, cpu]
+        frozen = Gauge("tensorhub_gc_frozen_objects", "Objects the collector's passes skip (frozen long-lived objects)")
+        frozen.set(value=gc.get_freeze_count())
+        full = Counter("tensorhub_gc_full_passes_total", "Full passes over every object, frozen included, run on purpose")
+        full.set(value=pacing.full_passes)
+        out += [frozen, full]
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -405,6 +433,8 @@ class ServerActor(Actor):
             self._peer_sock = peer
             self.spawn(self._peer_reader(peer), "server-peer-reader")
             self.spawn(self._lease_ticks(self.reign.lease / 5), "server-lease")
+        if self.collector is not None:
+            self.collector.start()
         self.log.info("server listening", address=self.address, term=self.table.term, curve=keys is not None,
                       metrics_port=self.metrics_server.port if self.metrics_server else None)  # fmt: skip
 
@@ -413,6 +443,8 @@ class ServerActor(Actor):
             await self.auth.stop()
 
     async def on_stop(self) -> None:
+        if self.collector is not None:
+            self.collector.stop()
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         if self._fd is not None and self.loop is not None:
@@ -805,9 +837,12 @@ class ServerActor(Actor):
         self._credit_stall()
         self._send(self.table.tick())
         self._input_waits()
+        if self.collector is not None:
+            self.collector.tick()
         if was != self.reign.reigning:
-            self.log.warning("reigns" if self.reign.reigning else "stepped down", role=self.config.role,
-                             term=self.table.term, why=None if self.reign.reigning else self.reign.why_not())  # fmt: skip
+            what = "reigns" if self.reign.reigning else "holds" if self.reign.held_since is not None else "stepped down"
+            self.log.warning(what, role=self.config.role, term=self.table.term,
+                             why=None if self.reign.reigning else self.reign.why_not())  # fmt: skip
         self._schedule()
         if self.config.idle_exit is not None:
             now = time.monotonic()
@@ -896,15 +931,29 @@ def _salvage_req(frames: list[bytes]) -> int:
         return 0
 
 
-async def serve(config: ServerConfig, ready: Any = None, metrics_ready: Any = None) -> None:
+GC_MODES = ("paced", "watched")
+
+
+async def serve(config: ServerConfig, ready: Any = None, metrics_ready: Any = None, gc_mode: str = "paced") -> None:
     """Run a server until SIGINT/SIGTERM (or idle exit). ``ready(address)`` is called once bound;
     ``metrics_ready(port)`` once the metrics endpoint listens (if it is configured).
+
+    This is the server's own process, so it paces the process's garbage collector
+    (:class:`~tensorhub.runtime.collector.CollectorPacing`: long-lived records frozen out of the
+    collector's passes); ``gc_mode="watched"`` leaves CPython's collector as it is and only
+    counts its passes (the baseline). Either way the passes are in the metrics
+    (``tensorhub_gc_pause_seconds``).
+
+    Raises:
+        InvalidArgument: ``gc_mode`` is not one of :data:`GC_MODES`.
 
     With ``$TENSORHUB_SERVER_PROFILE`` set to a file name, the server runs under cProfile and
     writes its profile there when it stops (``python -m pstats FILE``): how
     ``benchmarks/server_load.py --profile`` looks inside the real process. The profile counts the
     event loop thread's CPU time, not wall time: on a busy machine a wall-time profile charges
     whatever call the thread was descheduled in (a socket send that woke ZeroMQ's I/O thread)."""
+    if gc_mode not in GC_MODES:
+        raise InvalidArgument(f"gc_mode must be one of {', '.join(GC_MODES)}, got {gc_mode!r}")
     profile_to = os.environ.get("TENSORHUB_SERVER_PROFILE")
     if profile_to:
         import cProfile
@@ -912,16 +961,16 @@ async def serve(config: ServerConfig, ready: Any = None, metrics_ready: Any = No
         profiler = cProfile.Profile(time.thread_time)
         profiler.enable()
         try:
-            await _serve(config, ready, metrics_ready)
+            await _serve(config, ready, metrics_ready, gc_mode)
         finally:
             profiler.disable()
             profiler.dump_stats(profile_to)
         return
-    await _serve(config, ready, metrics_ready)
+    await _serve(config, ready, metrics_ready, gc_mode)
 
 
-async def _serve(config: ServerConfig, ready: Any, metrics_ready: Any) -> None:
-    server = ServerActor(config)
+async def _serve(config: ServerConfig, ready: Any, metrics_ready: Any, gc_mode: str) -> None:
+    server = ServerActor(config, collector=CollectorPacing(pace=gc_mode == "paced"))
     try:
         await server.start()
     except BaseException:

@@ -55,6 +55,7 @@ def _server(args: argparse.Namespace) -> int:
         config,
         ready=lambda address: print(f"tensorhub server listening on {address}", flush=True),
         metrics_ready=lambda port: print(f"tensorhub metrics on http://{args.metrics_host}:{port}/metrics", flush=True),
+        gc_mode=args.gc,
     ))  # fmt: skip
     return 0
 
@@ -195,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--role", choices=("solo", "primary", "backup"), default="solo",
                    help="with a backup server: primary (needs --peer) or backup; solo: a server alone")
     s.add_argument("--peer", default=None, help="the primary's backup server address (it asks it for the lease)")
+    s.add_argument("--gc", choices=("paced", "watched"), default="paced",
+                   help="paced (default): freeze the server's long-lived objects out of the garbage collector's passes; "
+                        "watched: CPython's collector as it is (both report their passes in the metrics)")
     s.add_argument("--lease", type=float, default=None, help="lease and vote lifetime in seconds (default: heartbeat timeout / 2)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds an unpublish waits for readers")
     s.add_argument("--pin-timeout", type=float, default=300.0,

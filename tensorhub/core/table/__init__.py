@@ -248,7 +248,8 @@ class ReferenceTable(
             return self._flush()  # a heartbeat answers its sender once and changes nothing to settle
         self._check_reign()
         dropped = reign.dropped
-        if self._out or self._dirty_models or (dropped and any(sid in dropped for sid in msg.sessions)):
+        dirty = self._dirty_models and reign.held_since is None  # a holding primary settles nothing
+        if self._out or dirty or (dropped and any(sid in dropped for sid in msg.sessions)):
             return self.handle(peer, msg)  # checking the rule again changes nothing: it just ran
         now = self.clock()
         sessions, owner, expiry, vote = self.sessions, reign.owner, self.expiry, reign.vote
@@ -274,6 +275,10 @@ class ReferenceTable(
         now = self.clock()
         if self.reign.role != "solo":
             self._check_reign()  # a reign that ran out steps down before anything else happens
+            if self.reign.held_since is not None:
+                # a primary holding its state decides nothing, time-driven decisions included
+                # (expiries, deadlines): they come due once it reigns again (Reign: "holds")
+                return self._flush()
         if self.reign.reigning:
             self._check_stragglers(now)
         while self.expiry:
@@ -313,12 +318,14 @@ class ReferenceTable(
         """The server stood still for ``seconds`` (its process was not scheduled, or its loop was
         busy): the heartbeats it could not read meanwhile are not held against the sessions. Each
         session's silence is shortened by that much, never past now, which keeps their order in
-        :attr:`expiry`. A session that really went silent is removed that much later."""
+        :attr:`expiry`. A session that really went silent is removed that much later; a primary
+        holding its state waits for its backup's word that much longer."""
         if seconds <= 0:
             return
         now = self.clock()
         for s in self.expiry.values():
             s.last_seen = min(s.last_seen + seconds, now)
+        self.reign.credit_hold(seconds, now)  # a holding primary waits for the backup's word that much longer
         self.stats["stalls_credited"] += 1
 
     def next_deadline(self) -> float | None:

@@ -216,20 +216,42 @@ class ReignMixin(TableState):
         """Apply the rule at ``clock()``: begin a reign, or step down from one."""
         reign = self.reign
         now = self.clock()
+        if reign.held_since is not None:  # a primary holding its state: only the backup's word ends it
+            verdict = reign.held_verdict(now)
+            if verdict == "resume":  # nobody decided meanwhile: go on with the same sessions and term
+                reign.release()
+                self._begin_reign(now)
+            elif verdict == "forget":
+                why = ("the backup reigned while this primary's lease had run out" if reign.denied
+                       else f"no word from the backup within {reign.hold_limit:g} s of the lease running out")  # fmt: skip
+                reign.release()
+                self._forget(why)
+            return
         may = reign.may_reign(now)
         if may and not reign.reigning:
-            reign.began(self.term, now)
-            # what waited for a decision may go on now
-            for model in list(self.models.values()):
-                model.availability_changed = True
-                self._mark_dirty(model)
+            self._begin_reign(now)
         elif not may and reign.reigning:
-            self._step_down(reign.why_not())
+            if reign.role == "primary":
+                reign.hold(now)
+            else:
+                self._step_down(reign.why_not())
+
+    def _begin_reign(self, now: float) -> None:
+        self.reign.began(self.term, now)
+        # what waited for a decision may go on now
+        for model in list(self.models.values()):
+            model.availability_changed = True
+            self._mark_dirty(model)
 
     def _step_down(self, reason: str) -> None:
         """Stop deciding: tell every session to move, forget everything under a new term."""
+        self.reign.ended(self.clock())
+        self._forget(reason)
+
+    def _forget(self, reason: str) -> None:
+        """A step-down's state: every session told ``StepDown``, everything forgotten under a
+        new term (the reign has already ended)."""
         reign = self.reign
-        reign.ended(self.clock())
         out = self._out
         out.extend((s.peer, m.StepDown(s.id, self.term, reason[:500])) for s in self.sessions.values())
         reign.forget(list(self.sessions))

@@ -55,9 +55,25 @@ class Reign:
 
     A server that stops reigning **steps down**: every session is told ``StepDown`` (clients
     move to the next server of their list at once), and the table forgets its state under a new
-    term, so nothing it granted before is honoured by it again. A server that does not reign
-    accepts sessions (open, register, announce, heartbeats: votes) and refuses every call with
-    ``ServerUnavailable``.
+    term, so nothing it granted before is honoured by it again.
+
+    A primary whose lease ran out (and its majority with it: it stood still past its lease, or
+    lost the backup's replies) first **holds** instead: it stops deciding at once but keeps its
+    state and says nothing to its sessions, and waits for the backup's word: at most two leases
+    of its own running time (a stall of its process is not counted, as for heartbeats). The backup's
+    ``LeaseReply`` says how many reigns the backup has begun (``reigns``, with its
+    ``term``: a restarted backup counts from 0 under another term). A granted reply whose count
+    is the one the primary last had before it held means the backup began no reign in between:
+    nobody else decided, and the promise covers the primary from the reply on, so it reigns
+    again with its sessions and its term. A reply that differs (the backup reigned: clients may
+    hold its grants), one that does not say (a backup of an earlier release), or no granted
+    reply in that time, and the primary steps down as above. A majority of votes alone
+    does not end the hold: it says nothing about whether the backup reigned meanwhile. While it
+    holds, the table decides nothing, time-driven decisions included (they come due once it
+    reigns again).
+
+    A server that does not reign accepts sessions (open, register, announce, heartbeats: votes)
+    and refuses every call with ``ServerUnavailable``.
 
     What it costs: a backup takes over ``lease`` after a majority of the voters reached it; a
     server with a peer that never held the lease (a primary started while its backup is down,
@@ -69,6 +85,7 @@ class Reign:
     __slots__ = (
         "role", "lease", "lease_until", "promised_until", "epoch", "voters", "pending", "votes", "requests",
         "dropped", "spans", "reigning", "violations", "synced", "peer_epoch", "owner", "_majority_until", "_why",
+        "begun", "peer_reigns", "held_since", "held_for", "confirmed", "denied",
     )  # fmt: skip
 
     def __init__(self, role: str = "solo", lease: float = 5.0) -> None:
@@ -96,6 +113,12 @@ class Reign:
         self.violations = 0  # grants made while not reigning (never, by construction)
         self._majority_until: float | None = None  # a majority holds until then (cached)
         self._why = "not evaluated yet"
+        self.begun = 0  # reigns this server began (a backup says so in each LeaseReply)
+        self.peer_reigns: tuple[int, int] | None = None  # primary: the backup's (term, reigns), last reply
+        self.held_since: float | None = None  # primary: its lease ran out; holding its state since
+        self.held_for: tuple[int, int] | None = None  # the backup's (term, reigns) when it began to hold
+        self.confirmed = False  # holding: a granted reply said the backup began no reign since
+        self.denied = False  # holding: a reply said it did (or could not say)
 
     # ---- the rule ----------------------------------------------------------------------------
 
@@ -140,7 +163,8 @@ class Reign:
 
     def next_change(self, now: float) -> float | None:
         """When time alone may change :meth:`may_reign` (None: only messages can)."""
-        times = [t for t in (self.lease_until, self.promised_until, self._majority_until) if t is not None and t > now]
+        held_until = self.held_since + self.hold_limit if self.held_since is not None else None
+        times = [t for t in (self.lease_until, self.promised_until, self._majority_until, held_until) if t is not None and t > now]
         return min(times) if times else None
 
     # ---- votes -------------------------------------------------------------------------------
@@ -193,8 +217,51 @@ class Reign:
             self.pending = None
             self._majority_until = None
         self.peer_epoch = msg.epoch
+        seen = (msg.term, msg.reigns) if msg.reigns is not None else None
+        if self.held_since is not None:
+            if seen is None or seen != self.held_for:
+                self.denied = True  # the backup reigned meanwhile, or cannot say
+            elif msg.granted:
+                self.confirmed = True
+        self.peer_reigns = seen
         if msg.granted:
             self.lease_until = max(self.lease_until, sent + min(msg.lease, self.lease) * (1 - _DRIFT))
+
+    def hold(self, now: float) -> None:
+        """The primary's reign ran out: stop deciding, keep the state, wait for the backup's word
+        (see the class docstring)."""
+        self.ended(now)
+        self.held_since, self.held_for = now, self.peer_reigns
+        self.confirmed = self.denied = False
+        self._why = (f"its lease ran out ({self.why_not()}); it holds its sessions until the backup says whether it "
+                     f"reigned meanwhile (at most {self.hold_limit:g} s)")  # fmt: skip
+
+    def held_verdict(self, now: float) -> str | None:
+        """While holding: ``"resume"`` (the backup began no reign since, and its promise holds
+        now), ``"forget"`` (it did, or cannot say, or said nothing in time), None (wait)."""
+        if self.held_since is None:
+            return None
+        if self.denied or now >= self.held_since + self.hold_limit:
+            return "forget"
+        if self.confirmed and now < self.lease_until:
+            return "resume"
+        return None
+
+    @property
+    def hold_limit(self) -> float:
+        """How long a primary holds without the backup's word (its own running time: see
+        :meth:`credit_hold`): two leases, ten of its lease requests."""
+        return 2 * self.lease
+
+    def credit_hold(self, seconds: float, now: float) -> None:
+        """The server stood still ``seconds``: a lease reply that came meanwhile may still sit
+        unread, so that time is not held against the backup."""
+        if self.held_since is not None and seconds > 0:
+            self.held_since = min(self.held_since + seconds, now)
+
+    def release(self) -> None:
+        self.held_since = self.held_for = None
+        self.confirmed = self.denied = False
 
     # ---- the backup's side -------------------------------------------------------------------
 
@@ -206,12 +273,13 @@ class Reign:
         self.promised_until = max(self.promised_until, now + self.lease)
         self._majority_until = None
         newer = self.voters if self.epoch > msg.epoch else None
-        return m.LeaseReply(msg.req, term, True, self.lease, self.epoch, newer)
+        return m.LeaseReply(msg.req, term, True, self.lease, self.epoch, newer, self.begun)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
     def began(self, term: int, now: float) -> None:
         self.reigning = True
+        self.begun += 1
         self.spans.append([term, now, None, None, None, 0])
 
     def ended(self, now: float) -> None:

@@ -33,7 +33,11 @@ class SettleMixin(TableState):
     def _settle(self) -> None:
         """After every event: fail partial holders whose (version, shard) has nothing left to
         pull from, release offload copies no longer needed, bump the listing epoch and answer
-        long-polls, and wake calls waiting for a version."""
+        long-polls, and wake calls waiting for a version. A primary holding its state (its lease
+        ran out; see :class:`~tensorhub.core.table.reign.Reign`) settles nothing: the models stay
+        dirty until it reigns again (then every model is settled) or forgets them."""
+        if self.reign.held_since is not None:
+            return
         rounds = 0
         while self._dirty_models:
             rounds += 1
