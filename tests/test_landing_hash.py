@@ -220,3 +220,34 @@ def test_a_bad_hash_thread_count_is_refused_with_a_typed_error(monkeypatch: pyte
         monkeypatch.setenv("TENSORHUB_HASH_THREADS", bad)
         with pytest.raises(InvalidArgument, match="TENSORHUB_HASH_THREADS"):
             compute(b)
+
+
+def test_a_large_buffer_is_hashed_through_a_stream_that_releases_the_gil(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """python-xxhash's one-shot ``xxh3_64_intdigest`` holds the GIL in some versions (3.5.0),
+    its ``update`` never: ``digest`` takes the stream for large buffers (the publisher's hash
+    threads and the copy workers must hash at once), with the same values either way."""
+    import xxhash
+
+    from tensorhub.runtime import checksum
+
+    data = torch.randint(0, 256, (checksum._RELEASE_BYTES * 3 + 5,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed)).numpy().data  # fmt: skip
+    sizes = [0, 1, checksum._RELEASE_BYTES - 1, checksum._RELEASE_BYTES, len(data)]
+    want = {n: xxhash.xxh3_64_intdigest(data[:n]) for n in sizes}
+    one_shot = xxhash.xxh3_64_intdigest
+
+    def small_only(buf: memoryview | bytes) -> int:
+        n = buf.nbytes if isinstance(buf, memoryview) else len(buf)
+        assert n < checksum._RELEASE_BYTES, f"{n} bytes hashed by the one-shot function (it may hold the GIL)"
+        return one_shot(buf)
+
+    monkeypatch.setattr(checksum.xxhash, "xxh3_64_intdigest", small_only)
+    assert {n: checksum.digest(data[:n]) for n in sizes} == want
+    assert {n: checksum.digest(bytes(data[:n])) for n in sizes} == want
+    # A whole unit landed in one piece goes through digest() too: the same guard holds there.
+    b = shard([len(data)], seed, chunk_bytes=len(data))
+    (view,) = b.views(0, len(data))
+    view[:] = data
+    h = LandingHasher(b, b.plan.units)
+    h.landed(0, len(data))
+    assert h.complete and h.digests == {0: want[len(data)]}
