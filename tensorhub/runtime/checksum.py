@@ -385,6 +385,45 @@ class LandingHasher:
         with self._lock:
             return len(self.digests) == self._count
 
+    def __call__(self, offset: int, length: int) -> None:
+        """:meth:`landed` (the hasher is the transport's ``landed`` callback)."""
+        self.landed(offset, length)
+
+    def unit_stream(self, offset: int, length: int) -> Callable[[int, int], None] | None:
+        """A faster way to report a copy of exactly one whole unit: if ``[offset, offset +
+        length)`` is one unit of this read, its bytes one run of memory, none of it reported
+        yet, returns ``sink``; the caller then calls ``sink(start, end)`` for consecutive pieces
+        ``[start, end)`` from ``offset`` to ``offset + length``, in order, from one thread, each
+        right after it landed (instead of :meth:`landed`), and the last one gives the unit its
+        digest. Per piece that is one slice and one hash update: no search, no lock. Else None
+        (report with :meth:`landed`). A piece out of order raises :class:`InvalidArgument`
+        (a callback that raises fails the read)."""
+        k = bisect.bisect_left(self._starts, offset)
+        if k >= len(self._starts) or self._starts[k] != offset or self._ends[k] != offset + length:
+            return None
+        views = self._buffers.views(offset, length)
+        if len(views) != 1:
+            return None
+        with self._lock:
+            if self._busy[k] or self._next[k] != offset or self._pending[k]:
+                return None
+            self._busy[k] = True  # the sink's own: a landed() of this unit parks its piece (then no digest)
+        view, state, index, end = views[0], xxhash.xxh3_64(), self._units[k].index, offset + length
+        at = [offset]
+
+        def sink(start: int, stop: int) -> None:
+            if start != at[0] or not start < stop <= end:
+                raise InvalidArgument(f"unit at transfer byte {offset}: piece [{start}, {stop}) reported, [{at[0]}, ...) expected")
+            state.update(view[start - offset : stop - offset])
+            at[0] = stop
+            if stop == end:
+                with self._lock:
+                    self.digests[index] = state.intdigest()
+                    self._next[k] = end
+                    self._busy[k] = False
+
+        return sink
+
     def landed(self, offset: int, length: int) -> None:
         """Bytes ``[offset, offset + length)`` of the transfer space just landed: hash what now
         continues a unit's hashed prefix. Called from transport threads."""
