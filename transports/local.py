@@ -52,7 +52,9 @@ transport's threads (never on the event loop):
    tiny tensors, on each side independently (``process_vm_readv`` takes separate local and
    remote iovec lists, so the holder's parts and the reader's need not line up). Pieces of ``piece_bytes`` are copied one after another, with a
    check for a close (of this transport) between pieces; a range larger than 4 MiB is cut into
-   4 MiB parts queued on the transport's ``threads`` copy workers, which every read in flight
+   parts of about 4 MiB (a big tensor at its start and every 4 MiB of it, where its checksum
+   units begin: a part is then one whole unit, hashed through the engine's stream of that unit,
+   ``unit_stream``, one update per piece) queued on the transport's ``threads`` copy workers, which every read in flight
    shares (so they stay busy while one read's completion travels through the event loop, and
    never run more copies at once than there are workers); the read's thread waits once for
    all its parts. After each piece that landed in CPU memory the caller's ``landed`` callback,

@@ -343,8 +343,9 @@ class LandingHasher:
     as a stream, in order, by whichever thread lands the piece that continues it; a piece that
     lands ahead of its unit's hashed prefix waits (by its start) until the prefix reaches it.
 
-    Cost: a landing costs one lock round per unit it touches plus the hash; each unit's bytes
-    are viewed once (a unit is one contiguous run of memory: a chunk of one tensor, a tiny
+    Cost: a landing costs one lock round per unit it touches plus the hash (a transport that
+    copies a whole unit by itself reports it through :meth:`unit_stream`: one hash update per
+    piece, no lock until the last); each unit's bytes are viewed once (a unit is one contiguous run of memory: a chunk of one tensor, a tiny
     tensor, or a piece of a copied pack), so nothing per landing grows with the shard's tensors.
 
     Invariants: a unit's digest exists only once every byte of it was hashed exactly once, in
