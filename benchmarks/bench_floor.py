@@ -7,7 +7,7 @@ Baseline: a one-thread memcpy measured in this run; with ``--systems`` (the defa
 Goal: none of its own. It says whether the suite's goals (one reader >= 0.7x memcpy; 4 readers
 <= 0.5x gloo broadcast and <= 0.7x Ray numpy) can be met at all while every byte is verified.
 
-``python benchmarks/bench_floor.py [--size-mib 1024] [--repeats 3] [--no-systems]``
+``python benchmarks/bench_floor.py [--size-mib 1024] [--repeats 3] [--no-systems] [--questions]``
 
 Part 1, the passes (one thread each, in this process and a helper process that holds the
 source, interleaved round by round; medians of wall and CPU seconds per GB):
@@ -21,6 +21,13 @@ source, interleaved round by round; medians of wall and CPU seconds per GB):
 - ``publisher hash``: xxh3-64 of a cold shard in 4 MiB units (the publisher's pass);
 - ``vm copy + hash, 2 threads``: two threads, half the shard each: what the second core adds
   (``2 threads`` over ``1``: the cores this machine gives a copy, at most 2 here).
+
+``--questions`` adds, interleaved with those rows, the alternatives that could lower the floor:
+the reader's copy + hash in 256 KiB and 4 MiB pieces (does a piece that stays in L2 save the
+hash's reads?), xxh3 of a buffer that stays in L2 (the hash's own cost: what one fused pass
+could at best leave), the copy with the hash on a second thread one piece behind, the
+publisher's hash on 2 threads (does xxh3 release the GIL?), and ``wordmix-64`` on the CPU (the
+other algorithm the checksum module allows).
 
 Part 2, the arithmetic: CPU work per GB delivered (``n`` readers: ``n`` x (copy + hash) + one
 publisher hash), spread over 2 cores and over the cores the 2-thread row measured, against
@@ -104,6 +111,9 @@ class Passes:
         self.local = _cut(_spans(self.dest), PIECE)
         self.remote = _cut(remote, PIECE)
         self.units = _cut(_spans(self.cold), UNIT)
+        self.units_dst = _cut(_spans(self.dest), UNIT)  # the reader's units (``local``'s streams)
+        self.units_src = _cut(remote, UNIT)
+        self.total = sum(n for _, n in self.local)
         self.pool = ThreadPoolExecutor(2)
 
     def memcpy(self) -> None:
@@ -154,6 +164,93 @@ class Passes:
         for a, n in self.units:
             xxhash.xxh3_64_intdigest((ctypes.c_char * n).from_address(a))
 
+    # ---- the questions of the floor (``--questions``) ----
+
+    def _vm_pieces(self, piece: int) -> None:
+        """vm copy + hash as ``local`` does it, in ``piece``-byte pieces: each 4 MiB unit a stream
+        of xxh3 updates, one per piece, right after it landed (the loop kept minimal)."""
+        import xxhash
+
+        from tensorhub.transports.local import _vm_read
+
+        for (dst, n), (src, _) in zip(self.units_dst, self.units_src, strict=True):
+            view = memoryview((ctypes.c_char * n).from_address(dst)).cast("B")
+            state = xxhash.xxh3_64()
+            for off in range(0, n, piece):
+                k = min(piece, n - off)
+                _vm_read(self.pid, [(dst + off, k)], [(src + off, k)])
+                state.update(view[off : off + k])
+            state.intdigest()
+
+    def vm_copy_hash_256k(self) -> None:
+        self._vm_pieces(256 << 10)
+
+    def vm_copy_hash_4m(self) -> None:
+        self._vm_pieces(4 << 20)
+
+    def hash_in_l2(self) -> None:
+        """xxh3 of one 256 KiB buffer (it stays in L2), as many times as the shard has bytes:
+        the hash's own speed, with no memory traffic."""
+        import xxhash
+
+        a, _ = self.local[0]
+        n = 256 << 10
+        view = memoryview((ctypes.c_char * n).from_address(a)).cast("B")
+        for _ in range(self.total // n):
+            xxhash.xxh3_64_intdigest(view)
+
+    def vm_copy_hash_pipelined(self) -> None:
+        """This thread copies piece k while a second thread hashes piece k - 1 (the copy and the
+        hash on two cores, one piece apart)."""
+        import queue
+
+        import xxhash
+
+        from tensorhub.transports.local import _vm_read
+
+        q: queue.SimpleQueue = queue.SimpleQueue()
+
+        def hasher() -> None:
+            for _ in range(len(self.local) + 1):
+                item = q.get()
+                if item is None:
+                    return
+                xxhash.xxh3_64_intdigest((ctypes.c_char * item[1]).from_address(item[0]))
+
+        f = self.pool.submit(hasher)
+        try:
+            for k in range(len(self.local)):
+                _vm_read(self.pid, [self.local[k]], [self.remote[k]])
+                q.put(self.local[k])
+        finally:
+            q.put(None)
+        f.result()
+
+    def publisher_hash_2t(self) -> None:
+        """The publisher's hash on two threads, half the units each: the wall time says whether
+        xxh3 releases the GIL (it runs in parallel) or the threads take turns."""
+        import xxhash
+
+        def run(units: list[tuple[int, int]]) -> None:
+            for a, n in units:
+                xxhash.xxh3_64_intdigest((ctypes.c_char * n).from_address(a))
+
+        half = len(self.units) // 2
+        f = self.pool.submit(run, self.units[half:])
+        run(self.units[:half])
+        f.result()
+
+    def wordmix_hash(self) -> None:
+        """The other algorithm the checksum module allows, ``wordmix-64``, on the CPU (torch's
+        integer ops), over the first ``WORDMIX_SHARE`` of the publisher's units, scaled to the
+        shard (it is slow: a whole shard would take seconds per round)."""
+        from tensorhub.runtime import wordmix
+
+        k = max(1, len(self.units) // WORDMIX_SHARE)
+        flat = [self.torch.frombuffer((ctypes.c_char * n).from_address(a), dtype=self.torch.uint8) for a, n in self.units[:k]]
+        for _ in range(len(self.units) // k):  # the same units again: as many bytes as the shard
+            wordmix.sums(flat)
+
 
 ROWS = (
     ("memcpy", "memcpy"),
@@ -163,14 +260,24 @@ ROWS = (
     ("publisher hash", "publisher_hash"),
     ("vm copy + hash, 2 threads", "vm_copy_hash_2t"),
 )
+#: ``--questions``: could the floor be lower? (see :func:`questions`)
+QUESTIONS = (
+    ("vm copy + hash, 256 KiB pieces", "vm_copy_hash_256k"),
+    ("vm copy + hash, 4 MiB pieces", "vm_copy_hash_4m"),
+    ("hash from L2 (256 KiB, again)", "hash_in_l2"),
+    ("copy | hash on 2nd thread", "vm_copy_hash_pipelined"),
+    ("publisher hash, 2 threads", "publisher_hash_2t"),
+    ("wordmix-64 hash (CPU)", "wordmix_hash"),
+)
+WORDMIX_SHARE = 16  # the wordmix row hashes 1/16 of the units 16 times
 
 
-def measure(passes: Passes, repeats: int, gb: float) -> dict[str, tuple[float, float]]:
+def measure(passes: Passes, repeats: int, gb: float, rows: tuple[tuple[str, str], ...] = ROWS) -> dict[str, tuple[float, float]]:
     """Each row's median (wall, CPU) seconds per GB, the rows interleaved round by round (one
     warm-up round first)."""
-    got: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in ROWS}
+    got: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in rows}
     for r in range(repeats + 1):
-        for name, attr in ROWS:
+        for name, attr in rows:
             fn = getattr(passes, attr)
             c0, w0 = time.process_time(), time.perf_counter()
             fn()
@@ -212,6 +319,70 @@ def arithmetic(rows: dict[str, tuple[float, float]], readers: list[int]) -> tupl
                 line += f" = {mem_alone / floor:.2f}x memcpy's rate ({mem_alone:.3f} s per GB on a core of its own; goal >= 0.7)"
             lines.append(line)
     return lines, out
+
+
+def gil_released(passes: Passes) -> tuple[float, float]:
+    """Whether xxh3 lets another thread run Python while it hashes: one call over a 256 MiB
+    buffer in a second thread while this thread notes the longest gap between two of its own
+    loop turns. ``(longest gap, the call's seconds)``: a call that holds the GIL makes the gap
+    about the whole call (no other thread runs Python until it returns); one that releases it
+    leaves only the scheduler's gaps. It asks whether, which a wall-time ratio under load cannot."""
+    import threading
+
+    import xxhash
+
+    buf = passes.torch.ones(256 << 20, dtype=passes.torch.uint8)
+    view = memoryview(buf.numpy()).cast("B")
+    took: list[float] = []
+
+    def run() -> None:
+        t = time.perf_counter()
+        xxhash.xxh3_64_intdigest(view)
+        took.append(time.perf_counter() - t)
+
+    th = threading.Thread(target=run)
+    last = time.perf_counter()
+    gap = 0.0
+    th.start()
+    for _ in range(1 << 32):
+        if took:
+            break
+        now = time.perf_counter()
+        gap, last = max(gap, now - last), now
+    th.join()
+    return gap, took[0]
+
+
+def questions(rows: dict[str, tuple[float, float]], gil: tuple[float, float] | None = None) -> list[str]:
+    """What the ``--questions`` rows say about lowering the floor: each alternative's CPU (and,
+    where it is about using the second core, wall) seconds per GB against the floor's own pass
+    measured in the same rounds."""
+    cpu = {k: c for k, (_, c) in rows.items()}
+    wall = {k: w for k, (w, _) in rows.items()}
+    copy, serial = cpu["vm copy"], cpu["vm copy + hash"]
+    landed = max(0.0, serial - copy)
+    sizes = {"256 KiB": cpu["vm copy + hash, 256 KiB pieces"], "1 MiB": serial, "4 MiB": cpu["vm copy + hash, 4 MiB pieces"]}
+    best = min(sizes, key=lambda k: sizes[k])
+    l2 = cpu["hash from L2 (256 KiB, again)"]
+    piped = cpu["copy | hash on 2nd thread"]
+    two = wall["publisher hash"] / wall["publisher hash, 2 threads"] if wall["publisher hash, 2 threads"] > 0 else 0.0
+    wm = cpu["wordmix-64 hash (CPU)"]
+    return [
+        "could the floor be lower? (CPU s/GB, same rounds)",
+        "  pieces: copy + hash " + "   ".join(f"{k} {v:.3f}" for k, v in sizes.items()) + f"   -> least CPU: {best} pieces",
+        f"  one pass: the hash of a landed piece costs {landed:.3f} over the copy; xxh3 from L2 alone {l2:.3f}: "
+        f"a copy fused with the hash in one pass could save at most {max(0.0, landed - l2):.3f} "
+        f"({max(0.0, landed - l2) / serial:.0%} of a reader's copy + hash)" if serial > 0 else "",
+        f"  hash on the other core, one piece behind: {piped:.3f} CPU against {serial:.3f} serial "
+        f"({piped / serial - 1:+.0%} CPU; wall {wall['copy | hash on 2nd thread']:.3f} against {wall['vm copy + hash']:.3f})"
+        if serial > 0 else "",
+        f"  GIL: the publisher's hash on 2 threads runs {two:.2f}x one thread's rate"
+        + (f"; while one thread hashed 256 MiB in {gil[1] * 1e3:.0f} ms, another ran Python with gaps of at most "
+           f"{gil[0] * 1e3:.0f} ms ({'xxh3 releases the GIL' if gil[0] < gil[1] / 2 else 'xxh3 holds the GIL: hash threads take turns'})"
+           if gil is not None else ""),
+        f"  wordmix-64 on the CPU: {wm:.3f} against xxh3's cold pass {cpu['publisher hash']:.3f} "
+        f"({wm / cpu['publisher hash']:.1f}x)" if cpu["publisher hash"] > 0 else "",
+    ]
 
 
 def systems_run(args: argparse.Namespace, readers: list[int]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -261,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--readers", default="1,4")
     ap.add_argument("--no-systems", action="store_true", help="the passes and the arithmetic only (part 3 off)")
+    ap.add_argument("--questions", action="store_true",
+                    help="also time the alternatives to the floor's passes (piece sizes, a hash from L2, the hash on a "
+                         "second thread, the publisher's hash on 2 threads, wordmix-64), interleaved with them")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0)
     args = ap.parse_args(argv)
@@ -276,16 +450,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _, pid, remote = helper.expect("ready")
         passes = Passes(spec, args.seed, pid, remote)
-        rows = measure(passes, args.repeats, gb)
+        rows = measure(passes, args.repeats, gb, ROWS + QUESTIONS if args.questions else ROWS)
+        gil = gil_released(passes) if args.questions else None
     finally:
         helper.stop()
-    print(f"\n{'pass (one thread unless said)':<30} {'wall s/GB':>10} {'CPU s/GB':>9}")
-    for name, _ in ROWS:
+    print(f"\n{'pass (one thread unless said)':<32} {'wall s/GB':>10} {'CPU s/GB':>9}")
+    for name, _ in ROWS + QUESTIONS if args.questions else ROWS:
         w, c = rows[name]
-        print(f"{name:<30} {w:>10.3f} {c:>9.3f}")
+        print(f"{name:<32} {w:>10.3f} {c:>9.3f}")
     lines, floor = arithmetic(rows, readers)
     print()
     print("\n".join(lines))
+    if args.questions:
+        print()
+        print("\n".join(line for line in questions(rows, gil) if line))
     if not args.no_systems:
         print("\nthe suite's systems, same run:")
         got = systems_run(args, readers)

@@ -220,3 +220,73 @@ def test_a_bad_hash_thread_count_is_refused_with_a_typed_error(monkeypatch: pyte
         monkeypatch.setenv("TENSORHUB_HASH_THREADS", bad)
         with pytest.raises(InvalidArgument, match="TENSORHUB_HASH_THREADS"):
             compute(b)
+
+
+def test_a_large_buffer_is_hashed_through_a_stream_that_releases_the_gil(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """python-xxhash's one-shot ``xxh3_64_intdigest`` holds the GIL in some versions (3.5.0),
+    its ``update`` never: ``digest`` takes the stream for large buffers (the publisher's hash
+    threads and the copy workers must hash at once), with the same values either way."""
+    import xxhash
+
+    from tensorhub.runtime import checksum
+
+    data = torch.randint(0, 256, (checksum._RELEASE_BYTES * 3 + 5,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed)).numpy().data  # fmt: skip
+    sizes = [0, 1, checksum._RELEASE_BYTES - 1, checksum._RELEASE_BYTES, len(data)]
+    want = {n: xxhash.xxh3_64_intdigest(data[:n]) for n in sizes}
+    one_shot = xxhash.xxh3_64_intdigest
+
+    def small_only(buf: memoryview | bytes) -> int:
+        n = buf.nbytes if isinstance(buf, memoryview) else len(buf)
+        assert n < checksum._RELEASE_BYTES, f"{n} bytes hashed by the one-shot function (it may hold the GIL)"
+        return one_shot(buf)
+
+    monkeypatch.setattr(checksum.xxhash, "xxh3_64_intdigest", small_only)
+    assert {n: checksum.digest(data[:n]) for n in sizes} == want
+    assert {n: checksum.digest(bytes(data[:n])) for n in sizes} == want
+    # A whole unit landed in one piece goes through digest() too: the same guard holds there.
+    b = shard([len(data)], seed, chunk_bytes=len(data))
+    (view,) = b.views(0, len(data))
+    view[:] = data
+    h = LandingHasher(b, b.plan.units)
+    h.landed(0, len(data))
+    assert h.complete and h.digests == {0: want[len(data)]}
+
+
+def test_a_whole_unit_reported_through_its_stream_gets_the_second_pass_checksum(seed: int) -> None:
+    """``unit_stream``: one whole unit's pieces hashed in order give its checksum; a range that is
+    not exactly one unit, or a unit already reported, gets no stream; a piece out of order is a
+    typed error; a byte changed before its piece is hashed shows in that unit's digest only."""
+    rng = random.Random(seed)
+    b = shard([3 * 4096 + 100, 9000], seed)
+    want = compute(b)
+    big = [u for u in b.plan.units if u.length == 4096]
+    u, other = big[0], big[1]
+    h = LandingHasher(b, b.plan.units)
+    assert h.unit_stream(u.offset, u.length - 1) is None and h.unit_stream(u.offset + 1, u.length - 1) is None
+    sink = h.unit_stream(u.offset, u.length)
+    assert sink is not None
+    assert h.unit_stream(u.offset, u.length) is None, "a unit claimed by a stream got a second one"
+    cut = sorted({u.offset, u.offset + u.length, *(u.offset + rng.randrange(1, u.length) for _ in range(3))})
+    with pytest.raises(InvalidArgument, match="reported"):
+        sink(cut[1], cut[2])  # not the next piece
+    for a, z in itertools.pairwise(cut):
+        assert u.index not in h.digests
+        sink(a, z)
+    assert h.digests[u.index] == want[u.index]
+    for w in b.plan.units:  # the rest reported the usual way
+        if w.index not in h.digests:
+            h.landed(w.offset, w.length)
+    assert h.complete and [h.digests[w.index] for w in b.plan.units] == want
+    # A byte flipped before its piece is hashed (a corruption on the way) shows in its unit only.
+    h2 = LandingHasher(b, b.plan.units)
+    sink2 = h2.unit_stream(other.offset, other.length)
+    assert sink2 is not None
+    (view,) = b.views(other.offset + 4000, 1)
+    view[0] ^= 0xFF
+    sink2(other.offset, other.offset + other.length)
+    for w in b.plan.units:
+        if w.index != other.index:
+            h2.landed(w.offset, w.length)
+    got = [h2.digests[w.index] for w in b.plan.units]
+    assert [i for i, (x, y) in enumerate(zip(got, want)) if x != y] == [other.index]

@@ -752,3 +752,60 @@ def test_throughput_report(holder: Holder, seed: int, capsys: pytest.CaptureFixt
               f"ratio to one-thread memcpy {rates['local, 4 threads'] / best:.2f}x (4 threads), "
               f"{rates['local, 1 thread'] / best:.2f}x (1 thread)")
     holder.call("drop", name)
+
+
+def test_a_part_that_is_one_unit_is_hashed_through_its_stream_and_a_damaged_byte_shows(seed: int) -> None:
+    """A read into CPU memory through ``local`` with the engine's landing hasher: parts that are
+    whole checksum units go through ``unit_stream`` (one hash update per piece), the others
+    through ``landed``; the digests equal the holder's checksums, and a byte damaged in the
+    holder's memory shows in its unit's digest (the engine then refuses the read)."""
+    from tensorhub.runtime.checksum import LandingHasher, compute
+
+    tensors = {f"w{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate([8 << 20, (4 << 20) + 4096, 4 << 20])}
+    tensors["tiny"] = torch.zeros(999, dtype=torch.uint8)
+    held = ShardBuffers(tensors, layout_of(tensors, chunk_bytes=4 << 20))
+    held.pack()
+    data = content(held.total_bytes, seed)
+    write(held, data, 0, held.total_bytes)
+    held.progress.reset(VERSION, held.total_bytes)
+    declared = compute(held)
+    into = ShardBuffers({k: torch.zeros_like(v) for k, v in tensors.items()}, layout_of(tensors, chunk_bytes=4 << 20))
+    streams: list[int] = []
+
+    class Spy(LandingHasher):
+        __slots__ = ()
+
+        def unit_stream(self, offset: int, length: int) -> Any:
+            sink = super().unit_stream(offset, length)
+            if sink is not None:
+                streams.append(offset)
+            return sink
+
+    async def main() -> dict[int, int]:
+        holder, reader = LocalTransport(), LocalTransport({"piece_bytes": 256 << 10, "threads": 2})
+        await holder.start()
+        holder.serve(lambda r, v: held if (r, v) == (1, VERSION) else None)
+        holder.expose(held)
+        try:
+            ep = holder.endpoint()
+            hasher = Spy(into, into.plan.units)
+            await reader.read(ep, 1, VERSION, 0, held.total_bytes, into, None, landed=hasher)
+            assert hasher.complete and [hasher.digests[u.index] for u in into.plan.units] == declared
+            assert same(into, data)
+            # Parts begin where the big tensors' 4 MiB units begin, though the pack comes first.
+            units = {(u.offset, u.length) for u in into.plan.units}
+            whole = sorted(p for p, n in local._parts(into, 0, into.total_bytes) if (p, n) in units)
+            assert {u.offset for u in into.plan.units if u.length == 4 << 20} <= set(whole)
+            assert sorted(streams) == whole, f"parts that are one unit {whole}, streamed {streams}"
+            bad = into.plan.units[len(into.plan.units) // 2]
+            (v,) = held.views(bad.offset + bad.length // 3, 1)
+            v[0] ^= 0xFF  # damaged in the holder's memory after its checksums were declared
+            again = Spy(into, into.plan.units)
+            await reader.read(ep, 1, VERSION, 0, held.total_bytes, into, None, landed=again)
+            return {u.index: again.digests[u.index] for u in into.plan.units}
+        finally:
+            await reader.close()
+            await holder.close()
+
+    got = run(main())
+    assert [i for i in got if got[i] != declared[i]] == [into.plan.units[len(into.plan.units) // 2].index]

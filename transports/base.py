@@ -135,6 +135,10 @@ in a second pass over memory: ``read`` then accepts ``landed``, a callable, and 
 length)`` of the read were written into ``into``'s CPU memory, covering every byte of the read
 exactly once (pieces in any order, from any threads). Never report bytes that are not final
 (a later write to the same range would go unhashed). A callback that raises fails the read.
+The engine's callback (a :class:`~tensorhub.runtime.checksum.LandingHasher`) also has
+``unit_stream(offset, length)``: for a range that is exactly one whole checksum unit it returns
+a ``sink(start, end)`` to call instead, piece after piece in order from one thread (one hash
+update per piece, no search), or None (report with ``landed``); ``local`` uses it for its parts.
 For CUDA destinations under ``wordmix-64`` the engine passes a
 :class:`~tensorhub.runtime.checksum.DeviceLanding` as ``landed`` instead: calling it does
 nothing, but a transport that copies GPU memory to GPU memory itself may hand it the read's

@@ -52,7 +52,9 @@ transport's threads (never on the event loop):
    tiny tensors, on each side independently (``process_vm_readv`` takes separate local and
    remote iovec lists, so the holder's parts and the reader's need not line up). Pieces of ``piece_bytes`` are copied one after another, with a
    check for a close (of this transport) between pieces; a range larger than 4 MiB is cut into
-   4 MiB parts queued on the transport's ``threads`` copy workers, which every read in flight
+   parts of about 4 MiB (a big tensor at its start and every 4 MiB of it, where its checksum
+   units begin: a part is then one whole unit, hashed through the engine's stream of that unit,
+   ``unit_stream``, one update per piece) queued on the transport's ``threads`` copy workers, which every read in flight
    shares (so they stay busy while one read's completion travels through the event loop, and
    never run more copies at once than there are workers); the read's thread waits once for
    all its parts. After each piece that landed in CPU memory the caller's ``landed`` callback,
@@ -948,14 +950,14 @@ class LocalTransport(Transport):
             self._check_open(where)
             _copy_gpu(desc, into, offset, length, landed=landed)
             return
-        if self._helpers is None or length <= _PART_BYTES:
+        parts = _parts(into, offset, length) if self._helpers is not None and length > _PART_BYTES else [(offset, length)]
+        if len(parts) == 1 or self._helpers is None:
             self._copy_part(desc, into, offset, length, where, None, landed)
             return
         stop = threading.Event()
         futures: list[Future[None]] = []
         try:
-            for pos in range(offset, offset + length, _PART_BYTES):
-                n = min(_PART_BYTES, offset + length - pos)
+            for pos, n in parts:
                 futures.append(self._helpers.submit(self._copy_part, desc, into, pos, n, where, stop, landed))
         except RuntimeError:  # the pool shut down: closed meanwhile
             stop.set()
@@ -1000,6 +1002,10 @@ class LocalTransport(Transport):
         for seg in into.segments(offset, length):
             local += into.spans(seg.offset, seg.length)
             remote += desc.regions[seg.index].spans(seg.start, seg.length)
+        # A part that is one whole checksum unit (the usual: 4 MiB parts of 4 MiB units) is
+        # hashed through the hasher's stream of that unit: one update per piece, no search.
+        unit_stream = getattr(landed, "unit_stream", None)
+        sink = unit_stream(offset, length) if unit_stream is not None else None
         li = lo = ri = ro = 0
         pos, end, piece = offset, offset + length, self.piece_bytes
         while pos < end:
@@ -1011,7 +1017,9 @@ class LocalTransport(Transport):
             mine, li, lo = _take(local, li, lo, n)
             theirs, ri, ro = _take(remote, ri, ro, n)
             self._vm_copy(desc, mine, theirs, where)
-            if landed is not None:
+            if sink is not None:
+                sink(pos, pos + n)
+            elif landed is not None:
                 landed(pos, n)
             pos += n
 
@@ -1046,6 +1054,37 @@ class LocalTransport(Transport):
             _vm_read(desc.pid, local, remote)
         except _VmError as err:
             raise TransportError(f"read of {where}: {_vm_why(err, desc.pid)}") from None
+
+
+def _parts(into: ShardBuffers, offset: int, length: int) -> list[tuple[int, int]]:
+    """``[offset, offset + length)`` cut into the parts queued on the copy workers: a region of
+    at least ``_PART_BYTES`` is cut at its start and at each ``_PART_BYTES`` of it (where its
+    checksum units begin, with the layout's default 4 MiB chunks, wherever the read begins: a
+    part is then one whole unit, hashed through its stream, and no unit is split between two
+    workers); smaller regions (tiny tensors, packs) stay with the bytes before them until a
+    part reaches ``_PART_BYTES``. The parts are in order and cover the range exactly."""
+    end = offset + length
+    out: list[tuple[int, int]] = []
+    start = offset
+    regions = into.plan.regions
+    for seg in into.segments(offset, length):
+        seg_end = seg.offset + seg.length
+        if regions[seg.index].nbytes < _PART_BYTES:
+            if seg_end - start >= _PART_BYTES:
+                out.append((start, seg_end - start))
+                start = seg_end
+            continue
+        if seg.offset > start:
+            out.append((start, seg.offset - start))
+        pos, rel = seg.offset, seg.start
+        while pos < seg_end:
+            n = min(seg_end - pos, _PART_BYTES - rel % _PART_BYTES)
+            out.append((pos, n))
+            pos, rel = pos + n, rel + n
+        start = seg_end
+    if start < end:
+        out.append((start, end - start))
+    return out
 
 
 def _gpu_to_gpu(desc: _Described, into: ShardBuffers, offset: int, length: int) -> bool:

@@ -61,8 +61,19 @@ class _Staging(threading.local):
 _staging = _Staging()
 
 
+#: A buffer of at least this many bytes is hashed through a stream state (``xxh3_64(data)``), not
+#: the one-shot function: python-xxhash's ``update`` releases the GIL in every version, its
+#: one-shot ``xxh3_64_intdigest`` not in all (3.5.0's holds it for the whole call; 4.1.0's
+#: releases it), and the publisher's hash threads, the copy workers hashing what landed and the
+#: event loop must run at once. Same value; about a microsecond more per call.
+_RELEASE_BYTES = 1 << 16
+
+
 def digest(data: memoryview | bytes) -> int:
-    """The ``xxh3-64`` checksum of ``data``."""
+    """The ``xxh3-64`` checksum of ``data`` (the GIL released while a large one is hashed)."""
+    n = data.nbytes if isinstance(data, memoryview) else len(data)
+    if n >= _RELEASE_BYTES:
+        return xxhash.xxh3_64(data).intdigest()
     return xxhash.xxh3_64_intdigest(data)
 
 
@@ -332,8 +343,9 @@ class LandingHasher:
     as a stream, in order, by whichever thread lands the piece that continues it; a piece that
     lands ahead of its unit's hashed prefix waits (by its start) until the prefix reaches it.
 
-    Cost: a landing costs one lock round per unit it touches plus the hash; each unit's bytes
-    are viewed once (a unit is one contiguous run of memory: a chunk of one tensor, a tiny
+    Cost: a landing costs one lock round per unit it touches plus the hash (a transport that
+    copies a whole unit by itself reports it through :meth:`unit_stream`: one hash update per
+    piece, no lock until the last); each unit's bytes are viewed once (a unit is one contiguous run of memory: a chunk of one tensor, a tiny
     tensor, or a piece of a copied pack), so nothing per landing grows with the shard's tensors.
 
     Invariants: a unit's digest exists only once every byte of it was hashed exactly once, in
@@ -373,6 +385,45 @@ class LandingHasher:
         """Every unit of the read has its digest."""
         with self._lock:
             return len(self.digests) == self._count
+
+    def __call__(self, offset: int, length: int) -> None:
+        """:meth:`landed` (the hasher is the transport's ``landed`` callback)."""
+        self.landed(offset, length)
+
+    def unit_stream(self, offset: int, length: int) -> Callable[[int, int], None] | None:
+        """A faster way to report a copy of exactly one whole unit: if ``[offset, offset +
+        length)`` is one unit of this read, its bytes one run of memory, none of it reported
+        yet, returns ``sink``; the caller then calls ``sink(start, end)`` for consecutive pieces
+        ``[start, end)`` from ``offset`` to ``offset + length``, in order, from one thread, each
+        right after it landed (instead of :meth:`landed`), and the last one gives the unit its
+        digest. Per piece that is one slice and one hash update: no search, no lock. Else None
+        (report with :meth:`landed`). A piece out of order raises :class:`InvalidArgument`
+        (a callback that raises fails the read)."""
+        k = bisect.bisect_left(self._starts, offset)
+        if k >= len(self._starts) or self._starts[k] != offset or self._ends[k] != offset + length:
+            return None
+        views = self._buffers.views(offset, length)
+        if len(views) != 1:
+            return None
+        with self._lock:
+            if self._busy[k] or self._next[k] != offset or self._pending[k]:
+                return None
+            self._busy[k] = True  # the sink's own: a landed() of this unit parks its piece (then no digest)
+        view, state, index, end = views[0], xxhash.xxh3_64(), self._units[k].index, offset + length
+        at = [offset]
+
+        def sink(start: int, stop: int) -> None:
+            if start != at[0] or not start < stop <= end:
+                raise InvalidArgument(f"unit at transfer byte {offset}: piece [{start}, {stop}) reported, [{at[0]}, ...) expected")
+            state.update(view[start - offset : stop - offset])
+            at[0] = stop
+            if stop == end:
+                with self._lock:
+                    self.digests[index] = state.intdigest()
+                    self._next[k] = end
+                    self._busy[k] = False
+
+        return sink
 
     def landed(self, offset: int, length: int) -> None:
         """Bytes ``[offset, offset + length)`` of the transfer space just landed: hash what now

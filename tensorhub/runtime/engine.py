@@ -980,7 +980,7 @@ class EngineActor(Actor):
             mine = [units[u] for u in slot.reads[a.offset].units]
             if checksum.lands(slot.buffers):
                 hasher = checksum.LandingHasher(slot.buffers, mine)
-                kw["landed"] = hasher.landed
+                kw["landed"] = hasher  # callable; ``local`` also uses its ``unit_stream``
             elif checksum.FUSED_GPU_COPY and checksum.lands_on_device(slot.buffers):  # the GPU copy hashes what it lands
                 hasher = checksum.DeviceLanding(slot.buffers, mine)
                 kw["landed"] = hasher
