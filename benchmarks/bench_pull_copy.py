@@ -10,7 +10,9 @@ into the same parts (4 MiB, on the ``local`` transport's copy threads) and piece
 ``memmove`` and ``process_vm_readv`` (``vm``), each alone and with every piece hashed (xxh3-64)
 right after it landed (``+xxh3``: the floor of a verified copy).
 Goal: none asserted; the figures are the pull's wall time and its copy threads' CPU time, and
-their ratios to ``vm+xxh3`` and ``memmove+xxh3`` of the same run.
+their ratios to ``vm+xxh3`` and ``memmove+xxh3`` of the same run. ``tensorhub-vm``: the same pull
+with the ``local`` transport's same-process ``memmove`` turned off (its holder lookup answering
+None), so every piece is a ``process_vm_readv`` as before that path: the A/B, rounds alternating.
 
 ``python benchmarks/bench_pull_copy.py [--rounds 5] [--layers 8 --hidden 1024 --vocab 32000]``
 
@@ -166,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
 
     server = ServerProcess()
     trainer = reader = None
-    rows: dict[str, list[tuple[float, float]]] = {k: [] for k in ("memmove", "memmove+xxh3", "vm", "vm+xxh3", "tensorhub")}
+    from tensorhub.transports.local import LocalTransport
+
+    own_buffers = LocalTransport._own_buffers
+    rows: dict[str, list[tuple[float, float]]] = {k: [] for k in ("memmove", "memmove+xxh3", "vm", "vm+xxh3", "tensorhub", "tensorhub-vm")}
     parts: list[dict[str, float]] = []
     pool = ThreadPoolExecutor(threads, thread_name_prefix="raw")
     pairs = [(into[n].data_ptr(), t.data_ptr(), t.numel() * t.element_size()) for n, t in weights.items()]
@@ -176,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         reader = tensorhub.open("bench-pull:staging", "rollout-0", num_shards=1, shard_idx=0, server=server.address,
                                 retain=None, convert_from="bench-pull", mapping=Mapping(casts=(Cast("{name:path}", "bfloat16"),)))  # fmt: skip
         reader.register(into, placements=placements(into))
-        for version in range(1, args.rounds + 2):  # the first pull (describes, plans) is not counted
+        for version in range(1, 2 * args.rounds + 2):  # the first pull (describes, plans) is not counted
+            route = "tensorhub" if version % 2 == 0 else "tensorhub-vm"
+            # each version is described anew: the lookup decides that version's reads
+            LocalTransport._own_buffers = own_buffers if route == "tensorhub" else (lambda *_: None)
             if version > 1:
                 trainer.unpublish()
             for t in weights.values():
@@ -198,14 +206,17 @@ def main(argv: list[str] | None = None) -> int:
             if version == 1:
                 continue
             copy = spent.get("local-copy", 0.0) + spent.get("local-read", 0.0)
-            rows["tensorhub"].append((wall, copy))
-            parts.append(spent)
+            rows[route].append((wall, copy))
+            if route == "tensorhub":
+                parts.append(spent)
             shown = ", ".join(f"{k} {v * 1000:.0f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.002)
-            print(f"round {version - 1} tensorhub: wall {wall * 1000:6.1f} ms, copy threads {copy * 1000:6.1f} ms CPU  ({shown})",
+            print(f"round {version // 2} {route:>12}: wall {wall * 1000:6.1f} ms, copy threads {copy * 1000:6.1f} ms CPU  ({shown})",
                   flush=True)  # fmt: skip
-            for kind in ("memmove", "memmove+xxh3", "vm", "vm+xxh3"):
-                rows[kind].append(raw(kind, pairs, pool))
+            if route == "tensorhub":
+                for kind in ("memmove", "memmove+xxh3", "vm", "vm+xxh3"):
+                    rows[kind].append(raw(kind, pairs, pool))
     finally:
+        LocalTransport._own_buffers = own_buffers
         pool.shutdown()
         if reader is not None:
             reader.close()
