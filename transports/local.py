@@ -62,8 +62,12 @@ transport's threads (never on the event loop):
    piece has left a 512 KiB L2 by the time it is hashed). CPU -> CPU works out a part's
    spans on both sides once, then makes one ``process_vm_readv`` per piece (looping over
    partial transfers and ``IOV_MAX``; one span each side, the usual piece, goes through one
-   iovec per side made once per thread). The engine plans a pull through this transport in
-   reads of ``read_bytes`` (32 MiB) unless a chunk size was configured: each read costs a round
+   iovec per side made once per thread); from a holder in this very process (an engine
+   beside its trainer) it copies each piece with ``memmove`` out of the buffers the holder
+   described, which the copy holds meanwhile (no system call, no page pinning:
+   ``process_vm_readv`` of one's own memory cost about 1.5x a ``memmove`` of it,
+   ``benchmarks/bench_pull_copy.py``). The engine plans a pull through this transport
+   in reads of ``read_bytes`` (32 MiB) unless a chunk size was configured: each read costs a round
    trip through the engine's event loop, which the copy workers, cutting it into parts, do not
    need. CUDA sources are copied by torch from the opened IPC
    memory; a CPU source into CUDA memory is staged through a CPU buffer and ``copy_in``;
@@ -290,6 +294,24 @@ def _vm_read_span(readv: Any, pid: int, local: int, remote: int, n: int) -> None
         done += got
 
 
+def _memmove(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> None:
+    """Copy this process's memory at ``remote`` (spans, in order) into ``local`` (spans with the
+    same total, cut independently). ``ctypes.memmove`` drops the GIL."""
+    if len(local) == 1 and len(remote) == 1:
+        ctypes.memmove(local[0][0], remote[0][0], local[0][1])
+        return
+    li = lo = ri = ro = 0
+    while li < len(local):
+        (la, ln), (ra, rn) = local[li], remote[ri]
+        n = min(ln - lo, rn - ro)
+        ctypes.memmove(la + lo, ra + ro, n)
+        lo, ro = lo + n, ro + n
+        if lo == ln:
+            li, lo = li + 1, 0
+        if ro == rn:
+            ri, ro = ri + 1, 0
+
+
 def _take(spans: list[tuple[int, int]], k: int, done: int, n: int) -> tuple[list[tuple[int, int]], int, int]:
     """The next ``n`` bytes of ``spans`` from span ``k`` (its first ``done`` bytes already
     taken), as spans; and ``(k, done)`` after them."""
@@ -395,6 +417,9 @@ class _Described:
     total: int
     cpu: bool = False  # every region is in CPU memory (the copy needs no CUDA)
     sizes: tuple[int, ...] = ()  # each region's bytes, in plan order
+    #: a holder in this very process: a weak reference to the buffers it described (CPU memory),
+    #: which a copy holds while it memmoves out of them; None: another process (``process_vm_readv``)
+    own: weakref.ref[ShardBuffers] | None = None
 
 
 def _checked_description(reply: dict[str, Any], pid: int) -> tuple[int, int, list[list[Any]]]:
@@ -843,7 +868,20 @@ class LocalTransport(Transport):
         except ValueError as err:
             raise TransportError(f"read of {where}: the peer's description is unusable: {err}") from None
         sizes = tuple(r.nbytes for r in regions)
-        return _Described(pid, tag, words, tuple(regions), sum(sizes), all(r.cuda is None for r in regions), sizes)
+        cpu = all(r.cuda is None for r in regions)
+        own = self._own_buffers(side, words, tag) if in_process and cpu else None
+        return _Described(pid, tag, words, tuple(regions), sum(sizes), cpu, sizes, own)
+
+    def _own_buffers(self, side: str, words: int, tag: int) -> weakref.ref[ShardBuffers] | None:
+        """The buffers a holder in this very process described (its words and tag), weakly: a
+        copy out of them is a ``memmove`` (no system call, no page pinning: ``process_vm_readv``
+        of one's own memory costs about 1.5x a ``memmove`` of it here); None: not found."""
+        holder = _HOLDERS.get(side)
+        if holder is None:
+            return None
+        with holder._lock:
+            found = [b for b in holder._exposed.values() if b.progress.words_address == words and b.progress.tag == tag]
+        return weakref.ref(found[0]) if found else None
 
     def _own_cuda(self, side: str, words: int, k: int) -> torch.Tensor | None:
         """Region ``k`` of the buffers a holder in this very process described (CUDA IPC
@@ -997,11 +1035,14 @@ class LocalTransport(Transport):
         ``process_vm_readv`` per piece, each piece reported landed right after it is copied
         (``piece_bytes``, 1 MiB by default: the piece is still in this core's L2 cache when the
         engine hashes it, which a 4 MiB piece is not)."""
+        # A holder in this process: its buffers, held for the copy (their memory stays mapped; a
+        # withdraw or a new generation meanwhile fails the seqlock after it, as for another process).
+        own = desc.own() if desc.own is not None else None
         local: list[tuple[int, int]] = []
         remote: list[tuple[int, int]] = []
         for seg in into.segments(offset, length):
             local += into.spans(seg.offset, seg.length)
-            remote += desc.regions[seg.index].spans(seg.start, seg.length)
+            remote += own.spans(seg.offset, seg.length) if own is not None else desc.regions[seg.index].spans(seg.start, seg.length)
         # A part that is one whole checksum unit (the usual: 4 MiB parts of 4 MiB units) is
         # hashed through the hasher's stream of that unit: one update per piece, no search.
         unit_stream = getattr(landed, "unit_stream", None)
@@ -1016,7 +1057,7 @@ class LocalTransport(Transport):
             n = min(piece, end - pos)
             mine, li, lo = _take(local, li, lo, n)
             theirs, ri, ro = _take(remote, ri, ro, n)
-            self._vm_copy(desc, mine, theirs, where)
+            self._vm_copy(desc, mine, theirs, where, own)
             if sink is not None:
                 sink(pos, pos + n)
             elif landed is not None:
@@ -1049,7 +1090,15 @@ class LocalTransport(Transport):
         for device in synced:
             torch.cuda.synchronize(device)
 
-    def _vm_copy(self, desc: _Described, local: list[tuple[int, int]], remote: list[tuple[int, int]], where: str) -> None:
+    def _vm_copy(
+        self, desc: _Described, local: list[tuple[int, int]], remote: list[tuple[int, int]], where: str, own: ShardBuffers | None = None
+    ) -> None:
+        """Copy the holder's ``remote`` spans into this process's ``local`` ones: with
+        ``process_vm_readv``, or, ``own`` given (the holder's buffers, in this process, held by
+        the caller for the copy), with ``memmove``."""
+        if own is not None:
+            _memmove(local, remote)
+            return
         try:
             _vm_read(desc.pid, local, remote)
         except _VmError as err:
