@@ -48,7 +48,7 @@ from tensorhub.core.errors import InvalidArgument  # noqa: E402
 from tensorhub.integrations.vllm_checker import weight_checker_baselines  # noqa: E402
 
 from .procs import ServerProcess  # noqa: E402
-from .vllm_support import PROMPTS, Trainer, _fresh_vllm_process_state, model_of, save  # noqa: E402,F401
+from .vllm_support import ENGINE_SIZES, PROMPTS, Trainer, _fresh_vllm_process_state, checkpoints  # noqa: E402,F401
 
 pytestmark = [
     pytest.mark.integration,
@@ -80,8 +80,8 @@ class Served:
         self.log_path = log_path
         self.log = open(log_path, "w+b")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([*SERVE, "--model", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
-                                      "--skip-tokenizer-init", "--dtype", "bfloat16", "--max-model-len", "128",
-                                      "--gpu-memory-utilization", "0.3",
+                                      "--skip-tokenizer-init", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
+                                      *(a for k, v in ENGINE_SIZES.items() for a in (f"--{k.replace('_', '-')}", str(v))),
                                       "--weight-transfer-config", json.dumps({"backend": "tensorhub"}), *extra],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
         deadline = time.monotonic() + start_timeout
@@ -150,13 +150,13 @@ def server():
     s.stop()
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", "moe", "deepseek"])
 def ckpt(request, tmp_path_factory):
     """The served model's checkpoints v0 (what the server starts from), v1 and v2: a tiny Qwen3
-    ("dense") or Qwen3-MoE ("moe"; experts stacked into w13/w2 by vLLM)."""
-    d = tmp_path_factory.mktemp(f"serve-{request.param}")
-    cls, config = model_of(request.param)
-    weights = {v: save(cls, config, v, str(d / f"v{v}")) for v in (0, 1, 2)}
+    ("dense"), Qwen3-MoE ("moe"; experts stacked into w13/w2 by vLLM) or DeepSeek-V3-shaped
+    ("deepseek": MLA, routed and shared experts); the session's (vllm_support.checkpoints), which
+    test_vllm_backend.py's engines of the same model use too."""
+    d, weights = checkpoints(request.param, tmp_path_factory)
     return d, weights, f"{request.param}-serve"
 
 
@@ -221,7 +221,7 @@ def test_serve_pause_update_resume_flip_checker_and_peer(ckpt, server, served):
         trainer.close()
 
     # the trainer is gone: a second engine (in this process) pulls v2 from the served one
-    llm = vllm.LLM(model=str(d / "v0"), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
+    llm = vllm.LLM(model=str(d / "v0"), skip_tokenizer_init=True, dtype="bfloat16", **ENGINE_SIZES,
                    gpu_memory_utilization=0.3, distributed_executor_backend="uni", enforce_eager=True,
                    weight_transfer_config={"backend": "tensorhub"})  # fmt: skip
     try:
