@@ -13,12 +13,15 @@ dense (Qwen3), mixture-of-experts (Qwen3-MoE: stacked ``w13``/``w2`` experts) an
 (MLA + routed and shared experts). Modes: in-process compiled (all three; the MoE and DeepSeek
 trainers publish transformers 5's fused experts, ``named_parameters()`` of the loaded model),
 vLLM's multiprocess mode compiled (all three), tensor parallelism 2 (two worker processes; all
-three), ``AsyncLLM`` (dense and MoE); ``test_vllm_serve.py`` has ``vllm serve``. Bad init and
+three), ``AsyncLLM`` (all three); ``test_vllm_serve.py`` has ``vllm serve``. Bad init and
 update info are typed errors, and a checkpoint that does not fill a parameter (or a fused expert
 tensor of a bad shape) is a ``MappingMismatch`` naming it, at init, before any byte moves.
 
 Skipped where vLLM is not installed: ``bash scripts/dev test-vllm`` makes its environment and
-runs these. One engine per test (start-up is 20-80 s here).
+runs these. One engine per test. A model's checkpoints are saved once per session
+(:func:`vllm_support.checkpoints`) and every engine has the same sizes
+(:data:`vllm_support.ENGINE_SIZES`), so vLLM compiles each model once (its in-process test) and the
+model's later compiled engines load that from vLLM's compile cache.
 """
 
 from __future__ import annotations
@@ -59,9 +62,11 @@ from tensorhub.integrations.vllm_backend import (  # noqa: E402
 from .procs import ServerProcess  # noqa: E402
 from .vllm_support import (  # noqa: E402,F401
     PROMPTS,
+    ENGINE_SIZES,
     SHARDS,
     Trainer,
     _local,
+    checkpoints,
     deepseek_config,
     dense_config,
     hf_parameters,
@@ -95,7 +100,7 @@ def reference(llm: vllm.LLM, path: str) -> list[list[int]]:
 
 def engine(path: str, **kw: object) -> vllm.LLM:
     """vLLM's default compiled mode (no enforce_eager), in this process."""
-    return vllm.LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3,
+    return vllm.LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.3, **ENGINE_SIZES,
                     distributed_executor_backend="uni", weight_transfer_config={"backend": "tensorhub"}, **kw)  # fmt: skip
 
 
@@ -109,8 +114,7 @@ def server():
     s.stop()
 
 
-def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: object, after_init=lambda: None,
-                fused: bool = False) -> dict:
+def _round_trip(llm: vllm.LLM, ck: tuple, server, model: str, cls: type, after_init=lambda: None, fused: bool = False) -> dict:
     """v1 and v2 from a trainer of SHARDS shards; each equals the engine loaded from its checkpoint.
     v2 is prefetched and swapped in; returns that update's phases (the backend's ``last``). After
     each update no live tensor of the engine shares memory with the staging set (which the next
@@ -118,9 +122,10 @@ def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: 
     against the checksums the engine declared when it converted them (the build did not write
     into the memory it publishes). With ``fused``, the trainer publishes what transformers 5 holds
     (:func:`hf_parameters`: the routed experts fused), not the checkpoint's per-expert tensors."""
-    w1, w2 = save(cls, config, 1, str(tmp_path / "v1")), save(cls, config, 2, str(tmp_path / "v2"))
+    d, weights = ck  # the model's checkpoints (vllm_support.checkpoints)
+    w1, w2 = weights[1], weights[2]
     if fused:
-        w1, w2 = hf_parameters(cls, str(tmp_path / "v1")), hf_parameters(cls, str(tmp_path / "v2"))
+        w1, w2 = hf_parameters(cls, str(d / "v1")), hf_parameters(cls, str(d / "v2"))
         assert "model.layers.1.mlp.experts.gate_up_proj" in w1 and not any(".mlp.experts.0." in n for n in w1)
     before = generate(llm)
     trainer = Trainer(model, w1, server.address, LLMClient(llm), {"replica": f"rollout-{model}", "timeout": 120})
@@ -132,7 +137,7 @@ def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: 
         got1 = generate(llm)
         assert llm.get_weight_version() == "1"
         assert got1 != before
-        assert got1 == reference(llm, str(tmp_path / "v1"))
+        assert got1 == reference(llm, str(d / "v1"))
         # v2 while serving: the pull lands in staging while the engine generates from v1
         trainer.send(2, w2, drive=False)
         llm.start_weight_update()
@@ -152,7 +157,7 @@ def _round_trip(llm: vllm.LLM, tmp_path, server, model: str, cls: type, config: 
         got2 = generate(llm)
         assert llm.get_weight_version() == "2"
         assert got2 != got1
-        assert got2 == reference(llm, str(tmp_path / "v2"))
+        assert got2 == reference(llm, str(d / "v2"))
         assert live_sharing_staging(llm) == []
         _peer_pulls(backend(llm), server, w2)
         return last
@@ -224,9 +229,10 @@ def backend(llm: vllm.LLM):  # noqa: ANN201 - the in-process worker's TensorHubW
     return llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine
 
 
-def test_dense_compiled_in_process(tmp_path, server):
-    base = save(transformers.Qwen3ForCausalLM, dense_config(), 0, str(tmp_path / "v0"))
-    llm = engine(str(tmp_path / "v0"), worker_extension_cls=EXTENSION)
+def test_dense_compiled_in_process(tmp_path_factory, server):
+    ck = checkpoints("dense", tmp_path_factory)
+    d, base = ck[0], ck[1][0]
+    llm = engine(str(d / "v0"), worker_extension_cls=EXTENSION)
     try:
         # bad info is a typed error naming what was wrong
         with pytest.raises(InvalidArgument, match="source_model"):
@@ -234,7 +240,7 @@ def test_dense_compiled_in_process(tmp_path, server):
         with pytest.raises(InvalidArgument, match="unexpected keyword"):
             llm.init_weight_transfer_engine({"init_info": {"source_model": "qwen", "replica": "r", "sever": "x"}})
         # a checkpoint without one of the engine's tensors: refused at init, naming the parameter
-        tensors = checkpoint_tensors(str(tmp_path / "v0"))
+        tensors = checkpoint_tensors(str(d / "v0"))
         del tensors["model.layers.1.mlp.down_proj.weight"]
         short = {"source_model": "qwen", "replica": "r", "server": server.address, "names": list(tensors),
                  "dtype_names": [d for d, _ in tensors.values()], "shapes": [list(s) for _, s in tensors.values()]}  # fmt: skip
@@ -249,8 +255,7 @@ def test_dense_compiled_in_process(tmp_path, server):
             llm.collective_rpc("tensorhub_open", kwargs={"model": "qwen-x", "replica": "x", "family": "qwen3",
                                                           "convert_from": "qwen", "server": server.address})  # fmt: skip
         assert generate(llm)  # still serving
-        last = _round_trip(llm, tmp_path, server, "qwen", transformers.Qwen3ForCausalLM, dense_config(),
-                           after_init=lambda: _refuses_held(backend(llm)))  # fmt: skip
+        last = _round_trip(llm, ck, server, "qwen", transformers.Qwen3ForCausalLM, after_init=lambda: _refuses_held(backend(llm)))
         assert last["in_pause_modules"] == 0  # every module of a dense model processed during the prefetch
         # every parameter was built where the pull landed it, nothing copied: two staging sets
         assert last["lent_mib"] * 2**20 == sum(t.numel() * 2 for t in base.values())
@@ -272,9 +277,9 @@ def traced(llm: vllm.LLM) -> set[str]:
     return {f"{names[id(mod)]}.{s.param}" for mod, scatters in backend.trace.modules.items() for s in scatters}
 
 
-def _fused_refusals(llm: vllm.LLM, tmp_path, server, cls: type) -> None:
+def _fused_refusals(llm: vllm.LLM, d, server, cls: type) -> None:
     """transformers 5's fused expert tensors of a bad shape: a MappingMismatch at init, naming them."""
-    params = hf_parameters(cls, str(tmp_path / "v0"))
+    params = hf_parameters(cls, str(d / "v0"))
     for bad, named in (((4, 255, 256), "model.layers.1.mlp.experts.gate_up_proj"),
                        ((3, 256, 128), r"model\.layers\.1\.mlp\.experts")):  # fmt: skip
         shapes = {n: list(t.shape) for n, t in params.items()}
@@ -286,15 +291,15 @@ def _fused_refusals(llm: vllm.LLM, tmp_path, server, cls: type) -> None:
         assert any(re.match(named, t) for t in err.value.tensors), err.value.tensors
 
 
-def test_moe_compiled_in_process(tmp_path, server):
+def test_moe_compiled_in_process(tmp_path_factory, server):
     """Qwen3-MoE, its trainer on transformers 5: the routed experts published fused."""
-    save(transformers.Qwen3MoeForCausalLM, moe_config(), 0, str(tmp_path / "v0"))
-    llm = engine(str(tmp_path / "v0"))
+    ck = checkpoints("moe", tmp_path_factory)
+    llm = engine(str(ck[0] / "v0"))
     try:
-        _fused_refusals(llm, tmp_path, server, transformers.Qwen3MoeForCausalLM)
+        _fused_refusals(llm, ck[0], server, transformers.Qwen3MoeForCausalLM)
         seen: set[str] = set()
-        last = _round_trip(llm, tmp_path, server, "qwen-moe", transformers.Qwen3MoeForCausalLM, moe_config(),
-                           lambda: seen.update(traced(llm)), fused=True)  # fmt: skip
+        last = _round_trip(llm, ck, server, "qwen-moe", transformers.Qwen3MoeForCausalLM, lambda: seen.update(traced(llm)),
+                           fused=True)  # fmt: skip
         # the experts too are built beside the live ones (vLLM's fused-MoE method on CPU, once
         # its kernel exists, converts only the layer's own tensors): nothing processed in the pause
         assert last["in_pause_modules"] == 0, last
@@ -305,9 +310,9 @@ def test_moe_compiled_in_process(tmp_path, server):
         del llm
 
 
-def test_deepseek_v3_shaped_compiled_in_process(tmp_path, server):
-    save(transformers.DeepseekV3ForCausalLM, deepseek_config(), 0, str(tmp_path / "v0"))
-    llm = engine(str(tmp_path / "v0"))
+def test_deepseek_v3_shaped_compiled_in_process(tmp_path_factory, server):
+    ck = checkpoints("deepseek", tmp_path_factory)
+    llm = engine(str(ck[0] / "v0"))
     try:
         seen: set[str] = set()
         lent: set[str] = set()
@@ -318,8 +323,7 @@ def test_deepseek_v3_shaped_compiled_in_process(tmp_path, server):
             lent.update(f"{names[id(m)]}.{p}" for m, p in backend(llm).sets[0].lent)
 
         # its trainer on transformers 5 too: vLLM's DeepSeek loader takes per-expert names only
-        last = _round_trip(llm, tmp_path, server, "deepseek", transformers.DeepseekV3ForCausalLM, deepseek_config(), after_init,
-                           fused=True)  # fmt: skip
+        last = _round_trip(llm, ck, server, "deepseek", transformers.DeepseekV3ForCausalLM, after_init, fused=True)
         assert "model.layers.1.self_attn.fused_qkv_a_proj.weight" in seen  # MLA's fused q_a + kv_a
         # kv_b_proj's weight too is built where the pull lands it, and MLA's attention derives its
         # matrices from it: _round_trip checked, after each update, that no live tensor (the
@@ -341,8 +345,9 @@ from tensorhub.tools.admin import cluster_state
 def main():
     base, server, model, v1, v2, signal = sys.argv[1:7]
     prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[7])]
-    tp, mode = int(sys.argv[8]), sys.argv[9]
-    llm = vllm.LLM(model=base, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3,
+    sizes = json.loads(sys.argv[8])
+    tp, mode = int(sys.argv[9]), sys.argv[10]
+    llm = vllm.LLM(model=base, skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.3, **sizes,
                    weight_transfer_config={"backend": "tensorhub"}, tensor_parallel_size=tp, enforce_eager=mode == "eager")
     params = vllm.SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
     gen = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -378,15 +383,15 @@ if __name__ == "__main__":
 """
 
 
-def _two_versions(tmp_path, server, model: str, kind: str, script: str, *args: str, timeout: float = 1300) -> dict:
+def _two_versions(tmp_path, tmp_path_factory, server, model: str, kind: str, script: str, *args: str,
+                  timeout: float = 1300) -> dict:  # fmt: skip
     """``script`` (ENGINE_SCRIPT or ASYNC_SCRIPT) in a process of its own, in vLLM's multiprocess
     mode, started from the ``kind`` model's v0 checkpoint: a trainer of SHARDS publishes v1; once the
     engine holds it and has started prefetching v2 (its signal file), the trainer publishes v2.
     Checks that each version's greedy tokens equal vLLM's own load of its checkpoint, differ from
     the version before, and that vLLM reports it; returns the script's result."""
-    cls, config = model_of(kind)
-    save(cls, config, 0, str(tmp_path / "v0"))
-    w1, w2 = save(cls, config, 1, str(tmp_path / "v1")), save(cls, config, 2, str(tmp_path / "v2"))
+    d, weights = checkpoints(kind, tmp_path_factory)
+    w1, w2 = weights[1], weights[2]
     trainer = Trainer(model, w1, server.address, None, None)
     (tmp_path / "engine.py").write_text(script)
     signal, log = tmp_path / "v1-loaded", tmp_path / "engine.log"
@@ -395,8 +400,9 @@ def _two_versions(tmp_path, server, model: str, kind: str, script: str, *args: s
         trainer.send(1, w1, drive=False)
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         with open(log, "w") as out:  # a file, not a pipe nobody reads while the engine starts
-            proc = subprocess.Popen([sys.executable, str(tmp_path / "engine.py"), str(tmp_path / "v0"), server.address, model,
-                                     str(tmp_path / "v1"), str(tmp_path / "v2"), str(signal), json.dumps(PROMPTS), *args],
+            proc = subprocess.Popen([sys.executable, str(tmp_path / "engine.py"), str(d / "v0"), server.address, model,
+                                     str(d / "v1"), str(d / "v2"), str(signal), json.dumps(PROMPTS), json.dumps(ENGINE_SIZES),
+                                     *args],
                                     stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + timeout
         while not signal.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -421,48 +427,48 @@ def _two_versions(tmp_path, server, model: str, kind: str, script: str, *args: s
     return out
 
 
-def _engine_process(tmp_path, server, model: str, tp: int, mode: str, kind: str = "dense") -> dict:
+def _engine_process(tmp_path, tmp_path_factory, server, model: str, tp: int, mode: str, kind: str = "dense") -> dict:
     """ENGINE_SCRIPT (an offline ``LLM``) with ``tp`` workers, ``mode`` "compiled" or "eager":
     v1 loaded as "latest", v2 prefetched while generating, each equal to vLLM's own load."""
-    return _two_versions(tmp_path, server, model, kind, ENGINE_SCRIPT, str(tp), mode)
+    return _two_versions(tmp_path, tmp_path_factory, server, model, kind, ENGINE_SCRIPT, str(tp), mode)
 
 
-def test_dense_multiprocess(tmp_path, server):
+def test_dense_multiprocess(tmp_path, tmp_path_factory, server):
     """vLLM's default multiprocess mode: the engine core and its worker in another process."""
-    out = _engine_process(tmp_path, server, "qwen-mp", 1, "compiled")
+    out = _engine_process(tmp_path, tmp_path_factory, server, "qwen-mp", 1, "compiled")
     _one_holding(out["shards"]["qwen-mp:vllm-bfloat16-w1"], "rollout-tp1", [[0, 1, "complete"]])
 
 
-def test_dense_tensor_parallel_2(tmp_path, server):
+def test_dense_tensor_parallel_2(tmp_path, tmp_path_factory, server):
     """Tensor parallelism 2 on the CPU build: two worker processes, two shards of one replica of
     the converted model, each traced from its own loader (its tensor-parallel slices)."""
-    out = _engine_process(tmp_path, server, "qwen-tp", 2, "eager")
+    out = _engine_process(tmp_path, tmp_path_factory, server, "qwen-tp", 2, "eager")
     _one_holding(out["shards"]["qwen-tp:vllm-bfloat16-w2"], "rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]])
 
 
-def test_moe_multiprocess(tmp_path, server):
+def test_moe_multiprocess(tmp_path, tmp_path_factory, server):
     """Qwen3-MoE in vLLM's default mode: multiprocess, compiled."""
-    out = _engine_process(tmp_path, server, "moe-mp", 1, "compiled", "moe")
+    out = _engine_process(tmp_path, tmp_path_factory, server, "moe-mp", 1, "compiled", "moe")
     _one_holding(out["shards"]["moe-mp:vllm-bfloat16-w1"], "rollout-tp1", [[0, 1, "complete"]])
 
 
-def test_moe_tensor_parallel_2(tmp_path, server):
+def test_moe_tensor_parallel_2(tmp_path, tmp_path_factory, server):
     """Qwen3-MoE with tensor parallelism 2: every expert's w13/w2 cut in two, one half per worker
     process (vLLM's fused-MoE tensor parallelism), traced from each worker's own loader."""
-    out = _engine_process(tmp_path, server, "moe-tp", 2, "eager", "moe")
+    out = _engine_process(tmp_path, tmp_path_factory, server, "moe-tp", 2, "eager", "moe")
     _one_holding(out["shards"]["moe-tp:vllm-bfloat16-w2"], "rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]])
 
 
-def test_deepseek_v3_shaped_multiprocess(tmp_path, server):
+def test_deepseek_v3_shaped_multiprocess(tmp_path, tmp_path_factory, server):
     """MLA + experts + a shared expert, multiprocess and compiled."""
-    out = _engine_process(tmp_path, server, "ds-mp", 1, "compiled", "deepseek")
+    out = _engine_process(tmp_path, tmp_path_factory, server, "ds-mp", 1, "compiled", "deepseek")
     _one_holding(out["shards"]["ds-mp:vllm-bfloat16-w1"], "rollout-tp1", [[0, 1, "complete"]])
 
 
-def test_deepseek_v3_shaped_tensor_parallel_2(tmp_path, server):
+def test_deepseek_v3_shaped_tensor_parallel_2(tmp_path, tmp_path_factory, server):
     """MLA with tensor parallelism 2 (q_b/kv_b cut by rows, o_proj by columns; fused_qkv_a_proj
     whole on each rank) and its experts cut in two."""
-    out = _engine_process(tmp_path, server, "ds-tp", 2, "eager", "deepseek")
+    out = _engine_process(tmp_path, tmp_path_factory, server, "ds-tp", 2, "eager", "deepseek")
     _one_holding(out["shards"]["ds-tp:vllm-bfloat16-w2"], "rollout-tp2", [[0, 1, "complete"], [1, 1, "complete"]])
 
 
@@ -559,7 +565,7 @@ async def amain():
     base, server, model, v1, v2, signal = sys.argv[1:7]
     prompts = json.loads(sys.argv[7])
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=base, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3,
+        model=base, skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.3, **json.loads(sys.argv[8]),
         weight_transfer_config={"backend": "tensorhub"}))
     params = vllm.SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
     ids = itertools.count()
@@ -610,14 +616,20 @@ if __name__ == "__main__":
 """
 
 
-def test_dense_async_llm(tmp_path, server):
+def test_dense_async_llm(tmp_path, tmp_path_factory, server):
     """AsyncLLM (an asyncio rollout server's engine): each version prefetched while it keeps
     generating from the one before."""
-    out = _two_versions(tmp_path, server, "qwen-async", "dense", ASYNC_SCRIPT)
+    out = _two_versions(tmp_path, tmp_path_factory, server, "qwen-async", "dense", ASYNC_SCRIPT)
     assert out["during1"] == out["before"]
 
 
-def test_moe_async_llm(tmp_path, server):
+def test_moe_async_llm(tmp_path, tmp_path_factory, server):
     """AsyncLLM serving Qwen3-MoE: the same two versions, experts and all."""
-    out = _two_versions(tmp_path, server, "moe-async", "moe", ASYNC_SCRIPT)
+    out = _two_versions(tmp_path, tmp_path_factory, server, "moe-async", "moe", ASYNC_SCRIPT)
+    assert out["during1"] == out["before"]
+
+
+def test_deepseek_v3_shaped_async_llm(tmp_path, tmp_path_factory, server):
+    """AsyncLLM serving the DeepSeek-V3-shaped model (MLA, routed and shared experts)."""
+    out = _two_versions(tmp_path, tmp_path_factory, server, "ds-async", "deepseek", ASYNC_SCRIPT)
     assert out["during1"] == out["before"]

@@ -91,6 +91,30 @@ def save(cls: type, config: object, seed: int, path: str) -> dict[str, torch.Ten
     return out
 
 
+#: Every engine of the tests is made with these, in-process, multiprocess, ``AsyncLLM`` and ``vllm
+#: serve`` alike. vLLM keys its torch.compile cache (``~/.cache/vllm/torch_compile_cache``) on the
+#: engine's config, the model's path and the scheduler's sizes among it, so the engines of one
+#: model (its checkpoints from :func:`checkpoints`, the same path all session) compile it once and
+#: the others load the compiled artifact. The sizes also shrink the start-up's warm-up and profile
+#: runs (vLLM's default batch is 4,096 tokens for an offline ``LLM``, other sizes for a server):
+#: the tests' prompts are 3 of at most 5 tokens, 12 generated.
+ENGINE_SIZES = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 256}
+
+_CHECKPOINTS: dict[str, tuple[Any, dict[int, dict[str, torch.Tensor]]]] = {}
+
+
+def checkpoints(kind: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[int, dict[str, torch.Tensor]]]:
+    """The ``kind`` model's checkpoints v0 (what engines start from), v1 and v2 (seeds 0, 1, 2), saved
+    once per test session in one folder (``dir / "v0"`` ...), and their tensors as :func:`save`
+    returns them. Every test of that model uses these (its own trainer model name on the server),
+    so the engines of one model share one path and so one torch.compile cache entry."""
+    if kind not in _CHECKPOINTS:
+        cls, config = model_of(kind)
+        d = tmp_path_factory.mktemp(f"ckpt-{kind}")
+        _CHECKPOINTS[kind] = (d, {v: save(cls, config, v, str(d / f"v{v}")) for v in (0, 1, 2)})
+    return _CHECKPOINTS[kind]
+
+
 def hf_parameters(cls: type, path: str) -> dict[str, torch.Tensor]:
     """What a trainer on transformers 5 publishes: ``named_parameters()`` of the model loaded
     from ``path`` (float32 master weights holding the checkpoint's values). Transformers 5 keeps
