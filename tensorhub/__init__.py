@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from tensorhub.core.errors import TensorHubError
 
-from .core import errors
+# the public module (tensorhub/errors.py, the core's errors re-exported): importing the core's
+# module under this name made ``tensorhub.errors`` change identity once anything imported
+# ``tensorhub.errors`` as a module (``from tensorhub.errors import X``)
+from . import errors
 
 if TYPE_CHECKING:  # for type checkers only: importing the handle API at run time imports torch
     from collections.abc import Sequence

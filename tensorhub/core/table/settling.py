@@ -28,7 +28,7 @@ from .state import TableState
 class SettleMixin(TableState):
     """What follows from an event, once it is handled. Mixed into
     :class:`~tensorhub.core.table.ReferenceTable`. State
-    (:class:`~tensorhub.core.table.state.TableState`): ``models``, ``_dirty_models``."""
+    (:class:`~tensorhub.core.table.state.TableState`): ``models``, ``_dirty_models``, ``reign``."""
 
     def _settle(self) -> None:
         """After every event: fail partial holders whose (version, shard) has nothing left to
