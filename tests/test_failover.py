@@ -283,6 +283,18 @@ def test_a_pull_under_way_resumes_on_the_backup_from_what_it_verified(servers, h
 # ---- a primary and a backup that never decide together (issue 23) ---------------------------
 
 
+def until_reigning(address: str, timeout: float = 15.0) -> None:
+    """Wait until the server at ``address`` reigns: a primary does from its first lease reply
+    (its first lease request goes out a fifth of a lease after it starts), and refuses calls
+    before (a publish made at once was refused so in a clean-clone CI run)."""
+    from tensorhub.tools.admin import cluster_state
+
+    deadline = time.monotonic() + timeout
+    while not any(r.end is None for r in cluster_state(address, timeout=5.0, keys=None).reigns):
+        assert time.monotonic() < deadline, f"{address} did not begin to reign in {timeout} s"
+        time.sleep(0.05)
+
+
 def reigns_overlap(*addresses: str) -> list[str]:
     """Pairs of reigns of different servers that overlap in time (one monotonic clock: one
     machine), from each server's cluster state."""
@@ -311,12 +323,18 @@ def test_backup_takes_over_then_hands_back_to_the_returning_primary(servers, han
     addresses = f"{primary.address},{backup.address}"
     trainer = handles("trainer", server=addresses)
     rollouts = [handles(f"rollout-{i}", server=addresses) for i in range(2)]
+    until_reigning(primary.address)
     for h in (trainer, *rollouts):
         h.call("register")
     trainer.call("fill", 1)
     trainer.call("publish", 1)
     for r in rollouts:
         assert r.call("replicate", "latest", 30.0) == 1
+    # The backup learns who votes (the membership) from the primary's lease requests, one every
+    # fifth of a lease, a step per change. Killed before that, the primary leaves a backup that
+    # can never decide ("no membership known yet": 2 clean-clone CI runs in a row, the primary
+    # killed well under a second after the last register). Two leases give it ten requests.
+    time.sleep(2 * 2.0)
 
     kill(primary)
     for h in (trainer, *rollouts):
@@ -409,6 +427,7 @@ def test_update_on_a_server_that_does_not_reign_moves_to_the_one_that_does(serve
     # register ("0 of 1 voters") with FAST's 1 s.
     backup = servers("--role", "backup", *SLOWER)
     primary = servers("--role", "primary", "--peer", backup.address, *SLOWER)
+    until_reigning(primary.address)
     trainer = handles("trainer", server=primary.address)
     rollout = handles("rollout-0", server=f"{backup.address},{primary.address}")
     for h in (trainer, rollout):
