@@ -46,6 +46,7 @@ PARENTS = {
     errors.VersionConflict: errors.VersionError,
     errors.ChecksumsRequired: errors.VersionError,
     errors.UpdateAborted: errors.VersionError,
+    errors.VersionLost: errors.UpdateAborted,
     errors.InBucket: errors.VersionUnavailable,
     errors.BaseMismatch: errors.VersionError,
     errors.SessionError: errors.TensorHubError,

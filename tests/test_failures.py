@@ -7,6 +7,8 @@ handles in worker processes, real TCP pulls, real SIGKILLs.
 - the last holder of a retained version unpublishes and overwrites its tensors: it keeps an
   offload copy in CPU memory, and a later reader gets the old version from it;
 - a version whose last holders were spot replicas that died: VersionUnavailable, promptly;
+- an ``update("latest")`` whose version loses its last holder mid-pull (the trainer dropped it for
+  a newer one): it moves on to the newest version instead of leaving the handle empty;
 - a rollout restarted under its old name while the old incarnation is still known: the new one
   fences the old and works;
 - a lone holder blamed for bytes damaged on the way: its self-check passes, it serves again;
@@ -107,6 +109,46 @@ def test_a_version_held_only_by_dead_spot_replicas_is_unavailable(srv, handles):
         reader.call("replicate", 1, 30.0)
     assert err.value.kind == "VersionUnavailable"
     assert time.monotonic() - t0 < 10
+
+
+def _landed(srv, replica: str, version: int) -> int:
+    """Bytes of ``version`` the server knows ``replica``'s shard 0 verified (0: none, or another version)."""
+    return srv._look(lambda t: next((s.holder.verified for s in t.sessions.values() if s.replica.name == replica
+                                     and s.holder is not None and s.holder.version == version), 0))  # fmt: skip
+
+
+def test_an_update_to_latest_whose_version_dies_mid_pull_moves_on_to_the_newest(srv, handles):
+    # Seen in the chaos demo: the only complete holder of the version an update was pulling was
+    # killed after the trainer had moved on; the update, which had landed bytes, aborted and left
+    # the handle empty. (One that landed nothing is moved to the newer version by the server.)
+    old = handles("trainer", server=srv.address, scale=4 * SCALE, retain=None, env=BIG)
+    new = handles("trainer-b", server=srv.address, scale=4 * SCALE, retain=None, env=BIG)
+    # Its pulls of versions 1 and 3 land 2 reads (of 5: 4 MiB checksum units), then one read
+    # waits 3 s: the holder dies then.
+    stalls = [{"op": "delay", "seconds": 3.0, "version": v, "after": 2, "times": 1} for v in (1, 3)]
+    reader = handles("rollout", server=srv.address, scale=4 * SCALE, retain=None, transports={"tcp": {"faults": stalls}}, env=BIG)
+    for h in (old, new, reader):
+        h.call("register")
+    publish_and_wait_checksums(srv, old, 1)
+    new.call("fill", 2)
+    reader.send("update", "latest", 60.0)
+    wait_until(lambda: _landed(srv, "rollout", 1) > 0, 30, "the reader to land bytes of version 1")
+    new.call("publish", 2)
+    old.kill()  # version 1's last holder, mid-pull
+    assert reader.result(60.0)  # moved: to version 2, not aborted
+    assert reader.call("state") == (2, False)
+    assert reader.call("holds", 2)
+    assert reader.call("last_sources") == ["trainer-b/0"]
+    # An update to a numbered version has nothing to move on to: it says so, typed.
+    new.call("unpublish")
+    publish_and_wait_checksums(srv, new, 3)
+    reader.send("update", 3, 60.0)
+    wait_until(lambda: _landed(srv, "rollout", 3) > 0, 30, "the reader to land bytes of version 3")
+    new.kill()
+    with pytest.raises(RemoteError) as err:
+        reader.result(60.0)
+    assert err.value.kind == "VersionLost", err.value
+    assert reader.call("state") == (None, True)
 
 
 def test_a_rollout_restarted_under_its_old_name_fences_the_old_incarnation(srv, handles):

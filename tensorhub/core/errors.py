@@ -50,6 +50,7 @@ __all__ = [
     "VersionConflict",
     "ChecksumsRequired",
     "UpdateAborted",
+    "VersionLost",
     "BaseMismatch",
     "SessionError",
     "Fenced",
@@ -323,6 +324,17 @@ class UpdateAborted(VersionError):
     """An update gave up after unpublishing; the handle is left empty."""
 
     code = "update_aborted"
+
+
+class VersionLost(UpdateAborted):
+    """An update's version lost its last complete holder while the update was moving it (every
+    shard of the replica is told, and each is left empty). An ``update("latest")`` (or any
+    version relative to the newest) answers it itself: it asks again, for the newest version
+    then (:func:`tensorhub.handles.pulls.update`); an update to a numbered version raises it.
+    (A peer of an older release, which has no such code, rebuilds it as a plain
+    :class:`TensorHubError`.)"""
+
+    code = "version_lost"
 
 
 class BaseMismatch(VersionError):

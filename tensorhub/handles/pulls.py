@@ -12,7 +12,9 @@ through server failover and down to the bucket tier.
 - ``update()`` while no server is connected returns False at once (no newer version is known);
   one refused by a server that does not decide (a backup while the primary holds the lease) asks
   the one that does. Lost before it moved, it returns False (the tensors still hold what they
-  held); lost after, it raises :class:`~tensorhub.errors.UpdateAborted`.
+  held); lost after, it raises :class:`~tensorhub.errors.UpdateAborted`. An update to ``"latest"``
+  whose version lost its last holder mid-pull asks again for the newest one
+  (:class:`~tensorhub.errors.VersionLost`, :data:`LOST_RETRIES`).
 - Where the server planned a chain of deltas for the replica, :class:`~tensorhub.handles.deltas.DeltaReader`
   lands it. Where no peer can serve the version, the bucket (the one the server names, or the
   handle's own) restores it (:func:`~tensorhub.handles.deltas.restore_from_bucket`), never before
@@ -31,6 +33,7 @@ from tensorhub.core.errors import (
     TensorHubError,
     TransportError,
     UpdateAborted,
+    VersionLost,
     VersionUnavailable,
 )
 from tensorhub.core.naming import parse_version_spec
@@ -38,10 +41,13 @@ from tensorhub.handles.deltas import DeltaReader, restore_from_bucket
 from tensorhub.handles.session import ShardSession
 from tensorhub.runtime.engine import AbortPull
 
-__all__ = ["RESUMES", "pull", "pull_once", "update"]
+__all__ = ["LOST_RETRIES", "RESUMES", "pull", "pull_once", "update"]
 
 RESUMES = 3
 """Failovers one replicate/update call survives mid-pull."""
+
+LOST_RETRIES = 2
+"""Times one ``update("latest")`` asks again after its version was lost mid-pull."""
 
 #: the numbered pull calls: what they are named in the kept answers and the one-call guard
 Pull = type[m.Replicate] | type[m.Update]
@@ -124,7 +130,7 @@ async def update(h: ShardSession, version: int | str, timeout: float | None) -> 
     before = engine.pull_mark(h.session) if h.session is not None else 0
     try:
         try:
-            reply = await pull(h, m.Update, version, timeout)
+            reply = await _update_moving_on(h, version, timeout)
         except ServerUnavailable:
             # Refused by a server that does not decide (a backup while the primary holds
             # the lease): find the one that does, and ask it instead.
@@ -134,7 +140,7 @@ async def update(h: ShardSession, version: int | str, timeout: float | None) -> 
             wait = client.failover_timeout if timeout is None else min(timeout, client.failover_timeout)
             if not await client.seek_reign(wait):
                 return False  # nothing decides now: no newer version is known
-            reply = await pull(h, m.Update, version, timeout)
+            reply = await _update_moving_on(h, version, timeout)
         if reply.deltas is not None:  # the server planned a chain of deltas for this replica
             if h._delta_reader is None:
                 h._delta_reader = DeltaReader(h)
@@ -151,6 +157,27 @@ async def update(h: ShardSession, version: int | str, timeout: float | None) -> 
     h.skipped = reply.skipped
     updated: m.Updated = reply
     return updated
+
+
+async def _update_moving_on(h: ShardSession, version: int | str, timeout: float | None) -> Any:
+    """The update's pull; one relative to the newest version (``"latest"``) whose version lost
+    its last complete holder mid-pull (:class:`~tensorhub.errors.VersionLost`: every shard of
+    the replica is told alike, each left empty, so all of them ask again, with the same next
+    call number) asks again for the newest version then, at most :data:`LOST_RETRIES` times and
+    within the call's time. An update to a numbered version raises it: that version is gone."""
+    relative = parse_version_spec(version, **h.ctx).relative
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    left = timeout
+    for attempt in range(LOST_RETRIES + 1):
+        try:
+            return await pull(h, m.Update, version, left)
+        except VersionLost as err:
+            left = None if deadline is None else deadline - loop.time()
+            if not relative or attempt == LOST_RETRIES or (left is not None and left <= 0):
+                raise
+            h.log.warning("the update's version was lost mid-pull; asking for the newest", lost=err.version, attempt=attempt + 1)
+    raise AssertionError("unreachable")
 
 
 async def _resume(h: ShardSession, before: int, deadline: float | None) -> bool:

@@ -12,7 +12,8 @@ Invariants: every shard of a call gets the same answer or the same error; a shar
 final answer per call (``consumed``), and the transaction is dropped once every shard has one or
 its replica is gone. A call that diverges from the recorded one is refused with
 ``ContractViolation`` and changes nothing. A replicate or update that fails after it started
-moving leaves each shard empty (update says ``UpdateAborted``).
+moving leaves each shard empty (update says ``UpdateAborted``; ``VersionLost`` where the version
+itself lost its last complete holder).
 
 What it must never do: answer a shard twice, or decide differently for different shards.
 """
@@ -22,7 +23,16 @@ from __future__ import annotations
 from typing import Any, Hashable
 
 from .. import messages as m
-from ..errors import ContractViolation, InBucket, InvalidArgument, TensorHubError, Timeout, UpdateAborted
+from ..errors import (
+    ContractViolation,
+    InBucket,
+    InvalidArgument,
+    TensorHubError,
+    Timeout,
+    UpdateAborted,
+    VersionLost,
+    VersionUnavailable,
+)
 from .records import _OFFERS_KEPT, _all_done, _AnnouncedArgs, _Model, _Session, _ShardCall, _Txn
 from .state import TableState
 
@@ -83,7 +93,10 @@ class TransactionMixin(TableState):
         if txn.error is not None:
             return
         if txn.kind == "update" and txn.moved and not isinstance(err, (UpdateAborted, InBucket)):
-            err = UpdateAborted(f"update to version {txn.version} aborted: {err.message}", **err.context())
+            # The version itself is gone (its last complete holder died mid-pull): a typed
+            # abort, which an update to "latest" answers by asking again (handles.pulls).
+            lost = VersionLost if isinstance(err, VersionUnavailable) else UpdateAborted
+            err = lost(f"update to version {txn.version} aborted: {err.message}", **err.context())
         txn.error = err
         txn.decided = True
         self._unpin(txn)
