@@ -65,13 +65,18 @@ def _relay(stream: Any, echo_all: bool) -> None:
 
 
 def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 10 s. Never raises for a process slow to go (a starved
+    machine can take more than seconds to reap a big one): the caller has others to stop."""
     if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(5)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                sys.stderr.write(f"pid {proc.pid} still there 60 s after SIGKILL\n")
     if proc.stdout is not None:
         proc.stdout.close()
 
