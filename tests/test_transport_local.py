@@ -137,9 +137,9 @@ def specs(nbig: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     ]
 
 
-def new_buffers(nbig: int) -> ShardBuffers:
+def new_buffers(nbig: int, shared: bool = False) -> ShardBuffers:
     tensors = {n: torch.zeros(s, dtype=d) for n, d, s in specs(nbig)}
-    return ShardBuffers(tensors, layout_of(tensors))
+    return ShardBuffers(tensors, layout_of(tensors), shared_memory=shared)
 
 
 def content(total: int, seed: int) -> torch.Tensor:
@@ -197,9 +197,9 @@ def _holder_main(cmds: Any, results: Any, options: dict) -> None:
         try:
             if cmd == "exit":
                 break
-            if cmd == "hold":  # name, nbig, region, seed, verified (None: all)
-                name, nbig, region, seed, verified = args
-                buf = new_buffers(nbig)
+            if cmd == "hold":  # name, nbig, region, seed, verified (None: all)[, in shared memory]
+                name, nbig, region, seed, verified, *shared = args
+                buf = new_buffers(nbig, shared=bool(shared and shared[0]))
                 data = content(buf.total_bytes, seed)
                 verified = buf.total_bytes if verified is None else verified
                 write(buf, data, 0, verified)
