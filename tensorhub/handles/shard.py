@@ -11,6 +11,7 @@ and the bucket in :mod:`~tensorhub.handles.deltas`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -235,7 +236,10 @@ class AsyncShardHandle(ShardSession):
                 convert = ConvertSpec(placed, self.num_shards, self.shard_idx, self.mapping, self.convert_budget)
             engine, sid = self._need_engine(), self._sid
             assert self._client is not None
-            buffers = ShardBuffers(tensors, layout, packs_in_place=engine.packs_in_place, shared_memory=shared_memory)
+            if shared_memory:  # a copy of every byte into shared memory: off the event loop (torch drops the GIL)
+                buffers = await asyncio.to_thread(ShardBuffers, tensors, layout, packs_in_place=engine.packs_in_place, shared_memory=True)
+            else:
+                buffers = ShardBuffers(tensors, layout, packs_in_place=engine.packs_in_place)
             endpoint = await engine.ask(AddSlot(sid, buffers, self._client.report, dict(self.ctx), self.location, convert))
             try:
                 await self._request(lambda req: m.Register(req, sid, layout, endpoint, None, placed))
