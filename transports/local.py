@@ -16,7 +16,10 @@ reader's grant token (``checks_grants``; a describe without a valid one is refus
 engine's resolver and answers ``{"pid", "tag", "words", "regions"}``: the
 tag and address of the holding's progress words (:mod:`tensorhub.transports.buffers`), and for each region
 of the packing plan, in plan order, ``[address, nbytes, "cpu" | "cuda" | "parts", device index,
-extra]``. ``extra`` is None for CPU memory; for a CUDA region, ``ipc``: the fields of torch's
+extra]``. ``extra`` is None for CPU memory, or, for a region the holder keeps in shared memory
+(``ShardBuffers.shared_file``: registered with ``shared_memory=True``), ``{"fd", "dev", "ino",
+"offset", "size"}``: its open descriptor of the shared-memory file, the file's device and inode
+when it was shared, the region's offset in it and the file's size; for a CUDA region, ``ipc``: the fields of torch's
 ``_share_cuda_()`` as bytes and integers, the tensor's byte offset in its storage and the GPU's
 UUID; for a pack the holder keeps in place (``ShardBuffers.parts``), the ``[address, nbytes]``
 of each tiny tensor in pack order (address 0: the region is scattered). It refuses with
@@ -74,6 +77,23 @@ transport's threads (never on the event loop):
 4. reads the words again (a seqlock): the tag and generation must be unchanged, the version
    still held and ``verified`` still covering the range -> :class:`TransportError` otherwise.
    It returns the generation.
+
+Shared memory. A region described with shared-memory fields is read from the holder's file
+instead of its address space: at describe time the reader opens ``/proc/<pid>/fd/<fd>`` (the
+same permission ``process_vm_readv`` needs: ptrace read access to the holder), refuses it unless
+its device and inode are the described ones (the descriptor number may name another file since),
+maps the whole file read-only with ``MAP_POPULATE`` (``_Mapping``), closes the descriptor, and
+copies each piece out of the mapping with ``memmove``, exactly as from a holder in this process:
+no system call per piece and no page pinning. The progress words, the seqlock and the landing
+hash are unchanged, so a byte the holder changed meanwhile is refused as from any other source.
+One mapping per (pid, device, inode), shared by the descriptions that name the file and so kept
+across versions (a trainer keeps its storages every step); it is dropped (unmapped once no read
+copies out of it) when no cached description holds it any more: a withdraw or tag change seen
+by a read, a newer version described with other files, an eviction, a close. A mapping keeps
+the holder's file alive while it lasts, as a CUDA IPC handle keeps a block. A region that cannot
+be mapped (no such descriptor, not permitted, another file, too small, ``mmap`` failed) is read
+with ``process_vm_readv``: logged once per cause and counted (:meth:`LocalTransport.stats`).
+Tiny tensors of an in-place pack stay in the holder's heap (``process_vm_readv``).
 
 Invariants: a read returns normally only when every byte of its range was written from memory
 that held ``version`` under one generation, with the range covered before and after the copy.
@@ -582,7 +602,8 @@ def _local_device(uuid: Any, index: int) -> int:
 
 
 class LocalTransport(Transport):
-    """Same-host transport: ``process_vm_readv`` for CPU memory, CUDA IPC for GPU memory.
+    """Same-host transport: ``process_vm_readv`` for CPU memory (``memmove`` out of a holder's
+    shared-memory files, or out of a holder in this process), CUDA IPC for GPU memory.
 
     Options: ``host`` (the side channel's interface, default "127.0.0.1"), ``wait_timeout``
     (seconds a read waits for a partial holder's progress, default 5), ``describe_timeout``
