@@ -23,7 +23,9 @@ same run, interleaved round by round, the copies a replicate is made of:
 - ``tensorhub-shm``: TensorHub with the holder's and the readers' tensors registered in shared
   memory (``register(..., shared_memory=True)``, a second set of tensors under a second model
   name in the same processes): a reader maps the holder's files and copies with ``memmove``
-  instead of ``process_vm_readv``; the column ``fallbacks`` counts regions it read the old way;
+  instead of ``process_vm_readv``; the columns ``fallbacks`` (regions read the old way) and
+  ``mapped`` (files mapped) are the readers' transports' counters summed, since their start (one
+  transport per reader process serves both TensorHub rows);
 - ``tensorhub-whole`` (not by default): TensorHub with the publisher's checksums declared whole
   once it has hashed the shard, not in parts as it hashes (``$TENSORHUB_CHECKSUM_PART_BYTES=0``
   in the holder for that round): the A/B of the parts, in the same processes.
