@@ -20,6 +20,12 @@ same run, interleaved round by round, the copies a replicate is made of:
   else: no description, no progress words, no engine);
 - ``vm read + xxh3``: the same, each piece hashed (xxh3-64) right after it landed: the floor of
   a verified copy;
+- ``tensorhub-shm``: TensorHub with the holder's and the readers' tensors registered in shared
+  memory (``register(..., shared_memory=True)``, a second set of tensors under a second model
+  name in the same processes): a reader maps the holder's files and copies with ``memmove``
+  instead of ``process_vm_readv``; the columns ``fallbacks`` (regions read the old way) and
+  ``mapped`` (files mapped) are the readers' transports' counters summed, since their start (one
+  transport per reader process serves both TensorHub rows);
 - ``tensorhub-whole`` (not by default): TensorHub with the publisher's checksums declared whole
   once it has hashed the shard, not in parts as it hashes (``$TENSORHUB_CHECKSUM_PART_BYTES=0``
   in the holder for that round): the A/B of the parts, in the same processes.
@@ -381,8 +387,16 @@ def _pieces(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> list
     return out
 
 
+def _local_stats(handle: Any) -> dict[str, int]:
+    """The shared-memory counters of a handle's ``local`` transport (empty if unknown)."""
+    engine = getattr(getattr(handle, "_h", None), "_engine", None)
+    t = getattr(engine, "transports", {}).get("local")
+    stats = getattr(t, "stats", None)
+    return stats() if stats is not None else {}
+
+
 def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, local: dict, timeline: bool = False,
-                events: bool = False) -> None:  # fmt: skip
+                events: bool = False, shm: bool = False) -> None:  # fmt: skip
     try:
         profiles = _ThreadProfiles()
         if profile:
@@ -397,19 +411,29 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
         handle = tensorhub.open("bench-local-path", "trainer", server=server, retain=None,
                                 transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
         handle.register(tensors)
+        handles = {"tensorhub": handle, "tensorhub-whole": handle}
+        if shm:  # a second set of the same bytes, in shared memory, under a second model name
+            shared = allocate(spec)
+            fill_seeded(shared, seed)
+            handles["tensorhub-shm"] = tensorhub.open("bench-local-path-shm", "trainer", server=server, retain=None,
+                                                      transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
+            handles["tensorhub-shm"].register(shared, shared_memory=True)
         conn.send(("ready", os.getpid(), _spans(tensors), hashes_of(tensors)))
         for _ in range(100_000):
             msg = conn.recv()
             if msg[0] == "quit":
                 break
             if msg[0] == "prepare":
-                if handle.version is not None:
-                    handle.unpublish()
+                for h in set(handles.values()):
+                    if h.version is not None:
+                        h.unpublish()
                 if msg[1]:
                     profiles.clear()
                 conn.send(("prepared",))
             elif msg[0] == "publish":
-                _, version, start, whole = msg
+                _, version, start, kind = msg
+                whole = kind == "tensorhub-whole"
+                handle = handles[kind]
                 if whole:  # the checksums declared whole, once hashed (as before issue 37's parts)
                     os.environ["TENSORHUB_CHECKSUM_PART_BYTES"] = "0"
                 else:
@@ -428,13 +452,14 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
                     stats.dump_stats(msg[1])
                     text = _summary(stats, "holder")
                 conn.send(("profile", text))
-        handle.close()
+        for h in set(handles.values()):
+            h.close()
     except Exception:  # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
 
 
 def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holder: tuple, threads: int,
-                profile: bool, local: dict, timeline: bool = False, events: bool = False) -> None:  # fmt: skip
+                profile: bool, local: dict, timeline: bool = False, events: bool = False, shm: bool = False) -> None:  # fmt: skip
     try:
         profiles = _ThreadProfiles()
         if profile:
@@ -453,6 +478,13 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
         handle = tensorhub.open("bench-local-path", f"reader-{index}", server=server, retain=None,
                                 transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
         handle.register(tensors)
+        handles = {"tensorhub": handle, "tensorhub-whole": handle}
+        into = {"tensorhub": tensors, "tensorhub-whole": tensors}
+        if shm:  # its tensors in shared memory too: the next reader of a chain maps them
+            into["tensorhub-shm"] = allocate(spec)
+            handles["tensorhub-shm"] = tensorhub.open("bench-local-path-shm", f"reader-{index}", server=server, retain=None,
+                                                      transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
+            handles["tensorhub-shm"].register(into["tensorhub-shm"], shared_memory=True)
         pieces = _pieces(_spans(tensors), remote)
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raw")
         source: dict | None = None
@@ -473,9 +505,10 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
             if msg[0] == "quit":
                 break
             if msg[0] == "prepare":
-                if handle.version is not None:
-                    handle.unpublish()  # before the tensors are zeroed: the mutability contract
-                for t in tensors.values():
+                for h in set(handles.values()):
+                    if h.version is not None:
+                        h.unpublish()  # before the tensors are zeroed: the mutability contract
+                for t in into.get(msg[1], tensors).values():
                     t.zero_()
                 if msg[1] == "memcpy" and source is None:
                     source = allocate(spec)
@@ -488,7 +521,7 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                 _sleep_until(start)
                 c0, t0, f0 = _cpu(), _thread_cpu(), _faults()
                 if kind.startswith("tensorhub"):
-                    handle.replicate(version, timeout=300)
+                    handles[kind].replicate(version, timeout=300)
                 elif kind == "memcpy":
                     assert source is not None
                     torch.set_num_threads(1)
@@ -503,11 +536,15 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                     raise ValueError(f"unknown kind {kind!r}")
                 end = time.monotonic()
                 c1, t1, f1 = _cpu(), _thread_cpu(), _faults()
-                ok = hashes_of(tensors) == expected  # untimed
-                stats = handle.last_pull if kind.startswith("tensorhub") else None
-                extra = {}
+                ok = hashes_of(into.get(kind, tensors)) == expected  # untimed
+                stats = handles[kind].last_pull if kind.startswith("tensorhub") else None
+                extra: dict[str, Any] = {}
+                if kind.startswith("tensorhub"):
+                    local_stats = _local_stats(handles[kind])
+                    extra["fallbacks"] = local_stats.get("shared_fallbacks", 0)
+                    extra["mapped"] = local_stats.get("shared_mapped", 0)
                 if stats is not None:
-                    extra = {"reads": stats.reads, "verify_s": stats.verify_s, "hashed_on_landing": stats.hashed_on_landing}
+                    extra.update(reads=stats.reads, verify_s=stats.verify_s, hashed_on_landing=stats.hashed_on_landing)
                 extra["threads"] = _diff(t1, t0)
                 extra["faults"] = f1 - f0
                 if marks is not None:
@@ -525,7 +562,8 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                     text = _summary(stats, f"reader {index}")
                 conn.send(("profile", text))
         pool.shutdown()
-        handle.close()
+        for h in set(handles.values()):
+            h.close()
     except Exception:  # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
 
@@ -537,7 +575,8 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
     """One holder and ``n`` readers; every kind in ``kinds`` for ``args.repeats`` rounds, the
     kinds interleaved round by round; then, with ``--profile``, one profiled TensorHub round."""
     profile = args.profile is not None
-    holder = Child("holder", holder_main, (spec, args.seed, server, profile, args.local_options, args.timeline, args.events),
+    shm = "tensorhub-shm" in kinds
+    holder = Child("holder", holder_main, (spec, args.seed, server, profile, args.local_options, args.timeline, args.events, shm),
                    args.timeout)  # fmt: skip
     readers: list[Child] = []
     try:
@@ -545,7 +584,7 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
         for i in range(n):
             readers.append(Child(f"reader{i}", reader_main, (spec, args.seed, server, i, (pid, remote, expected),
                                                               args.threads, profile, args.local_options, args.timeline,
-                                                              args.events),
+                                                              args.events, shm),
                                  args.timeout))  # fmt: skip
         for r in readers:
             r.expect("ready")
@@ -566,7 +605,7 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
             start = time.monotonic() + 0.05
             server0 = process_cpu(args.server_pid)
             if kind.startswith("tensorhub"):
-                holder.send("publish", version, start, kind == "tensorhub-whole")
+                holder.send("publish", version, start, kind)
             for r in readers:
                 r.send("run", kind, version, start)
             done = [r.expect("done") for r in readers]
@@ -613,6 +652,8 @@ def run_group(args: argparse.Namespace, spec: list, server: str, n: int, kinds: 
                 "holder_marks": holder_marks,
                 "faults": sum(d[4]["faults"] for d in done) + hold_faults,
                 "server_cpu_s": server_cpu,
+                "fallbacks": sum(d[4].get("fallbacks", 0) for d in done),
+                "mapped": sum(d[4].get("mapped", 0) for d in done),
             })  # fmt: skip
         return results
     finally:
@@ -629,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="64x16MiB", choices=WORKLOADS)
     ap.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1),
                     help="threads of the vmT rows (default: the local transport's copy threads)")  # fmt: skip
-    ap.add_argument("--kinds", default="tensorhub,memcpy,vm1,vmT,vm1+xxh3,vmT+xxh3")
+    ap.add_argument("--kinds", default="tensorhub,tensorhub-shm,memcpy,vm1,vmT,vm1+xxh3,vmT+xxh3")
     ap.add_argument("--profile", type=Path, help="folder for the cProfile output of one extra round")
     ap.add_argument("--threads-cpu", action="store_true", help="print each round's CPU seconds by thread kind")
     ap.add_argument("--timeline", action="store_true",
@@ -644,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     readers = [int(x) for x in args.readers.split(",") if x.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    known = ("tensorhub", "tensorhub-whole", "memcpy", "vm1", "vmT", "vm1+xxh3", "vmT+xxh3")
+    known = ("tensorhub", "tensorhub-shm", "tensorhub-whole", "memcpy", "vm1", "vmT", "vm1+xxh3", "vmT+xxh3")
     if any(k not in known for k in kinds) or not kinds:
         raise SystemExit(f"--kinds: choose from {', '.join(known)}")
     if not readers or any(not 1 <= n <= 16 for n in readers) or not 1 <= args.size_mib <= 65536:
@@ -661,7 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"{args.workload}, {spec_bytes(spec) / 2**20:.0f} MiB, {args.repeats} timed rounds (+{args.warmup}), "
               f"medians; CPU s/GB: every process of the row but the server, over the bytes delivered")  # fmt: skip
-        print(f"{'row':<22} {'readers':>7} {'wall s':>8} {'GB/s/reader':>12} {'CPU s/GB':>9} {'reader':>7} {'holder':>7} {'faults/GB':>9} {'server':>7}")
+        print(f"{'row':<22} {'readers':>7} {'wall s':>8} {'GB/s/reader':>12} {'CPU s/GB':>9} {'reader':>7} {'holder':>7} {'faults/GB':>9} "
+              f"{'server':>7} {'fallbacks':>9} {'mapped':>6}")  # fmt: skip
         for n in readers:
             ks = [k for k in kinds if k != "memcpy" or n == 1]
             res = run_group(args, spec, server, n, ks)
@@ -672,7 +714,9 @@ def main(argv: list[str] | None = None) -> int:
                 hc = median([r["holder_cpu_s"] for r in rows]) / (gb * n)
                 faults = median([r["faults"] for r in rows]) / (gb * n)
                 sc = median([r["server_cpu_s"] for r in rows]) / (gb * n)
-                print(f"{k:<22} {n:>7} {wall:>8.3f} {gb / wall:>12.2f} {rc + hc:>9.3f} {rc:>7.3f} {hc:>7.3f} {faults:>9.0f} {sc:>7.3f}")
+                fb, mapped = max(r["fallbacks"] for r in rows), max(r["mapped"] for r in rows)
+                print(f"{k:<22} {n:>7} {wall:>8.3f} {gb / wall:>12.2f} {rc + hc:>9.3f} {rc:>7.3f} {hc:>7.3f} {faults:>9.0f} {sc:>7.3f} {fb:>9} "
+                      f"{mapped:>6}")  # fmt: skip
                 if args.timeline and k.startswith("tensorhub"):
                     print("  holder")
                     print("\n".join(_timeline([r["holder_marks"] for r in rows if r["holder_marks"]])))

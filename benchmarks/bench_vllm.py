@@ -117,6 +117,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (default: vLLM's compiled mode)")
     ap.add_argument("--serve", action="store_true", help="through vLLM's HTTP server and its RL routes")
+    ap.add_argument("--trainer-shared-memory", action="store_true",
+                    help="register the trainer's tensors with shared_memory=True (a reader in another process maps them "
+                         "and copies with memmove instead of process_vm_readv)")  # fmt: skip
     args = ap.parse_args()
     if args.serve:
         return serve_main(args)
@@ -137,7 +140,7 @@ def main() -> int:
     # no offload copy at each unpublish (the trainer's retention is not either route's work)
     trainer = tensorhub.open("bench", "trainer", num_shards=1, shard_idx=0, server=server.address, retain=None)
     trainer.register(weights, placements={n: TensorPlacement(n, "bfloat16", tuple(t.shape), (1,), (REPLICATE,))
-                                          for n, t in weights.items()})  # fmt: skip
+                                          for n, t in weights.items()}, shared_memory=args.trainer_shared_memory)  # fmt: skip
     t0 = time.perf_counter()
     llm = vllm.LLM(model=os.path.join(tmp, "v0"), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
                    gpu_memory_utilization=0.3, distributed_executor_backend="uni", enforce_eager=args.eager,
@@ -250,7 +253,7 @@ def serve_main(args: argparse.Namespace) -> int:
     # no offload copy at each unpublish (the trainer's retention is not either route's work)
     trainer = tensorhub.open("bench", "trainer", num_shards=1, shard_idx=0, server=server.address, retain=None)
     trainer.register(weights, placements={n: TensorPlacement(n, "bfloat16", tuple(t.shape), (1,), (REPLICATE,))
-                                          for n, t in weights.items()})  # fmt: skip
+                                          for n, t in weights.items()}, shared_memory=args.trainer_shared_memory)  # fmt: skip
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

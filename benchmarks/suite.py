@@ -169,7 +169,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"sweeps over all groups, system order rotated (default {FULL['rounds']})",
     )
     ap.add_argument("--tensorhub-transports", default="local",
-                    help="TensorHub rows: one per transport, comma-separated (local, tcp, nixl, rdma_copy)")  # fmt: skip
+                    help="TensorHub rows: one per transport, comma-separated (local, local-shm: local with every side's "
+                         "tensors registered in shared memory, tcp, nixl, rdma_copy); the first is the goals' row")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--timeout", type=float, default=300.0, help="bound on every wait, seconds"
@@ -228,7 +229,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tensorhub_transports = [
         t.strip() for t in args.tensorhub_transports.split(",") if t.strip()
     ]
-    known = ("local", "tcp", "nixl", "rdma_copy")
+    known = ("local", "local-shm", "tcp", "nixl", "rdma_copy")
     bad = [t for t in args.tensorhub_transports if t not in known]
     if bad or not args.tensorhub_transports:
         raise SuiteError(

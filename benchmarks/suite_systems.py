@@ -706,6 +706,10 @@ class _ReadSpans:
 
 
 def _tensorhub_transports(name: str) -> dict[str, dict]:
+    """``local-shm`` is the ``local`` transport with every side's tensors registered in shared
+    memory (``register(..., shared_memory=True)``: readers map and ``memmove``)."""
+    if name == "local-shm":
+        return {"local": {"host": "127.0.0.1"}}
     return {name: {"host": "127.0.0.1"}} if name in ("tcp", "local") else {name: {}}
 
 
@@ -720,7 +724,7 @@ class TensorHubHolder(Side):
         self.timeout = timeout
         self.handle = tensorhub.open(group, "trainer", server=options["tensorhub_server"], retain=None,
                                      transports=_tensorhub_transports(transport))  # fmt: skip
-        self.handle.register(tensors)
+        self.handle.register(tensors, shared_memory=transport == "local-shm")
         self.info = {"model": group}
 
     def prepare(self, version: int) -> None:
@@ -746,10 +750,10 @@ class TensorHubReader(Side):
         import tensorhub
 
         self.timeout = timeout
-        self.spans = _ReadSpans(transport)
+        self.spans = _ReadSpans(next(iter(_tensorhub_transports(transport))))
         self.handle = tensorhub.open(info["model"], f"reader-{index}", server=options["tensorhub_server"], retain=None,
                                      transports=_tensorhub_transports(transport))  # fmt: skip
-        self.handle.register(tensors)
+        self.handle.register(tensors, shared_memory=transport == "local-shm")
 
     def prepare(self, version: int) -> None:
         if self.handle.version is not None:
@@ -809,7 +813,10 @@ def systems(tensorhub_transports: list[str]) -> list[System]:
     """Every system the suite knows, in report order."""
     out = [System(f"tensorhub[{t}]", "tensorhub", TensorHubHolder, TensorHubReader,
                   needs="nixl" if t in ("nixl", "rdma_copy") else None,
-                  describe=f"TensorHub: publish + replicate through a reference server, `{t}` transport",
+                  describe=f"TensorHub: publish + replicate through a reference server, `{t}` transport" if t != "local-shm"
+                  else "TensorHub: publish + replicate through a reference server, `local` transport, every side's tensors "
+                       "registered in shared memory (readers map the holder's files and `memmove`; a reader's RSS counts "
+                       "the holder's pages it maps, which are shared, not copies)",
                   env=UCX_ENV, transport=t) for t in tensorhub_transports]  # fmt: skip
     out += [
         System("memcpy", "memcpy", None, MemcpyReader, source=True, describe="one-thread torch `copy_` in one process: the machine's limit"),

@@ -216,3 +216,12 @@ def test_write_json_makes_its_folder(tmp_path: Path) -> None:
     path = write_json(tmp_path / "a" / "b.json", {"x": [1, 2]})
     assert json.loads(path.read_text()) == {"x": [1, 2]}
     assert re.search(r"\n  ", path.read_text())  # indented: a person reads these files
+
+
+def test_the_suites_local_shm_row_is_local_with_its_tensors_in_shared_memory() -> None:
+    from benchmarks.suite_systems import _tensorhub_transports, systems
+
+    assert _tensorhub_transports("local-shm") == {"local": {"host": "127.0.0.1"}}
+    assert _tensorhub_transports("local") == {"local": {"host": "127.0.0.1"}}
+    row = next(s for s in systems(["local-shm", "local"]) if s.name == "tensorhub[local-shm]")
+    assert row.extra["transport"] == "local-shm" and "shared memory" in row.describe

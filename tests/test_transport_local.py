@@ -31,7 +31,7 @@ from tensorhub.runtime.actor import run
 from tensorhub.testing import CHECKS, check_transport
 from tensorhub.transports import local
 from tensorhub.transports.base import RangeNotReady
-from tensorhub.transports.buffers import ShardBuffers, layout_of, memory_of
+from tensorhub.transports.buffers import WORD_BYTES, ShardBuffers, layout_of, memory_of
 from tensorhub.transports.local import LocalTransport
 from tensorhub.transports.registry import get_transport
 from tensorhub.transports.sidechannel import SideServer
@@ -137,9 +137,9 @@ def specs(nbig: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     ]
 
 
-def new_buffers(nbig: int) -> ShardBuffers:
+def new_buffers(nbig: int, shared: bool = False) -> ShardBuffers:
     tensors = {n: torch.zeros(s, dtype=d) for n, d, s in specs(nbig)}
-    return ShardBuffers(tensors, layout_of(tensors))
+    return ShardBuffers(tensors, layout_of(tensors), shared_memory=shared)
 
 
 def content(total: int, seed: int) -> torch.Tensor:
@@ -197,9 +197,9 @@ def _holder_main(cmds: Any, results: Any, options: dict) -> None:
         try:
             if cmd == "exit":
                 break
-            if cmd == "hold":  # name, nbig, region, seed, verified (None: all)
-                name, nbig, region, seed, verified = args
-                buf = new_buffers(nbig)
+            if cmd == "hold":  # name, nbig, region, seed, verified (None: all)[, in shared memory]
+                name, nbig, region, seed, verified, *shared = args
+                buf = new_buffers(nbig, shared=bool(shared and shared[0]))
                 data = content(buf.total_bytes, seed)
                 verified = buf.total_bytes if verified is None else verified
                 write(buf, data, 0, verified)
@@ -287,11 +287,12 @@ def holder() -> Iterator[Holder]:
 _REGIONS = iter(range(100, 10_000))
 
 
-def hold(h: Holder, nbig: int, seed: int, verified: int | None = None) -> tuple[str, int, int, torch.Tensor]:
-    """A new shard on ``h``: (name, region, generation, its bytes)."""
+def hold(h: Holder, nbig: int, seed: int, verified: int | None = None, shared: bool = False) -> tuple[str, int, int, torch.Tensor]:
+    """A new shard on ``h`` (its CPU regions in shared memory if ``shared``): (name, region,
+    generation, its bytes)."""
     region = next(_REGIONS)
     name = f"s{region}"
-    gen = h.call("hold", name, nbig, region, seed, verified)
+    gen = h.call("hold", name, nbig, region, seed, verified, shared)
     return name, region, gen, content(new_buffers(nbig).total_bytes, seed)
 
 
@@ -320,6 +321,44 @@ def test_reads_from_another_process_are_byte_exact(holder: Holder, seed: int) ->
     assert holder.endpoint["pid"] != os.getpid()
     assert same(into, data)
     holder.call("drop", name)
+
+
+def test_a_holder_in_shared_memory_in_another_process_is_mapped_and_read_byte_exact(
+    holder: Holder, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder's regions in shared memory: the reader maps its files and copies them with
+    ``memmove``; only the 32 bytes of progress words go through ``process_vm_readv``."""
+    name, region, gen, data = hold(holder, 5 << 20, seed, shared=True)
+    into = new_buffers(5 << 20)
+    moved: list[int] = []
+    vm_calls: list[int] = []
+    memmove, vm_span = local._memmove, local._vm_read_span
+
+    def spy_memmove(dst: list[tuple[int, int]], src: list[tuple[int, int]]) -> None:
+        moved.append(sum(n for _, n in dst))
+        memmove(dst, src)
+
+    def spy_vm_span(readv: Any, pid: int, dst: int, src: int, n: int) -> None:
+        vm_calls.append(n)
+        vm_span(readv, pid, dst, src, n)
+
+    monkeypatch.setattr(local, "_memmove", spy_memmove)
+    monkeypatch.setattr(local, "_vm_read_span", spy_vm_span)
+
+    async def main() -> dict[str, int]:
+        reader = LocalTransport()
+        try:
+            assert await reader.read(holder.endpoint, region, VERSION, 0, into.total_bytes, into, None) == gen
+            return reader.stats()
+        finally:
+            await reader.close()
+
+    stats = run(main())
+    holder.call("drop", name)
+    assert holder.endpoint["pid"] != os.getpid()
+    assert same(into, data)
+    assert stats["shared_mapped"] == 3 and stats["shared_fallbacks"] == 0, stats  # the pack and two large tensors
+    assert sum(moved) == into.total_bytes and max(vm_calls) <= WORD_BYTES, (sum(moved), max(vm_calls))
 
 
 def test_a_partial_holder_is_read_as_it_advances(holder: Holder, seed: int) -> None:

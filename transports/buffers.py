@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import collections
 import ctypes
+import os
 import secrets
 import threading
 import time
@@ -51,7 +52,10 @@ import torch
 from tensorhub.core.errors import InvalidArgument, InvalidName
 from tensorhub.core.layout import DTYPE_SIZES, Layout, TensorSpec, plan_of
 
-__all__ = ["WORDS", "WORD_BYTES", "ProgressCounter", "Segment", "ShardBuffers", "Staging", "WordsArena", "layout_of", "memory_of", "read_words"]
+__all__ = [
+    "WORDS", "WORD_BYTES", "ProgressCounter", "Segment", "ShardBuffers", "SharedFile", "Staging", "WordsArena", "layout_of", "memory_of",
+    "read_words",
+]  # fmt: skip
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_PACK_THRESHOLD = 2 << 20
@@ -227,6 +231,52 @@ class Segment:
     length: int
 
 
+@dataclass(frozen=True, slots=True)
+class SharedFile:
+    """Where a region in shared memory lives: the holder's open file descriptor ``fd`` of the
+    shared-memory file (``st_dev``, ``st_ino`` as they were when it was shared: a reader that
+    opens ``/proc/<pid>/fd/<fd>`` and finds another file refuses it), the file's ``size``, the
+    region's byte ``offset`` in it, and the region's ``address`` in this process then (a tensor
+    whose memory moved since is not described as shared)."""
+
+    fd: int
+    dev: int
+    ino: int
+    size: int
+    offset: int
+    address: int
+
+    def extra(self) -> dict[str, int]:
+        """The msgpack-safe fields ``local`` describes (see transports/local.py)."""
+        return {"fd": self.fd, "dev": self.dev, "ino": self.ino, "offset": self.offset, "size": self.size}
+
+
+def share_memory(t: torch.Tensor) -> SharedFile:
+    """Move ``t``'s storage into shared memory in place (torch's ``share_memory_()``: the bytes
+    are copied once into a new shared-memory file and ``t.data_ptr()`` changes; every view of the
+    storage follows), and say where it lives. A storage already in shared memory is not copied.
+
+    Raises:
+        InvalidArgument: ``t`` is not in CPU memory, or torch's sharing strategy is not
+            ``file_descriptor`` (the files of ``file_system`` have no descriptor to describe).
+    """
+    import torch.multiprocessing as tmp
+
+    if t.device.type != "cpu":
+        raise InvalidArgument(f"shared memory is for CPU tensors; this one is on {t.device}")
+    strategy = tmp.get_sharing_strategy()
+    if strategy != "file_descriptor":
+        raise InvalidArgument(f"shared memory needs torch's 'file_descriptor' sharing strategy; it is {strategy!r}")
+    storage = t.untyped_storage()
+    if not storage.is_shared():
+        t.share_memory_()
+        storage = t.untyped_storage()
+    fd, size = storage._share_fd_cpu_()
+    st = os.fstat(fd)
+    offset = t.data_ptr() - storage.data_ptr()
+    return SharedFile(int(fd), int(st.st_dev), int(st.st_ino), int(size), offset, t.data_ptr())
+
+
 class _Parts:
     """An in-place pack's tiny tensors with bytes: where each starts in the pack, a view of its
     memory and its address."""
@@ -334,6 +384,12 @@ class ShardBuffers:
     Both kinds give the same transfer space, units and checksums: a reader with copied packs
     reads a holder with in-place ones and the other way round.
 
+    ``shared_memory=True`` moves every region in CPU memory (the large tensors and copied pack
+    buffers; not the tiny tensors of an in-place pack) into shared-memory files, in place and
+    once (:func:`share_memory`: a copy of the bytes, and the tensors' ``data_ptr()`` change;
+    one open file descriptor per storage while it lives), so that ``local`` readers on this
+    host map them and copy in user space instead of through ``process_vm_readv``.
+
     Attributes:
         layout: the shard's layout (what the server compares across holders).
         plan: its packing plan.
@@ -350,6 +406,7 @@ class ShardBuffers:
         *,
         regions: list[torch.Tensor] | None = None,
         packs_in_place: bool = False,
+        shared_memory: bool = False,
     ) -> None:
         self.layout = layout
         self.plan = plan = plan_of(layout)
@@ -373,6 +430,13 @@ class ShardBuffers:
         else:
             built = list(regions)
         self.regions = built
+        #: region index -> its :class:`SharedFile` (``shared_memory=True``: every region in CPU
+        #: memory but the in-place packs, moved into shared memory here, before anything views it)
+        self.shared: dict[int, SharedFile] = {}
+        if shared_memory:
+            for k, t in enumerate(built):
+                if t is not None and t.device.type == "cpu" and t.numel():
+                    self.shared[k] = share_memory(t)
         self.starts = [r.offset for r in plan.regions]
         self.total_bytes = plan.total_bytes
         self.on_cuda = any(t is not None and t.device.type == "cuda" for t in built)
@@ -424,6 +488,16 @@ class ShardBuffers:
         if got is None:
             return None
         return list(zip(got.addresses, got.sizes))
+
+    def shared_file(self, region: int) -> SharedFile | None:
+        """Where region ``region`` lives in shared memory (what ``local`` describes, so that a
+        reader on this host maps it and copies with ``memmove``); None when it is not there, or
+        its tensor's memory moved since it was shared (``param.data = ...``)."""
+        got = self.shared.get(region)
+        t = self.regions[region]
+        if got is None or t is None or t.data_ptr() != got.address:
+            return None
+        return got
 
     def segments(self, offset: int, length: int) -> list[Segment]:
         """The pieces of regions that transfer bytes ``[offset, offset + length)`` cover

@@ -16,7 +16,10 @@ reader's grant token (``checks_grants``; a describe without a valid one is refus
 engine's resolver and answers ``{"pid", "tag", "words", "regions"}``: the
 tag and address of the holding's progress words (:mod:`tensorhub.transports.buffers`), and for each region
 of the packing plan, in plan order, ``[address, nbytes, "cpu" | "cuda" | "parts", device index,
-extra]``. ``extra`` is None for CPU memory; for a CUDA region, ``ipc``: the fields of torch's
+extra]``. ``extra`` is None for CPU memory, or, for a region the holder keeps in shared memory
+(``ShardBuffers.shared_file``: registered with ``shared_memory=True``), ``{"fd", "dev", "ino",
+"offset", "size"}``: its open descriptor of the shared-memory file, the file's device and inode
+when it was shared, the region's offset in it and the file's size; for a CUDA region, ``ipc``: the fields of torch's
 ``_share_cuda_()`` as bytes and integers, the tensor's byte offset in its storage and the GPU's
 UUID; for a pack the holder keeps in place (``ShardBuffers.parts``), the ``[address, nbytes]``
 of each tiny tensor in pack order (address 0: the region is scattered). It refuses with
@@ -75,6 +78,23 @@ transport's threads (never on the event loop):
    still held and ``verified`` still covering the range -> :class:`TransportError` otherwise.
    It returns the generation.
 
+Shared memory. A region described with shared-memory fields is read from the holder's file
+instead of its address space: at describe time the reader opens ``/proc/<pid>/fd/<fd>`` (the
+same permission ``process_vm_readv`` needs: ptrace read access to the holder), refuses it unless
+its device and inode are the described ones (the descriptor number may name another file since),
+maps the whole file read-only with ``MAP_POPULATE`` (``_Mapping``), closes the descriptor, and
+copies each piece out of the mapping with ``memmove``, exactly as from a holder in this process:
+no system call per piece and no page pinning. The progress words, the seqlock and the landing
+hash are unchanged, so a byte the holder changed meanwhile is refused as from any other source.
+One mapping per (pid, device, inode), shared by the descriptions that name the file and so kept
+across versions (a trainer keeps its storages every step); it is dropped (unmapped once no read
+copies out of it) when no cached description holds it any more: a withdraw or tag change seen
+by a read, a newer version described with other files, an eviction, a close. A mapping keeps
+the holder's file alive while it lasts, as a CUDA IPC handle keeps a block. A region that cannot
+be mapped (no such descriptor, not permitted, another file, too small, ``mmap`` failed) is read
+with ``process_vm_readv``: logged once per cause and counted (:meth:`LocalTransport.stats`).
+Tiny tensors of an in-place pack stay in the holder's heap (``process_vm_readv``).
+
 Invariants: a read returns normally only when every byte of its range was written from memory
 that held ``version`` under one generation, with the range covered before and after the copy.
 Every error names the peer (its side-channel address and pid), region, version and range. The
@@ -118,6 +138,7 @@ import contextlib
 import ctypes
 import errno
 import itertools
+import logging
 import math
 import os
 import sys
@@ -161,6 +182,12 @@ _PACES_MAX = 256  # holdings whose progress rate a reader keeps
 _PART_BYTES = 4 << 20  # a read is queued on the copy workers in parts of this size
 _DESCRIBED_MAX = 256  # cached descriptions per reader
 _CLOSE_WAIT = 2.0  # seconds close() waits for reads in flight to notice it
+#: where a reader opens a holder's shared-memory file (the same permission ``process_vm_readv``
+#: needs: ptrace read access to the holder)
+_PROC_FD = "/proc/{pid}/fd/{fd}"
+_SHARED_FIELDS = ("fd", "dev", "ino", "offset", "size")
+
+_log = logging.getLogger(__name__)
 
 _REFUSALS = {
     "unauthorized": "the peer refused the request: no valid grant token for it",
@@ -205,6 +232,10 @@ def _lib() -> Any:
         fn = lib.process_vm_readv
         fn.restype = ctypes.c_ssize_t
         fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        lib.munmap.restype = ctypes.c_int
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         _libc = lib
     return _libc
 
@@ -346,6 +377,59 @@ def _advance(spans: list[tuple[int, int]], k: int, done: int, got: int) -> tuple
     return k, done
 
 
+_PROT_READ, _MAP_SHARED, _MAP_POPULATE = 0x1, 0x01, 0x8000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    """A holder's shared-memory file mapped read-only into this process (whole, with its page
+    tables filled at once: ``MAP_POPULATE``). ``users``: reads copying out of it now; ``dead``:
+    no cached description holds it any more (it is unmapped when its last user lets go; the
+    transport's lock guards both). Unmapped too when collected (a description never cached)."""
+
+    __slots__ = ("address", "size", "key", "users", "dead", "__weakref__")
+
+    def __init__(self, fd: int, size: int, key: tuple[int, int, int]) -> None:
+        lib = _lib()
+        address = lib.mmap(None, size, _PROT_READ, _MAP_SHARED | _MAP_POPULATE, fd, 0)
+        if address is None or address == _MAP_FAILED:
+            raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed: {os.strerror(ctypes.get_errno())}")
+        self.address: int = address
+        self.size = size
+        self.key = key
+        self.users = 0
+        self.dead = False
+
+    def unmap(self) -> None:
+        address, self.address = getattr(self, "address", 0), 0
+        if address:
+            _lib().munmap(address, self.size)
+
+    def __del__(self) -> None:
+        self.unmap()
+
+
+def _check_shared(extra: Any, nbytes: int) -> tuple[int, int, int, int, int]:
+    """A CPU region's shared-memory fields ``{"fd", "dev", "ino", "offset", "size"}`` (see the
+    module docstring), as ``(fd, dev, ino, offset, size)``; ValueError naming the bad field."""
+    if type(extra) is not dict:
+        raise ValueError(f"its shared-memory fields are {str(extra)[:100]}, not a map")
+    unknown = sorted(str(k) for k in extra if k not in _SHARED_FIELDS)
+    if unknown:
+        raise ValueError(f"its shared-memory fields include unknown {unknown}")
+    got = []
+    for name in _SHARED_FIELDS:
+        value = extra.get(name)
+        if type(value) is not int or value < 0 or (name == "size" and value == 0):
+            least = "positive" if name == "size" else "non-negative"
+            raise ValueError(f"its shared-memory field {name!r} is {value!r}, not a {least} integer")
+        got.append(value)
+    fd, dev, ino, offset, size = got
+    if offset + nbytes > size:
+        raise ValueError(f"its shared-memory field 'offset' puts its {nbytes} bytes at {offset}, past the file's {size} bytes")
+    return fd, dev, ino, offset, size
+
+
 def _vm_why(err: _VmError, pid: int) -> str:
     if err.errno == errno.ESRCH:
         return f"the holder process {pid} is gone"
@@ -397,6 +481,8 @@ class _Region:
     addresses: tuple[int, ...] | None = None
     starts: tuple[int, ...] = ()
     sizes: tuple[int, ...] = ()
+    #: ``address`` is this process's: the holder's shared-memory file mapped here (``memmove``)
+    mapped: bool = False
 
     def spans(self, start: int, length: int) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of the holder's memory holding region bytes ``[start, start +
@@ -406,7 +492,7 @@ class _Region:
         return [(self.addresses[k] + lo, hi - lo) for k, lo, hi in cut_parts(self.starts, self.sizes, start, length)]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class _Described:
     """What a holder said about one (region, version), checked."""
 
@@ -420,6 +506,9 @@ class _Described:
     #: a holder in this very process: a weak reference to the buffers it described (CPU memory),
     #: which a copy holds while it memmoves out of them; None: another process (``process_vm_readv``)
     own: weakref.ref[ShardBuffers] | None = None
+    #: the holder's shared-memory files this description's mapped regions are in (held: a copy
+    #: out of them holds its description)
+    maps: tuple[_Mapping, ...] = ()
 
 
 def _checked_description(reply: dict[str, Any], pid: int) -> tuple[int, int, list[list[Any]]]:
@@ -429,7 +518,7 @@ def _checked_description(reply: dict[str, Any], pid: int) -> tuple[int, int, lis
     tag, words, regions = reply.get("tag"), reply.get("words"), reply.get("regions")
     if type(tag) is not int or tag == 0 or type(words) is not int or words <= 0 or type(regions) is not list:
         raise ValueError("the description lacks a tag, a words address or a region list")
-    for r in regions:
+    for k, r in enumerate(regions):
         if (
             type(r) is not list
             or len(r) != 5
@@ -444,6 +533,11 @@ def _checked_description(reply: dict[str, Any], pid: int) -> tuple[int, int, lis
             raise ValueError(f"a region is described as {str(r)[:200]}")
         if r[2] == "parts":
             _check_parts(r[4], r[1])
+        elif r[2] == "cpu" and r[4] is not None:
+            try:
+                _check_shared(r[4], r[1])
+            except ValueError as err:
+                raise ValueError(f"region {k} (CPU memory): {err}") from None
     return tag, words, regions
 
 
@@ -508,7 +602,8 @@ def _local_device(uuid: Any, index: int) -> int:
 
 
 class LocalTransport(Transport):
-    """Same-host transport: ``process_vm_readv`` for CPU memory, CUDA IPC for GPU memory.
+    """Same-host transport: ``process_vm_readv`` for CPU memory (``memmove`` out of a holder's
+    shared-memory files, or out of a holder in this process), CUDA IPC for GPU memory.
 
     Options: ``host`` (the side channel's interface, default "127.0.0.1"), ``wait_timeout``
     (seconds a read waits for a partial holder's progress, default 5), ``describe_timeout``
@@ -565,12 +660,19 @@ class LocalTransport(Transport):
         self._reads = ThreadPoolExecutor(max_workers=max(8, 2 * self.streams), thread_name_prefix="local-read")
         self._helpers = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="local-copy") if self.threads > 1 else None
         self._tls = threading.local()
-        self._matched: weakref.WeakKeyDictionary[ShardBuffers, _Described] = weakref.WeakKeyDictionary()
+        #: destination -> the description its layout was last matched with (weakly: a description
+        #: holds the holder's shared-memory mappings, which go when it is dropped)
+        self._matched: weakref.WeakKeyDictionary[ShardBuffers, weakref.ref[_Described]] = weakref.WeakKeyDictionary()
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._boot_id, self._pidns = _host_ids()
         self._netns = _netns()
+        #: (pid, st_dev, st_ino) -> a holder's shared-memory file mapped here, while a cached
+        #: description or a copy holds it (so kept across the versions of a region)
+        self._maps: weakref.WeakValueDictionary[tuple[int, int, int], _Mapping] = weakref.WeakValueDictionary()
+        self._counts = {"shared_mapped": 0, "shared_fallbacks": 0, "shared_other_file": 0}
+        self._warned: set[str] = set()
 
     @classmethod
     def available(cls) -> bool:
@@ -608,6 +710,15 @@ class LocalTransport(Transport):
             return Probe(False, False, f"Yama ptrace_scope {scope}: reading another process's memory is refused ({why})", tuple(facts))
         note = "; holders allow same-user readers (PR_SET_PTRACER)" if scope == 1 else ""
         return Probe(True, True, f"same-host reads with one copy (process_vm_readv){note}", tuple(facts))
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the reader's shared-memory path: ``shared_mapped`` (holders' files mapped
+        here), ``shared_fallbacks`` (regions described in shared memory that were read with
+        ``process_vm_readv`` instead: the file could not be opened, was another file, or could
+        not be mapped), ``shared_other_file`` (of those, the descriptor named another file than
+        the one described: a descriptor number reused), ``shared_maps_held`` (mappings held now)."""
+        with self._lock:
+            return {**self._counts, "shared_maps_held": len(self._maps)}
 
     # ---- both sides ----------------------------------------------------------------------------
 
@@ -665,7 +776,9 @@ class LocalTransport(Transport):
             self._closed = True
             exposed = list(self._exposed.values())
             self._exposed.clear()
+            dropped = list(self._described.values())
             self._described.clear()
+            self._dropped(dropped)
         for buf in exposed:
             buf.progress.retag()
         side = self._side
@@ -792,6 +905,8 @@ class LocalTransport(Transport):
             self._forget(key, desc)
             raise TransportError(f"read of {where}: {type(err).__name__}: {err}") from err
         finally:
+            if desc is not None:
+                self._let_go(desc)
             with self._idle:
                 self._inflight -= 1
                 self._idle.notify_all()
@@ -804,15 +919,15 @@ class LocalTransport(Transport):
         """The cached description of ``key``, or a new one (one describe at a time per key)."""
         with self._lock:
             desc = self._described.get(key)
-            if desc is not None and desc.pid == pid:
+            if desc is not None and desc.pid == pid and self._hold(desc):
                 self._described.move_to_end(key)
                 return desc
             gate = self._describing.setdefault(key, threading.Lock())
         with gate:
             with self._lock:
                 desc = self._described.get(key)
-            if desc is not None and desc.pid == pid:
-                return desc
+                if desc is not None and desc.pid == pid and self._hold(desc):
+                    return desc
             try:
                 desc = self._describe(key, pid, where, token)
             finally:
@@ -821,18 +936,62 @@ class LocalTransport(Transport):
         with self._lock:
             if self._closed:
                 raise TransportError(f"local transport {self.id} closed during the read of {where}")
+            if not self._hold(desc):  # a mapping it reused was dropped meanwhile (a race; rare)
+                raise TransportError(f"read of {where}: the holder's shared memory was unmapped during its describe; read again")
             side, region, version = key
-            for old in [k for k in self._described if k[:2] == (side, region) and k[2] != version]:
-                del self._described[old]  # the region moved on to another version
+            dropped = [self._described.pop(k) for k in [k for k in self._described if k[:2] == (side, region) and k[2] != version]]
+            old = self._described.pop(key, None)  # the region moved on to another version, or described again
             self._described[key] = desc
             while len(self._described) > _DESCRIBED_MAX:
-                self._described.popitem(last=False)
+                dropped.append(self._described.popitem(last=False)[1])
+            self._dropped([*dropped, *([old] if old is not None else [])])
         return desc
 
     def _forget(self, key: tuple[str, int, int], desc: _Described | None) -> None:
         with self._lock:
             if desc is not None and self._described.get(key) is desc:
                 del self._described[key]
+                self._dropped([desc])
+
+    # The holder's shared-memory files mapped here live while a cached description holds them
+    # (across versions: a trainer keeps its storage), and are unmapped once none does and no
+    # read copies out of them: so a withdrawn or replaced holder's files are let go at once (not
+    # when an exception's traceback that holds the description is collected).
+
+    def _hold(self, desc: _Described) -> bool:
+        """A read copies out of ``desc``'s mappings from now on (under the lock); False: one of
+        them was dropped (describe again)."""
+        if any(m.dead for m in desc.maps):
+            return False
+        for m in desc.maps:
+            m.users += 1
+        return True
+
+    def _let_go(self, desc: _Described) -> None:
+        """The read that held ``desc``'s mappings is done with them."""
+        if not desc.maps:
+            return
+        with self._lock:
+            for m in desc.maps:
+                m.users -= 1
+                if m.dead and m.users == 0:
+                    m.unmap()
+
+    def _dropped(self, descs: list[_Described]) -> None:
+        """``descs`` left the cache (under the lock): their mappings that no cached description
+        holds are dead, unmapped now or when their last read lets go."""
+        maps = {id(m): m for d in descs for m in d.maps}
+        if not maps:
+            return
+        kept = {id(m) for d in self._described.values() for m in d.maps}
+        for i, m in maps.items():
+            if i in kept or m.dead:
+                continue
+            m.dead = True
+            if self._maps.get(m.key) is m:
+                del self._maps[m.key]
+            if m.users == 0:
+                m.unmap()
 
     def _describe(self, key: tuple[str, int, int], pid: int, where: str, token: bytes | None = None) -> _Described:
         side, region, version = key
@@ -870,7 +1029,64 @@ class LocalTransport(Transport):
         sizes = tuple(r.nbytes for r in regions)
         cpu = all(r.cuda is None for r in regions)
         own = self._own_buffers(side, words, tag) if in_process and cpu else None
-        return _Described(pid, tag, words, tuple(regions), sum(sizes), cpu, sizes, own)
+        maps: list[_Mapping] = []
+        if own is None:  # a holder in shared memory: its files mapped here, copied with memmove
+            for k, (address, nbytes, kind, _index, extra) in enumerate(raw):
+                if kind == "cpu" and extra is not None and nbytes:
+                    mapping = self._map(pid, _check_shared(extra, nbytes), nbytes, k, where)
+                    if mapping is not None:
+                        maps.append(mapping)
+                        regions[k] = _Region(mapping.address + extra["offset"], nbytes, None, mapped=True)
+        return _Described(pid, tag, words, tuple(regions), sum(sizes), cpu, sizes, own, tuple(maps))
+
+    def _map(self, pid: int, shared: tuple[int, int, int, int, int], nbytes: int, k: int, where: str) -> _Mapping | None:
+        """The holder's shared-memory file of region ``k`` mapped here (one mapping per file,
+        kept while a description holds it), or None: read it with ``process_vm_readv`` (logged
+        once per cause, counted). The file is opened by its descriptor in the holder's process,
+        and refused unless it is the file described (device and inode: the descriptor's number
+        may have been reused for another file since)."""
+        fd, dev, ino, offset, _size = shared
+        key = (pid, dev, ino)
+        with self._lock:
+            mapping = self._maps.get(key)
+        if mapping is not None and not mapping.dead and offset + nbytes <= mapping.size:
+            return mapping  # the same inode, held open by this mapping: the same file
+        path = _PROC_FD.format(pid=pid, fd=fd)
+        try:
+            opened = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as err:
+            self._fallback("open", f"cannot open {path} ({err.strerror})", k, where)
+            return None
+        try:
+            st = os.fstat(opened)
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                with self._lock:
+                    self._counts["shared_other_file"] += 1
+                self._fallback("other", f"{path} is another file than the one described (its descriptor was reused)", k, where)
+                return None
+            if offset + nbytes > st.st_size:
+                self._fallback("size", f"{path} has {st.st_size} bytes, fewer than the region needs", k, where)
+                return None
+            try:
+                mapping = _Mapping(opened, st.st_size, key)
+            except OSError as err:
+                self._fallback("mmap", f"{path}: {err}", k, where)
+                return None
+        finally:
+            os.close(opened)
+        with self._lock:
+            self._counts["shared_mapped"] += 1
+            self._maps[key] = mapping
+        return mapping
+
+    def _fallback(self, cause: str, why: str, k: int, where: str) -> None:
+        with self._lock:
+            self._counts["shared_fallbacks"] += 1
+            first = cause not in self._warned
+            self._warned.add(cause)
+        if first:
+            _log.warning("local transport %s: region %d of %s is in shared memory, but %s: it is read with "
+                         "process_vm_readv (logged once per cause)", self.id, k, where, why)  # fmt: skip
 
     def _own_buffers(self, side: str, words: int, tag: int) -> weakref.ref[ShardBuffers] | None:
         """The buffers a holder in this very process described (its words and tag), weakly: a
@@ -897,12 +1113,13 @@ class LocalTransport(Transport):
         """The described region sizes must be ``into``'s plan's (checked once per pair: the
         reads of a pull share both)."""
         with self._lock:
-            if self._matched.get(into) is desc:
+            matched = self._matched.get(into)
+            if matched is not None and matched() is desc:
                 return
         if desc.sizes != tuple(r.nbytes for r in into.plan.regions):
             raise TransportError(f"read of {where}: the peer's regions do not match the destination's layout")
         with self._lock:
-            self._matched[into] = desc
+            self._matched[into] = weakref.ref(desc)
 
     def _words(self, desc: _Described, where: str) -> tuple[int, int | None, int]:
         """``(generation, version, verified)`` from the holder's words, the tag checked."""
@@ -1038,31 +1255,43 @@ class LocalTransport(Transport):
         # A holder in this process: its buffers, held for the copy (their memory stays mapped; a
         # withdraw or a new generation meanwhile fails the seqlock after it, as for another process).
         own = desc.own() if desc.own is not None else None
-        local: list[tuple[int, int]] = []
-        remote: list[tuple[int, int]] = []
+        # Runs of segments copied alike: (in user space, their bytes, local spans, remote spans).
+        # A region mapped from a holder's shared-memory file (``_Region.mapped``) is in user
+        # space as a holder in this process is; the rest goes through ``process_vm_readv``.
+        runs: list[tuple[bool, int, list[tuple[int, int]], list[tuple[int, int]]]] = []
         for seg in into.segments(offset, length):
-            local += into.spans(seg.offset, seg.length)
-            remote += own.spans(seg.offset, seg.length) if own is not None else desc.regions[seg.index].spans(seg.start, seg.length)
+            src = desc.regions[seg.index]
+            user = own is not None or src.mapped
+            theirs = own.spans(seg.offset, seg.length) if own is not None else src.spans(seg.start, seg.length)
+            if runs and runs[-1][0] == user:
+                _, n, mine, remote = runs[-1]
+                mine += into.spans(seg.offset, seg.length)
+                remote += theirs
+                runs[-1] = (user, n + seg.length, mine, remote)
+            else:
+                runs.append((user, seg.length, into.spans(seg.offset, seg.length), theirs))
         # A part that is one whole checksum unit (the usual: 4 MiB parts of 4 MiB units) is
         # hashed through the hasher's stream of that unit: one update per piece, no search.
         unit_stream = getattr(landed, "unit_stream", None)
         sink = unit_stream(offset, length) if unit_stream is not None else None
-        li = lo = ri = ro = 0
-        pos, end, piece = offset, offset + length, self.piece_bytes
-        while pos < end:
-            if self._closed:
-                self._check_open(where)
-            if stop is not None and stop.is_set():
-                raise TransportError(f"read of {where}: another part of the read failed")
-            n = min(piece, end - pos)
-            mine, li, lo = _take(local, li, lo, n)
-            theirs, ri, ro = _take(remote, ri, ro, n)
-            self._vm_copy(desc, mine, theirs, where, own)
-            if sink is not None:
-                sink(pos, pos + n)
-            elif landed is not None:
-                landed(pos, n)
-            pos += n
+        pos, piece = offset, self.piece_bytes
+        for user, run_bytes, local, remote in runs:
+            li = lo = ri = ro = 0
+            end = pos + run_bytes
+            while pos < end:
+                if self._closed:
+                    self._check_open(where)
+                if stop is not None and stop.is_set():
+                    raise TransportError(f"read of {where}: another part of the read failed")
+                n = min(piece, end - pos)
+                mine, li, lo = _take(local, li, lo, n)
+                theirs, ri, ro = _take(remote, ri, ro, n)
+                self._vm_copy(desc, mine, theirs, where, user)
+                if sink is not None:
+                    sink(pos, pos + n)
+                elif landed is not None:
+                    landed(pos, n)
+                pos += n
 
     def _copy_piece(self, desc: _Described, into: ShardBuffers, offset: int, n: int, where: str) -> None:
         local: list[tuple[int, int]] = []
@@ -1078,12 +1307,14 @@ class LocalTransport(Transport):
                     continue
                 dst.copy_(piece)
                 synced.update(t.device for t in (dst, src.cuda) if t.device.type == "cuda")
+            elif dst is None and src.mapped:
+                self._vm_copy(desc, into.spans(seg.offset, seg.length), src.spans(seg.start, seg.length), where, True)
             elif dst is None:
                 local += into.spans(seg.offset, seg.length)
                 remote += src.spans(seg.start, seg.length)
             else:  # CPU memory into GPU memory: stage it
                 staged = bytearray(seg.length)
-                self._vm_copy(desc, [(_address(staged), seg.length)], src.spans(seg.start, seg.length), where)
+                self._vm_copy(desc, [(_address(staged), seg.length)], src.spans(seg.start, seg.length), where, src.mapped)
                 into.copy_in(seg.offset, memoryview(staged))
         if local:
             self._vm_copy(desc, local, remote, where)
@@ -1091,12 +1322,13 @@ class LocalTransport(Transport):
             torch.cuda.synchronize(device)
 
     def _vm_copy(
-        self, desc: _Described, local: list[tuple[int, int]], remote: list[tuple[int, int]], where: str, own: ShardBuffers | None = None
+        self, desc: _Described, local: list[tuple[int, int]], remote: list[tuple[int, int]], where: str, user: bool = False
     ) -> None:
         """Copy the holder's ``remote`` spans into this process's ``local`` ones: with
-        ``process_vm_readv``, or, ``own`` given (the holder's buffers, in this process, held by
-        the caller for the copy), with ``memmove``."""
-        if own is not None:
+        ``process_vm_readv``, or, ``user`` (``remote`` is memory of this process, held by the
+        caller for the copy: the holder's buffers in this very process, or its shared-memory
+        files mapped here), with ``memmove``."""
+        if user:
             _memmove(local, remote)
             return
         try:
@@ -1270,7 +1502,8 @@ def _describe_region(buf: ShardBuffers, k: int, share: bool) -> list[Any]:
         return [0, buf.plan.regions[k].nbytes, "parts", -1, [[a, n] for a, n in parts]]
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cuda":
-        return [t.data_ptr(), nbytes, "cpu", -1, None]
+        shared = buf.shared_file(k)
+        return [t.data_ptr(), nbytes, "cpu", -1, None if shared is None else shared.extra()]
     ipc = None
     if share and nbytes:
         fields = list(t.untyped_storage()._share_cuda_())

@@ -42,9 +42,14 @@ class ShardHandle:
         return self._loop.run(coro)
 
     def register(
-        self, tensors: dict[str, torch.Tensor], placements: dict[str, Any] | None = None, *, checksum: str | None = None
+        self,
+        tensors: dict[str, torch.Tensor],
+        placements: dict[str, Any] | None = None,
+        *,
+        checksum: str | None = None,
+        shared_memory: bool = False,
     ) -> None:
-        return self._run(self._h.register(tensors, placements, checksum=checksum))
+        return self._run(self._h.register(tensors, placements, checksum=checksum, shared_memory=shared_memory))
 
     def unregister(self) -> None:
         return self._run(self._h.unregister())
