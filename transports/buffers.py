@@ -31,6 +31,9 @@ a NIC's READ keep stores in that order). A READ of the words is not atomic, so a
 them as covering its range only when two READs in a row agree; it reads them again after its
 bytes (a seqlock) and accepts the bytes only if the tag, generation and version did not change
 and ``verified`` still covers them.
+
+Size: the byte space, its packs and its shared-memory files are one object every transport
+reads through; the progress words would split off first.
 """
 
 from __future__ import annotations
