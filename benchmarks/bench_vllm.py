@@ -266,10 +266,14 @@ def serve_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
+    calls: list[tuple[str, float]] = []  # each call of the round's timed part: its route and seconds
+
     def post(route: str, body: dict | None = None, **params: object) -> dict:
+        t = time.perf_counter()
         r = requests.post(f"{url}{route}", json=body, params=params or None, timeout=600)
         if r.status_code != 200:
             raise RuntimeError(f"POST {route}: {r.status_code} {r.text[:2000]}")
+        calls.append((route, time.perf_counter() - t))
         return r.json() if r.content else {}
 
     try:
@@ -344,6 +348,7 @@ def serve_main(args: argparse.Namespace) -> int:
                     streaming = threading.Thread(target=stream, args=(arrivals, going), daemon=True)
                     streaming.start()
                     going.wait(120)
+                    calls.clear()
                     t0 = time.perf_counter()
                     post("/update_weights", {"update_info": {"version": version}})
                     post("/finish_weight_update", {"weight_version": str(version)})
@@ -366,12 +371,14 @@ def serve_main(args: argparse.Namespace) -> int:
                     deadline = time.monotonic() + 300
                     while not staged(version) and time.monotonic() < deadline:
                         generate()  # the server keeps answering while the pull runs
+                    calls.clear()
                     t0 = time.perf_counter()
                     post("/pause", mode="wait")
                     post("/update_weights", {"update_info": {"version": version}})
                     post("/finish_weight_update", {"weight_version": str(version)})
                     post("/resume")
                 elif route == "tensorhub":
+                    calls.clear()
                     t0 = time.perf_counter()
                     post("/pause", mode="wait")
                     post("/start_weight_update")
@@ -379,11 +386,13 @@ def serve_main(args: argparse.Namespace) -> int:
                     post("/finish_weight_update", {"weight_version": str(version)})
                     post("/resume")
                 else:
+                    calls.clear()
                     t0 = time.perf_counter()
                     post("/pause", mode="wait")
                     post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
                     post("/resume")
                 pause = pauses[route].pop() if live else time.perf_counter() - t0
+                timed = " (" + ", ".join(f"{r.lstrip('/')} {x * 1000:.1f}" for r, x in calls) + " ms)"
                 post("/reset_prefix_cache")
                 got = generate()
                 if route != "vllm-reload":
@@ -394,7 +403,7 @@ def serve_main(args: argparse.Namespace) -> int:
                         return 1
                 pauses[route].append(pause)
                 phases = "" if route == "vllm-reload" else _phases(backends()[0]["last"])
-                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms{live}{phases}", flush=True)
+                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms{timed}{live}{phases}", flush=True)
         post("/shutdown_weight_transfer_engine")
     finally:
         proc.terminate()
