@@ -51,6 +51,14 @@ from ``/pause`` to the end of ``/resume``:
 - ``pause-resume``: ``/pause`` -> ``/resume``, nothing between: what the HTTP calls and the
   engine's own pause cost, the floor of every route that pauses.
 
+Each round's line gives the time of each HTTP call of the timed part, then the worker's
+recorded phases of that update (the backend's ``last``): ``pull`` (its wall time) with
+``convert`` (the conversion itself) and ``before_convert``/``after_convert`` (the pull's time
+around it: the server's round trips), ``build`` (the processed layers, in all),
+``built_while_pulling`` (modules whose build began while the pull still landed later ones) and
+``build_after_pull`` (the part of the build left after the pull), ``swap``, ``attention``; and
+the machine's load averages (timings here share two cores with whatever else runs).
+
 The trainer (in this process) keeps no offload copy (``retain=None``): with ``"latest"`` each
 round's unpublish copied its 309 MiB to CPU memory in this process, work of neither route that
 only added CPU noise (in the offline mode the engine shares this process).
@@ -99,10 +107,15 @@ def _next_version(trainer: Any, weights: dict[str, Any], version: int, tmp: str)
     return path
 
 
+def _load() -> str:
+    """The machine's load averages (1, 5, 15 min): timings here are shared with whatever else runs."""
+    return "load " + "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def _print_medians(pauses: dict[str, list[float]], how: str, width: int) -> None:
     """Each route's median pause and its ratio to vLLM's own reload (the baseline, same run)."""
     base = median(pauses["vllm-reload"])
-    print(f"\nmedian pause per update {how}:")
+    print(f"\nmedian pause per update {how}; {_load()}:")
     for route, xs in pauses.items():
         m = median(xs)
         print(f"  {route:>{width}}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:6.3f}")
@@ -187,7 +200,7 @@ def main() -> int:
                         return 1
                 pauses[route].append(pause)
                 phases = "" if route == "vllm-reload" else _phases(_backend(llm).last)
-                print(f"round {rnd} {route:>19} v{version}: pause {pause * 1000:8.1f} ms{phases}", flush=True)
+                print(f"round {rnd} {route:>19} v{version}: pause {pause * 1000:8.1f} ms{phases} [{_load()}]", flush=True)
     finally:
         llm.shutdown_weight_transfer_engine()
         trainer.close()
@@ -332,7 +345,7 @@ def serve_main(args: argparse.Namespace) -> int:
                     post("/pause", mode="wait")
                     post("/resume")
                     pauses[route].append(time.perf_counter() - t0)
-                    print(f"round {rnd} {route:>15}: pause {pauses[route][-1] * 1000:8.1f} ms", flush=True)
+                    print(f"round {rnd} {route:>15}: pause {pauses[route][-1] * 1000:8.1f} ms [{_load()}]", flush=True)
                     continue
                 version += 1
                 path = _next_version(trainer, weights, version, tmp)
@@ -403,7 +416,7 @@ def serve_main(args: argparse.Namespace) -> int:
                         return 1
                 pauses[route].append(pause)
                 phases = "" if route == "vllm-reload" else _phases(backends()[0]["last"])
-                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms{timed}{live}{phases}", flush=True)
+                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms{timed}{live}{phases} [{_load()}]", flush=True)
         post("/shutdown_weight_transfer_engine")
     finally:
         proc.terminate()
