@@ -178,6 +178,7 @@ class ConversionStats:
     failures: int = 0  #: reads that failed or failed verification (and were tried again)
     reads: int = 0  #: transport reads made (a run of the plan's reads read as one counts once)
     sources: list[str] = field(default_factory=list)
+    started: float = 0.0  #: ``time.perf_counter()`` when it began (this process's clock: a caller's phases)
 
 
 class _Window(ShardBuffers):
@@ -400,7 +401,7 @@ class Conversion:
     # ---- the work ------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self.stats.started = time.perf_counter()
         b = self.buffers
         b.progress.reset(self.version, 0)
         source = ReplicaLayout(tuple(self._layouts[i] for i in range(self.source_shards)))
