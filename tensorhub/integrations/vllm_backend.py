@@ -101,6 +101,7 @@ checkpoint tensor), which the rest only reads.
 
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import math
@@ -529,6 +530,35 @@ def _first_spares(trace: LoaderTrace, lent: dict[tuple[Any, str], Any]) -> dict[
     return out
 
 
+class _GcTime:
+    """The time Python's cyclic garbage collector ran (any thread) from its making to :meth:`stop`."""
+
+    def __init__(self, start: bool = True) -> None:
+        self.seconds, self.count, self._t = 0.0, 0, 0.0
+        self.marked: tuple[float, int] | None = None
+        self._on = False
+        if start:
+            gc.callbacks.append(self._note)
+            self._on = True
+
+    def mark(self) -> None:
+        """Note the figures so far (what came after is told apart)."""
+        self.marked = (self.seconds, self.count)
+
+    def stop(self) -> None:
+        if self._on:
+            gc.callbacks.remove(self._note)
+            self._on = False
+
+    def _note(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t:
+            self.seconds += time.perf_counter() - self._t
+            self.count += 1
+            self._t = 0.0
+
+
 class _Landings:
     """What a conversion says as it lands a staging set (a
     :class:`~tensorhub.runtime.convert.LandingListener`), queued for the thread that builds:
@@ -592,6 +622,9 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         #: update) and swap them in; False: the update loads staging into the live parameters through
         #: vLLM's layerwise reload (materialize, process, copy into the kernel tensors)
         self.swap = True
+        #: build each module as the conversion says its tensors landed, during the pull; False: the
+        #: whole build after the pull (what bench_vllm.py's ``tensorhub-serial`` route compares with)
+        self.build_while_landing = True
         self._shadow: _Shadow | None = None
         #: the storages the last swap replaced, by (module, kind, name): the next build's buffers
         #: (freeing them in the pause cost ~0.1 ms per MiB; reusing them saves the page faults too)
@@ -607,6 +640,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         #: the last pull's landings and builds, in order: ("begin", version), ("landed", tensor),
         #: ("built", module): what was built while what landed
         self.landing_log: list[tuple[str, str]] = []
+        self._gc_time = _GcTime(start=False)  # collections from an update to its finish_weight_update
 
     @property
     def handle(self) -> ShardHandle | None:
@@ -809,6 +843,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             self._prefetch = threading.Thread(target=run, name="tensorhub-prefetch", daemon=True)
             self._prefetch.start()
             return
+        self._gc_time.stop()
+        gc_time = self._gc_time = _GcTime()  # until finish_weight_update
         with self._lock:
             t0 = time.perf_counter()
             version, phases = self._pull_and_build(update_info.version)
@@ -818,7 +854,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             if self._moved and conv is not None and conv.version == version:  # converted here, now (else: a peer's bytes)
                 # before_convert/after_convert: the pull's time around the conversion (the server's round trips)
                 self.last.update(convert_s=conv.seconds, convert_tasks=float(conv.tasks), in_place_tasks=float(conv.in_place),
-                                 reads=float(conv.reads), before_convert_s=conv.started - t0,
+                                 reads=float(conv.reads), before_convert_s=conv.created - t0,
+                                 convert_setup_s=conv.started - conv.created,
                                  after_convert_s=t0 + self.last["pull_s"] - conv.started - conv.seconds)  # fmt: skip
             self.last.update(phases)
             shadow, self._shadow = self._shadow, None
@@ -832,6 +869,9 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
                 self._replay_all()
             self.loaded = version
             self.last["replay_s"] = time.perf_counter() - t1
+        # Python's cyclic collections during the update (any thread's: each stops every Python thread)
+        self.last.update(gc_s=gc_time.seconds, gc_collections=float(gc_time.count))
+        gc_time.mark()
 
     @torch.no_grad()
     def _replay_all(self, only: list[Any] | None = None) -> None:
@@ -924,12 +964,18 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             whatever the pull raised (after the modules being built are dropped), or a build's
             error (once the pull has ended: nothing writes staging behind the caller).
         """
-        if not self.swap:
-            t = time.perf_counter()
-            got = self._pull(version)
-            return got, {"pull_s": time.perf_counter() - t}
-        assert self.trace is not None
         clock = time.perf_counter
+        if not (self.swap and self.build_while_landing):  # the pull, then (swap) the build
+            t = clock()
+            got = self._pull(version)
+            t1 = clock()
+            phases = {"pull_s": t1 - t}
+            if self.swap and (self._shadow is None or self._shadow.version != got):
+                self._shadow = None
+                self._shadow = self._build_shadow(got)
+                phases.update(build_s=self._shadow.seconds, build_after_pull_s=clock() - t1)
+            return got, phases
+        assert self.trace is not None
         landings = _Landings()
         result: list[Any] = []
 
@@ -1156,6 +1202,10 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
     def finish_weight_update(self) -> None:
         """Nothing left: ``update_weights`` loaded the whole model. (The version vLLM reports
         is the frontend's: ``finish_weight_update(weight_version=...)``.)"""
+        gc_time, self._gc_time = self._gc_time, _GcTime()
+        gc_time.stop()
+        if gc_time.marked is not None:  # collections between the update's end and this call
+            self.last.update(gc_after_s=gc_time.seconds - gc_time.marked[0], gc_after_collections=float(gc_time.count - gc_time.marked[1]))
 
     def shutdown(self) -> None:
         """Close the handle (the parameters keep what they hold)."""
@@ -1166,4 +1216,5 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         self._shadow = None
         self._spare.clear()
         self._retired.clear()
+        self._gc_time.stop()
         self._close_sets()

@@ -178,7 +178,8 @@ class ConversionStats:
     failures: int = 0  #: reads that failed or failed verification (and were tried again)
     reads: int = 0  #: transport reads made (a run of the plan's reads read as one counts once)
     sources: list[str] = field(default_factory=list)
-    started: float = 0.0  #: ``time.perf_counter()`` when it began (this process's clock: a caller's phases)
+    created: float = 0.0  #: ``time.perf_counter()`` when its ``Convert`` was taken (this process's clock: a caller's phases)
+    started: float = 0.0  #: ... and when its work began
 
 
 class _Window(ShardBuffers):
@@ -344,7 +345,7 @@ class Conversion:
         self.source_shards = msg.source_shards
         self.sources: dict[int, _Source] = {}
         self.ready: dict[int, asyncio.Event] = {i: asyncio.Event() for i in range(msg.source_shards)}
-        self.stats = ConversionStats(msg.version, budget=spec.budget)
+        self.stats = ConversionStats(msg.version, budget=spec.budget, created=time.perf_counter())
         self.read_by_source: dict[int, int] = {}  # source shard -> bytes read from it (for the history)
         self.task: asyncio.Task | None = None
         self.done = False
