@@ -33,6 +33,9 @@ from ``/pause`` to the end of ``/resume``:
 - ``vllm-reload``: ``/pause`` -> ``/collective_rpc`` ``reload_weights`` -> ``/resume``;
 - ``tensorhub``: ``/pause`` -> ``/start_weight_update`` -> ``/update_weights`` ->
   ``/finish_weight_update`` -> ``/resume``;
+- ``tensorhub-serial``: the same with the backend building the processed layers after the pull
+  (``build_while_landing`` off through ``/collective_rpc`` ``tensorhub_backend``, not timed), not
+  as each module's tensors land during it: the A/B of that overlap, in the same run and round;
 - ``tensorhub-flip``: ``/start_weight_update`` + ``/update_weights {"prefetch": true}`` while
   the server keeps answering completions (not counted) until every worker says (through
   ``/collective_rpc`` ``tensorhub_backend``) that the version is staged and its processed layers
@@ -334,8 +337,8 @@ def serve_main(args: argparse.Namespace) -> int:
             finally:
                 going.set()
 
-        pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-flip": [], "tensorhub-live": [],
-                                          "pause-resume": []}  # fmt: skip
+        pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-serial": [], "tensorhub-flip": [],
+                                          "tensorhub-live": [], "pause-resume": []}  # fmt: skip
         excess: list[float] = []  # tensorhub-live: the longest gap across the calls less the stream's typical gap
         version = 0
         for rnd in range(args.rounds):
@@ -345,7 +348,7 @@ def serve_main(args: argparse.Namespace) -> int:
                     post("/pause", mode="wait")
                     post("/resume")
                     pauses[route].append(time.perf_counter() - t0)
-                    print(f"round {rnd} {route:>15}: pause {pauses[route][-1] * 1000:8.1f} ms [{_load()}]", flush=True)
+                    print(f"round {rnd} {route:>16}: pause {pauses[route][-1] * 1000:8.1f} ms [{_load()}]", flush=True)
                     continue
                 version += 1
                 path = _next_version(trainer, weights, version, tmp)
@@ -390,7 +393,10 @@ def serve_main(args: argparse.Namespace) -> int:
                     post("/update_weights", {"update_info": {"version": version}})
                     post("/finish_weight_update", {"weight_version": str(version)})
                     post("/resume")
-                elif route == "tensorhub":
+                elif route in ("tensorhub", "tensorhub-serial"):
+                    serial = route == "tensorhub-serial"
+                    if serial:  # the A/B: the whole build after the pull, as before the build overlapped it
+                        post("/collective_rpc", {"method": "tensorhub_backend", "kwargs": {"build_while_landing": False}})
                     calls.clear()
                     t0 = time.perf_counter()
                     post("/pause", mode="wait")
@@ -398,13 +404,16 @@ def serve_main(args: argparse.Namespace) -> int:
                     post("/update_weights", {"update_info": {"version": version}})
                     post("/finish_weight_update", {"weight_version": str(version)})
                     post("/resume")
+                    pause_ = time.perf_counter() - t0
+                    if serial:
+                        post("/collective_rpc", {"method": "tensorhub_backend", "kwargs": {"build_while_landing": True}})
                 else:
                     calls.clear()
                     t0 = time.perf_counter()
                     post("/pause", mode="wait")
                     post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
                     post("/resume")
-                pause = pauses[route].pop() if live else time.perf_counter() - t0
+                pause = pauses[route].pop() if live else pause_ if route in ("tensorhub", "tensorhub-serial") else time.perf_counter() - t0
                 timed = " (" + ", ".join(f"{r.lstrip('/')} {x * 1000:.1f}" for r, x in calls) + " ms)"
                 post("/reset_prefix_cache")
                 got = generate()
@@ -416,7 +425,7 @@ def serve_main(args: argparse.Namespace) -> int:
                         return 1
                 pauses[route].append(pause)
                 phases = "" if route == "vllm-reload" else _phases(backends()[0]["last"])
-                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms{timed}{live}{phases} [{_load()}]", flush=True)
+                print(f"round {rnd} {route:>16} v{version}: pause {pause * 1000:8.1f} ms{timed}{live}{phases} [{_load()}]", flush=True)
         post("/shutdown_weight_transfer_engine")
     finally:
         proc.terminate()
@@ -429,7 +438,7 @@ def serve_main(args: argparse.Namespace) -> int:
         trainer.close()
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint per version: gigabytes
-    _print_medians(pauses, f"through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run)", 15)
+    _print_medians(pauses, f"through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run)", 16)
     print("  (tensorhub-live: no /pause; the longest gap between a streamed completion's tokens across the calls,")
     print(f"   one engine step included; less the stream's typical gap, median {median(excess) * 1000:.1f} ms: "
           f"ratio to vllm-reload {median(excess) / median(pauses['vllm-reload']):.3f})")  # fmt: skip
