@@ -1016,6 +1016,11 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
                         failure = err
                     build_s += clock() - t
                     self.landing_log.append(("built", self._names.get(id(mod), type(mod).__name__)))
+                    if puller.is_alive():
+                        # the interpreter lock, handed over between modules (a build is ~0.5 ms of
+                        # Python): the pull's copy threads take it for each piece's landing hash,
+                        # and would otherwise wait up to a switch interval (5 ms) each time
+                        time.sleep(0)
         puller.join()
         t1 = clock()
         (got,) = result
