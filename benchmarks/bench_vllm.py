@@ -35,7 +35,8 @@ from ``/pause`` to the end of ``/resume``:
   ``/finish_weight_update`` -> ``/resume``;
 - ``tensorhub-serial``: the same with the backend building the processed layers after the pull
   (``build_while_landing`` off through ``/collective_rpc`` ``tensorhub_backend``, not timed), not
-  as each module's tensors land during it: the A/B of that overlap, in the same run and round;
+  as each module's tensors land during it: the A/B of that overlap, in the same run and round
+  (the two in the other order every other round);
 - ``tensorhub-flip``: ``/start_weight_update`` + ``/update_weights {"prefetch": true}`` while
   the server keeps answering completions (not counted) until every worker says (through
   ``/collective_rpc`` ``tensorhub_backend``) that the version is staged and its processed layers
@@ -342,7 +343,11 @@ def serve_main(args: argparse.Namespace) -> int:
         excess: list[float] = []  # tensorhub-live: the longest gap across the calls less the stream's typical gap
         version = 0
         for rnd in range(args.rounds):
-            for route in pauses:
+            order = list(pauses)
+            if rnd % 2:  # the A/B's two routes in the other order every other round (the earlier one ran first)
+                a, b = order.index("tensorhub"), order.index("tensorhub-serial")
+                order[a], order[b] = order[b], order[a]
+            for route in order:
                 if route == "pause-resume":  # the floor: two of the calls every route makes, nothing between
                     t0 = time.perf_counter()
                     post("/pause", mode="wait")
