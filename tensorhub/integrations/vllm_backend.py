@@ -956,7 +956,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         conversion starts over (what was built from before is dropped: its bytes may be written
         again). A shadow of the version staged already is kept. Returns the version staged and
         the phases: ``pull_s`` (the pull's wall time), ``build_s`` (building, in all),
-        ``build_after_pull_s`` (the part after the pull), ``built_landing`` (modules built as
+        ``build_after_pull_s`` (from the pull's end to the last build's: the builds that lagged
+        the landings and what was left), ``built_landing`` (modules built as
         their tensors were said landed), ``built_while_pulling`` (of those, the ones whose build
         began before the pull had returned).
 
@@ -978,6 +979,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         assert self.trace is not None
         landings = _Landings()
         result: list[Any] = []
+        ended: list[float] = []
 
         def pull() -> None:
             try:
@@ -985,6 +987,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
                 result.append(err)
             finally:
+                ended.append(clock())
                 landings.close()
 
         t0 = clock()
@@ -1022,12 +1025,12 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
                         # and would otherwise wait up to a switch interval (5 ms) each time
                         time.sleep(0)
         puller.join()
-        t1 = clock()
         (got,) = result
         if isinstance(got, BaseException):
             raise got
         if failure is not None:
             raise failure
+        t1 = ended[0]  # the pull's end: what the builds took beyond it (they lagged the landings) is in the pause too
         phases = {"pull_s": t1 - t0, "built_landing": float(len(built) if at == got else 0),
                   "built_while_pulling": float(overlapped if at == got else 0)}  # fmt: skip
         if self._shadow is not None and self._shadow.version == got:
