@@ -69,7 +69,7 @@ def test_each_tensor_is_said_landed_once_with_its_verified_bytes_even_after_a_da
         assert h.replicate(1, timeout=30) == 1
         _expect(dest, full)
         stats = h.last_conversion
-        assert stats is not None and stats.failures == 1, stats  # the damaged read failed its checksum and was read again
+        assert stats is not None and stats.failures == 1, stats  # the damaged read: refused, read again
         assert rec.calls[0] == ("begin", 1)
         landed = rec.calls[1:]
         assert sorted(c[2] for c in landed) == sorted(DEST), rec.calls  # each destination tensor once

@@ -1014,7 +1014,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
                     overlapped += puller.is_alive()
                     t = clock()
                     try:
-                        built[mod] = self._build_module(mod, self.trace.modules[mod], self._info(mod), self.sets[self._pulled].lent)
+                        lent = self.sets[self._pulled].lent
+                        built[mod] = self._build_module(mod, self.trace.modules[mod], self._info(mod), lent)
                     except BaseException as err:  # noqa: BLE001 - raised once the pull has ended
                         failure = err
                     build_s += clock() - t
@@ -1213,7 +1214,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         gc_time, self._gc_time = self._gc_time, _GcTime()
         gc_time.stop()
         if gc_time.marked is not None:  # collections between the update's end and this call
-            self.last.update(gc_after_s=gc_time.seconds - gc_time.marked[0], gc_after_collections=float(gc_time.count - gc_time.marked[1]))
+            seconds, count = gc_time.marked
+            self.last.update(gc_after_s=gc_time.seconds - seconds, gc_after_collections=float(gc_time.count - count))
 
     def shutdown(self) -> None:
         """Close the handle (the parameters keep what they hold)."""

@@ -135,12 +135,14 @@ def listen(buffers: ShardBuffers, listener: LandingListener | None) -> None:
             ``begin``/``landed``.
     """
     if not isinstance(buffers, ShardBuffers):
-        raise InvalidArgument(f"listen() takes a shard's registered buffers (handle.buffers), got {type(buffers).__name__}")
+        what = type(buffers).__name__
+        raise InvalidArgument(f"listen() takes a shard's registered buffers (handle.buffers), got {what}")
     if listener is None:
         _LISTENERS.pop(buffers, None)
         return
     if not (callable(getattr(listener, "begin", None)) and callable(getattr(listener, "landed", None))):
-        raise InvalidArgument(f"a landing listener needs begin(version) and landed(version, tensor), got {type(listener).__name__}")
+        what = type(listener).__name__
+        raise InvalidArgument(f"a landing listener needs begin(version) and landed(version, tensor), got {what}")
     _LISTENERS[buffers] = listener
 
 
@@ -178,8 +180,10 @@ class ConversionStats:
     failures: int = 0  #: reads that failed or failed verification (and were tried again)
     reads: int = 0  #: transport reads made (a run of the plan's reads read as one counts once)
     sources: list[str] = field(default_factory=list)
-    created: float = 0.0  #: ``time.perf_counter()`` when its ``Convert`` was taken (this process's clock: a caller's phases)
-    started: float = 0.0  #: ... and when its work began
+    #: ``time.perf_counter()`` when its ``Convert`` was taken, and when its work began (this
+    #: process's clock: for a caller's phases)
+    created: float = 0.0
+    started: float = 0.0
 
 
 class _Window(ShardBuffers):
