@@ -33,6 +33,10 @@ from ``/pause`` to the end of ``/resume``:
 - ``vllm-reload``: ``/pause`` -> ``/collective_rpc`` ``reload_weights`` -> ``/resume``;
 - ``tensorhub``: ``/pause`` -> ``/start_weight_update`` -> ``/update_weights`` ->
   ``/finish_weight_update`` -> ``/resume``;
+- ``tensorhub-serial``: the same with the backend building the processed layers after the pull
+  (``build_while_landing`` off through ``/collective_rpc`` ``tensorhub_backend``, not timed), not
+  as each module's tensors land during it: the A/B of that overlap, in the same run and round
+  (the two in the other order every other round);
 - ``tensorhub-flip``: ``/start_weight_update`` + ``/update_weights {"prefetch": true}`` while
   the server keeps answering completions (not counted) until every worker says (through
   ``/collective_rpc`` ``tensorhub_backend``) that the version is staged and its processed layers
@@ -50,6 +54,14 @@ from ``/pause`` to the end of ``/resume``:
   it (what the flip added) and the calls' own time; the excess's median closes the report.
 - ``pause-resume``: ``/pause`` -> ``/resume``, nothing between: what the HTTP calls and the
   engine's own pause cost, the floor of every route that pauses.
+
+Each round's line gives the time of each HTTP call of the timed part, then the worker's
+recorded phases of that update (the backend's ``last``): ``pull`` (its wall time) with
+``convert`` (the conversion itself) and ``before_convert``/``after_convert`` (the pull's time
+around it: the server's round trips), ``build`` (the processed layers, in all),
+``built_while_pulling`` (modules whose build began while the pull still landed later ones) and
+``build_after_pull`` (the part of the build left after the pull), ``swap``, ``attention``; and
+the machine's load averages (timings here share two cores with whatever else runs).
 
 The trainer (in this process) keeps no offload copy (``retain=None``): with ``"latest"`` each
 round's unpublish copied its 309 MiB to CPU memory in this process, work of neither route that
@@ -99,10 +111,15 @@ def _next_version(trainer: Any, weights: dict[str, Any], version: int, tmp: str)
     return path
 
 
+def _load() -> str:
+    """The machine's load averages (1, 5, 15 min): timings here are shared with whatever else runs."""
+    return "load " + "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def _print_medians(pauses: dict[str, list[float]], how: str, width: int) -> None:
     """Each route's median pause and its ratio to vLLM's own reload (the baseline, same run)."""
     base = median(pauses["vllm-reload"])
-    print(f"\nmedian pause per update {how}:")
+    print(f"\nmedian pause per update {how}; {_load()}:")
     for route, xs in pauses.items():
         m = median(xs)
         print(f"  {route:>{width}}: {m * 1000:8.1f} ms   ratio to vllm-reload {m / base:6.3f}")
@@ -190,7 +207,7 @@ def main() -> int:
                         return 1
                 pauses[route].append(pause)
                 phases = "" if route == "vllm-reload" else _phases(_backend(llm).last)
-                print(f"round {rnd} {route:>19} v{version}: pause {pause * 1000:8.1f} ms{phases}", flush=True)
+                print(f"round {rnd} {route:>19} v{version}: pause {pause * 1000:8.1f} ms{phases} [{_load()}]", flush=True)
     finally:
         llm.shutdown_weight_transfer_engine()
         trainer.close()
@@ -269,10 +286,14 @@ def serve_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
+    calls: list[tuple[str, float]] = []  # each call of the round's timed part: its route and seconds
+
     def post(route: str, body: dict | None = None, **params: object) -> dict:
+        t = time.perf_counter()
         r = requests.post(f"{url}{route}", json=body, params=params or None, timeout=600)
         if r.status_code != 200:
             raise RuntimeError(f"POST {route}: {r.status_code} {r.text[:2000]}")
+        calls.append((route, time.perf_counter() - t))
         return r.json() if r.content else {}
 
     try:
@@ -320,18 +341,22 @@ def serve_main(args: argparse.Namespace) -> int:
             finally:
                 going.set()
 
-        pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-flip": [], "tensorhub-live": [],
-                                          "pause-resume": []}  # fmt: skip
+        pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-serial": [], "tensorhub-flip": [],
+                                          "tensorhub-live": [], "pause-resume": []}  # fmt: skip
         excess: list[float] = []  # tensorhub-live: the longest gap across the calls less the stream's typical gap
         version = 0
         for rnd in range(args.rounds):
-            for route in pauses:
+            order = list(pauses)
+            if rnd % 2:  # the A/B's two routes in the other order every other round (the earlier one ran first)
+                a, b = order.index("tensorhub"), order.index("tensorhub-serial")
+                order[a], order[b] = order[b], order[a]
+            for route in order:
                 if route == "pause-resume":  # the floor: two of the calls every route makes, nothing between
                     t0 = time.perf_counter()
                     post("/pause", mode="wait")
                     post("/resume")
                     pauses[route].append(time.perf_counter() - t0)
-                    print(f"round {rnd} {route:>15}: pause {pauses[route][-1] * 1000:8.1f} ms", flush=True)
+                    print(f"round {rnd} {route:>16}: pause {pauses[route][-1] * 1000:8.1f} ms [{_load()}]", flush=True)
                     continue
                 version += 1
                 path = _next_version(trainer, weights, version, tmp)
@@ -347,6 +372,7 @@ def serve_main(args: argparse.Namespace) -> int:
                     streaming = threading.Thread(target=stream, args=(arrivals, going), daemon=True)
                     streaming.start()
                     going.wait(120)
+                    calls.clear()
                     t0 = time.perf_counter()
                     post("/update_weights", {"update_info": {"version": version}})
                     post("/finish_weight_update", {"weight_version": str(version)})
@@ -369,24 +395,34 @@ def serve_main(args: argparse.Namespace) -> int:
                     deadline = time.monotonic() + 300
                     while not staged(version) and time.monotonic() < deadline:
                         generate()  # the server keeps answering while the pull runs
+                    calls.clear()
                     t0 = time.perf_counter()
                     post("/pause", mode="wait")
                     post("/update_weights", {"update_info": {"version": version}})
                     post("/finish_weight_update", {"weight_version": str(version)})
                     post("/resume")
-                elif route == "tensorhub":
+                elif route in ("tensorhub", "tensorhub-serial"):
+                    serial = route == "tensorhub-serial"
+                    if serial:  # the A/B: the whole build after the pull, as before the build overlapped it
+                        post("/collective_rpc", {"method": "tensorhub_backend", "kwargs": {"build_while_landing": False}})
+                    calls.clear()
                     t0 = time.perf_counter()
                     post("/pause", mode="wait")
                     post("/start_weight_update")
                     post("/update_weights", {"update_info": {"version": version}})
                     post("/finish_weight_update", {"weight_version": str(version)})
                     post("/resume")
+                    pause_ = time.perf_counter() - t0
+                    if serial:
+                        post("/collective_rpc", {"method": "tensorhub_backend", "kwargs": {"build_while_landing": True}})
                 else:
+                    calls.clear()
                     t0 = time.perf_counter()
                     post("/pause", mode="wait")
                     post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
                     post("/resume")
-                pause = pauses[route].pop() if live else time.perf_counter() - t0
+                pause = pauses[route].pop() if live else pause_ if route in ("tensorhub", "tensorhub-serial") else time.perf_counter() - t0
+                timed = " (" + ", ".join(f"{r.lstrip('/')} {x * 1000:.1f}" for r, x in calls) + " ms)"
                 post("/reset_prefix_cache")
                 got = generate()
                 if route != "vllm-reload":
@@ -397,7 +433,7 @@ def serve_main(args: argparse.Namespace) -> int:
                         return 1
                 pauses[route].append(pause)
                 phases = "" if route == "vllm-reload" else _phases(backends()[0]["last"])
-                print(f"round {rnd} {route:>15} v{version}: pause {pause * 1000:8.1f} ms{live}{phases}", flush=True)
+                print(f"round {rnd} {route:>16} v{version}: pause {pause * 1000:8.1f} ms{timed}{live}{phases} [{_load()}]", flush=True)
         post("/shutdown_weight_transfer_engine")
     finally:
         proc.terminate()
@@ -410,7 +446,7 @@ def serve_main(args: argparse.Namespace) -> int:
         trainer.close()
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint per version: gigabytes
-    _print_medians(pauses, f"through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run)", 15)
+    _print_medians(pauses, f"through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run)", 16)
     print("  (tensorhub-live: no /pause; the longest gap between a streamed completion's tokens across the calls,")
     print(f"   one engine step included; less the stream's typical gap, median {median(excess) * 1000:.1f} ms: "
           f"ratio to vllm-reload {median(excess) / median(pauses['vllm-reload']):.3f})")  # fmt: skip

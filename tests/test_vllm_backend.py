@@ -262,12 +262,73 @@ def test_dense_compiled_in_process(tmp_path_factory, server):
         # the tensorhub backend's state, as an HTTP client reads it through /collective_rpc (shut down: nothing staged)
         (state,) = llm.collective_rpc("tensorhub_backend")
         assert state["loaded"] == 2 and state["staged"] is None and "swap_s" in state["last"]
+        assert state["build_while_landing"] is True  # the default: each module built as its tensors land
+        (state,) = llm.collective_rpc("tensorhub_backend", kwargs={"build_while_landing": False})
+        assert state["build_while_landing"] is False and backend(llm).build_while_landing is False
+        (state,) = llm.collective_rpc("tensorhub_backend", kwargs={"build_while_landing": True})
+        assert state["build_while_landing"] is True
+        with pytest.raises(InvalidArgument, match="build_while_landing"):
+            llm.collective_rpc("tensorhub_backend", kwargs={"build_while_landing": "no"})
         with pytest.raises(InvalidArgument, match="version"):
             llm.start_weight_update()
             llm.update_weights({"update_info": {"version": -1}})
+        _built_as_landed_with_a_damaged_byte(llm, ck, server)
     finally:
         llm.shutdown_weight_transfer_engine()
         del llm
+
+
+def _built_as_landed_with_a_damaged_byte(llm: vllm.LLM, ck: tuple, server) -> None:  # noqa: ANN001
+    """An update without a prefetch builds each module's processed weights as soon as the
+    conversion says its staging tensors are landed and verified, while later ones land
+    (:meth:`TensorHubWeightTransferEngine._pull_and_build`). One byte of the trainer's bytes is
+    damaged on the way (the first read that covers it): that read fails its checksum and is read
+    again, and no module is built from bytes other than the version's (checked at the start of
+    every build; three reads are held back so that a build which did not wait for all of its
+    module's tensors would see one missing); the tokens equal vLLM's own load of the same weights."""
+    from tensorhub.transports import faults
+
+    d, weights = ck
+    w3 = weights[1]  # the engine holds v2 (_round_trip's): back to v1's weights, a new trainer's version 1
+    trainer = Trainer("qwen-dmg", w3, server.address, LLMClient(llm), {"replica": "rollout-dmg", "timeout": 120})
+    b = backend(llm)
+    engine_ = b.handle._engine  # this process's TensorHub engine: the trainer's and the backend's
+    inner = engine_.transports["local"]
+    at = trainer.engines[0].handle.buffers.total_bytes // 2  # the middle of trainer shard 0's bytes: a layer's tensor
+    # and three reads held back 0.5 s each: the modules filled from them wait for them (checked at
+    # every build's start), while the others are built meanwhile, during the pull
+    late = [{"op": "delay", "seconds": 0.5, "after": k, "times": 1} for k in (3, 11, 19)]
+    wrapped = faults.wrap(inner, [{"op": "corrupt", "at": at, "times": 1}, *late])
+    wrong: list[str] = []
+    build = b._build_module
+
+    def checked(mod, scatters, info, lent):  # noqa: ANN001, ANN202 - _build_module's own
+        for src in {sc.source for sc in scatters}:
+            if not torch.equal(b.staging[src], w3[src].to(b.staging[src].dtype)):
+                wrong.append(src)
+        return build(mod, scatters, info, lent)
+
+    b._build_module = checked
+    engine_.transports["local"] = wrapped
+    try:
+        trainer.send(1, w3)  # start, update (no prefetch), finish
+        last = dict(b.last)
+        conv = b.handle.last_conversion
+        assert sorted(f.op for f in wrapped.fired) == ["corrupt", "delay", "delay", "delay"]
+        assert conv is not None and conv.failures == 1, conv  # the damaged read, refused and read again
+        assert wrong == [], wrong  # every build saw the version's verified bytes
+        # every module built beside the live one was built as its tensors were said landed
+        assert last["built_landing"] == len(b._needs) > 0, last
+        assert last["built_while_pulling"] > 0, last  # some while a held-back read had not landed yet
+        assert [e for e in b.landing_log if e[0] == "begin"] == [("begin", "1")]
+        llm.reset_prefix_cache()
+        got = generate(llm)
+        assert got == reference(llm, str(d / "v1"))
+    finally:
+        engine_.transports["local"] = inner
+        del b._build_module
+        llm.shutdown_weight_transfer_engine()
+        trainer.close()
 
 
 def traced(llm: vllm.LLM) -> set[str]:

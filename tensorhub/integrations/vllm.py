@@ -234,20 +234,28 @@ class WorkerExtension:
         """The version the parameters hold (None: none)."""
         return self._th_handle().version
 
-    def tensorhub_backend(self) -> dict[str, Any]:
+    def tensorhub_backend(self, build_while_landing: bool | None = None) -> dict[str, Any]:
         """This worker's ``tensorhub`` weight-transfer backend (``weight_transfer_config``), not
         this extension's handle: ``staged``, the version a prefetch made ready to swap in (None:
         none, or still pulling and processing), ``loaded``, the version its parameters hold,
         ``last``, the last update's seconds per phase. What an HTTP client asks through
-        ``/collective_rpc`` before it pauses the server for the update.
+        ``/collective_rpc`` before it pauses the server for the update. ``build_while_landing``
+        (given): whether the next updates build each module as its tensors land, during the pull
+        (the default), or after the pull (an A/B: ``bench_vllm.py``'s ``tensorhub-serial``).
 
         Raises:
             UsageError: the engine has no tensorhub weight-transfer engine.
+            InvalidArgument: ``build_while_landing`` is not a bool.
         """
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "staged"):
             raise UsageError('this engine has no tensorhub weight-transfer engine: weight_transfer_config={"backend": "tensorhub"}')
-        return {"staged": engine.staged, "loaded": engine.loaded, "last": dict(engine.last)}
+        if build_while_landing is not None:
+            if not isinstance(build_while_landing, bool):
+                raise InvalidArgument(f"build_while_landing must be true or false, got {build_while_landing!r}")
+            engine.build_while_landing = build_while_landing
+        return {"staged": engine.staged, "loaded": engine.loaded, "last": dict(engine.last),
+                "build_while_landing": engine.build_while_landing}  # fmt: skip
 
     def tensorhub_close(self) -> None:
         """Close this worker's handle (the parameters keep what they hold)."""

@@ -28,7 +28,8 @@ Data flow
         BUILD   a SHADOW of each module (its lent parameters over the set's memory, the rest
                 filled from staging by the loader trace), processed by vLLM's own
                 process_weights_after_loading (CPU GEMM dispatch/repacking): beside the live
-                modules, which keep serving
+                modules, which keep serving; each module AS SOON AS the conversion says its
+                staging tensors are landed and verified, while later ones still land
         SWAP    the shadow's processed tensors and attributes into the live modules (the live
                 parameters are now the set's lent memory; the other set's is the next pull's);
                 the modules of other kinds (quantized, fused MoE off the CPU backend) replayed
@@ -55,8 +56,14 @@ Lifetimes
   :class:`~tensorhub.errors.ContractViolation` naming the parameter, before any byte moves), so
   a view that a processed layer kept (MLA's matrices derived from ``kv_b_proj``) is never
   overwritten under it.
-- **BUILD, every update**: with ``{"prefetch": true}`` right after the pull, in the background,
-  while the engine serves; else in the update. Per traced module whose weight processing only
+- **BUILD, every update**: during the pull (with ``{"prefetch": true}`` in the background,
+  while the engine serves; else in the update): the pull runs in a thread of its own while the
+  calling one builds each module the moment the conversion into the set says (a landing
+  listener, :func:`tensorhub.runtime.convert.listen`) that every staging tensor the module is
+  filled from is landed and verified (a unit that failed its checksum was read again first, so
+  no module is built from bytes not verified); only what no conversion announced (a peer's
+  converted bytes) is built after the pull, and a conversion that starts over drops what was
+  built (:meth:`TensorHubWeightTransferEngine._pull_and_build`). Per traced module whose weight processing only
   touches the module itself (:func:`_shadowable`: norms, vLLM's unquantized linear and embedding
   methods, its unquantized fused-MoE experts on the CPU backend once their kernel exists), a
   copy of the module is built over the lent memory (the parameters not lent: filled from
@@ -94,15 +101,17 @@ checkpoint tensor), which the rest only reads.
 
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import math
 import os
+import queue
 import struct as _struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +135,7 @@ from tensorhub.integrations.vllm_shadow import (
     _unshared,
     _use_count,
 )
+from tensorhub.runtime.convert import listen
 from tensorhub.integrations.vllm_trainer import (  # the trainer side, named here too
     LLMClient,
     TensorHubTrainerInitInfo,
@@ -520,6 +530,67 @@ def _first_spares(trace: LoaderTrace, lent: dict[tuple[Any, str], Any]) -> dict[
     return out
 
 
+class _GcTime:
+    """The time Python's cyclic garbage collector ran (any thread) from its making to :meth:`stop`."""
+
+    def __init__(self, start: bool = True) -> None:
+        self.seconds, self.count, self._t = 0.0, 0, 0.0
+        self.marked: tuple[float, int] | None = None
+        self._on = False
+        if start:
+            gc.callbacks.append(self._note)
+            self._on = True
+
+    def mark(self) -> None:
+        """Note the figures so far (what came after is told apart)."""
+        self.marked = (self.seconds, self.count)
+
+    def stop(self) -> None:
+        if self._on:
+            gc.callbacks.remove(self._note)
+            self._on = False
+
+    def _note(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t:
+            self.seconds += time.perf_counter() - self._t
+            self.count += 1
+            self._t = 0.0
+
+
+class _Landings:
+    """What a conversion says as it lands a staging set (a
+    :class:`~tensorhub.runtime.convert.LandingListener`), queued for the thread that builds:
+    ``("begin", version, "")`` and ``("landed", version, tensor)``, then the end."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, int, str] | None] = queue.SimpleQueue()
+
+    def begin(self, version: int) -> None:
+        self._queue.put(("begin", version, ""))
+
+    def landed(self, version: int, tensor: str) -> None:
+        self._queue.put(("landed", version, tensor))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def events(self, puller: threading.Thread) -> Iterator[tuple[str, int, str]]:
+        """The events until :meth:`close` (the pull's thread calls it as it ends); also ends if
+        that thread is gone without it."""
+        while True:
+            try:
+                event = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if puller.is_alive():
+                    continue
+                return
+            if event is None:
+                return
+            yield event
+
+
 # --- the worker-side engine ---------------------------------------------------------------------
 
 
@@ -551,6 +622,9 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         #: update) and swap them in; False: the update loads staging into the live parameters through
         #: vLLM's layerwise reload (materialize, process, copy into the kernel tensors)
         self.swap = True
+        #: build each module as the conversion says its tensors landed, during the pull; False: the
+        #: whole build after the pull (what bench_vllm.py's ``tensorhub-serial`` route compares with)
+        self.build_while_landing = True
         self._shadow: _Shadow | None = None
         #: the storages the last swap replaced, by (module, kind, name): the next build's buffers
         #: (freeing them in the pause cost ~0.1 ms per MiB; reusing them saves the page faults too)
@@ -558,6 +632,15 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         #: live storages the swap replaced that no build reuses (vLLM's own, at the first update):
         #: freed at the next pull, not in the pause
         self._retired: list[torch.Tensor] = []
+        #: per module built beside the live one, the staging tensors it is filled from; per staging
+        #: tensor, those modules (a module is built once all of its have landed: :meth:`_pull_and_build`)
+        self._needs: dict[Any, frozenset[str]] = {}
+        self._waiting_on: dict[str, list[Any]] = {}
+        self._names: dict[int, str] = {}
+        #: the last pull's landings and builds, in order: ("begin", version), ("landed", tensor),
+        #: ("built", module): what was built while what landed
+        self.landing_log: list[tuple[str, str]] = []
+        self._gc_time = _GcTime(start=False)  # collections from an update to its finish_weight_update
 
     @property
     def handle(self) -> ShardHandle | None:
@@ -612,6 +695,13 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             self._close_sets()
             raise
         self.trace, self._timeout, self._pulled, self._live = trace, info.timeout, 0, None
+        self._names = _module_names(self.model)
+        self._needs = {mod: frozenset(sc.source for sc in scatters) for mod, scatters in trace.modules.items()
+                       if self._info(mod) is not None and _shadowable(mod)}  # fmt: skip
+        self._waiting_on = {}
+        for mod, needs in self._needs.items():
+            for name in needs:
+                self._waiting_on.setdefault(name, []).append(mod)
         if self.swap:
             self._spare.update(_first_spares(trace, lent))
 
@@ -670,10 +760,12 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             raise UsageError("the tensorhub weight-transfer engine is not initialized: call init_weight_transfer_engine first")
         return self.sets[self._pulled].handle
 
-    def _pull(self, version: int | str) -> int:
+    def _pull(self, version: int | str, landings: _Landings | None = None) -> int:
         """Bring a staging set to ``version`` (waiting for it): the set the last pull went into
         if it holds it already, else the set the live parameters are not (:meth:`_target`).
-        Returns the version staged.
+        Returns the version staged. ``landings``: told of each staging tensor as the conversion
+        into the set lands it (:func:`tensorhub.runtime.convert.listen`; a pull of a peer's
+        converted bytes tells nothing).
 
         Raises:
             ContractViolation: something other than that set holds its memory (naming the
@@ -700,6 +792,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         self._pulled = k
         h = st.handle
         before = h.version
+        if landings is not None:
+            listen(h.buffers, landings)
         try:
             if h.version is None:
                 return h.replicate(version, self._timeout)
@@ -709,6 +803,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             assert h.version is not None
             return h.version
         finally:
+            if landings is not None:
+                listen(h.buffers, None)
             self._moved = h.version != before
             st.count()
 
@@ -739,25 +835,29 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             def run() -> None:
                 try:
                     with self._lock:
-                        version = self._pull(update_info.version)
-                        if self.swap:
-                            self._shadow = None  # the one before, first: one shadow at a time in memory
-                            self._shadow = self._build_shadow(version)
+                        self._shadow = None  # the one before, first: one shadow at a time in memory
+                        self._pull_and_build(update_info.version)
                 except BaseException as err:  # noqa: BLE001 - raised by the next update_weights
                     self._prefetch_error = err
 
             self._prefetch = threading.Thread(target=run, name="tensorhub-prefetch", daemon=True)
             self._prefetch.start()
             return
+        self._gc_time.stop()
+        gc_time = self._gc_time = _GcTime()  # until finish_weight_update
         with self._lock:
             t0 = time.perf_counter()
-            version = self._pull(update_info.version)
+            version, phases = self._pull_and_build(update_info.version)
             t1 = time.perf_counter()
-            self.last = {"pull_s": t1 - t0}
+            self.last = {"pull_s": phases.get("pull_s", t1 - t0)}
             conv = self._need_handle().last_conversion
             if self._moved and conv is not None and conv.version == version:  # converted here, now (else: a peer's bytes)
+                # before_convert/after_convert: the pull's time around the conversion (the server's round trips)
                 self.last.update(convert_s=conv.seconds, convert_tasks=float(conv.tasks), in_place_tasks=float(conv.in_place),
-                                 reads=float(conv.reads))  # fmt: skip
+                                 reads=float(conv.reads), before_convert_s=conv.created - t0,
+                                 convert_setup_s=conv.started - conv.created,
+                                 after_convert_s=t0 + self.last["pull_s"] - conv.started - conv.seconds)  # fmt: skip
+            self.last.update(phases)
             shadow, self._shadow = self._shadow, None
             if shadow is None or shadow.version != version:
                 shadow = self._build_shadow(version) if self.swap else None
@@ -769,6 +869,9 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
                 self._replay_all()
             self.loaded = version
             self.last["replay_s"] = time.perf_counter() - t1
+        # Python's cyclic collections during the update (any thread's: each stops every Python thread)
+        self.last.update(gc_s=gc_time.seconds, gc_collections=float(gc_time.count))
+        gc_time.mark()
 
     @torch.no_grad()
     def _replay_all(self, only: list[Any] | None = None) -> None:
@@ -842,14 +945,118 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         self.last.update(phases)
 
     @torch.no_grad()
-    def _build_shadow(self, version: int) -> _Shadow:
+    def _pull_and_build(self, version: int | str) -> tuple[int, dict[str, float]]:
+        """Pull ``version`` into staging (:meth:`_pull`) and build its processed layers into
+        ``self._shadow`` (:meth:`_build_shadow`) AS THEY LAND: the pull runs in a thread of its
+        own, and this one builds each module the moment the conversion says (:class:`_Landings`)
+        that every staging tensor it is filled from is landed and verified (a unit that failed
+        its checksum was read again before that: no module is built from bytes not verified),
+        while later ones still land. What no conversion announced (a peer's converted bytes; a
+        version staged already) is built after the pull, as are all modules again when a
+        conversion starts over (what was built from before is dropped: its bytes may be written
+        again). A shadow of the version staged already is kept. Returns the version staged and
+        the phases: ``pull_s`` (the pull's wall time), ``build_s`` (building, in all),
+        ``build_after_pull_s`` (from the pull's end to the last build's: the builds that lagged
+        the landings and what was left), ``built_landing`` (modules built as
+        their tensors were said landed), ``built_while_pulling`` (of those, the ones whose build
+        began before the pull had returned).
+
+        Raises:
+            whatever the pull raised (after the modules being built are dropped), or a build's
+            error (once the pull has ended: nothing writes staging behind the caller).
+        """
+        clock = time.perf_counter
+        if not (self.swap and self.build_while_landing):  # the pull, then (swap) the build
+            t = clock()
+            got = self._pull(version)
+            t1 = clock()
+            phases = {"pull_s": t1 - t}
+            if self.swap and (self._shadow is None or self._shadow.version != got):
+                self._shadow = None
+                self._shadow = self._build_shadow(got)
+                phases.update(build_s=self._shadow.seconds, build_after_pull_s=clock() - t1)
+            return got, phases
+        assert self.trace is not None
+        landings = _Landings()
+        result: list[Any] = []
+        ended: list[float] = []
+
+        def pull() -> None:
+            try:
+                result.append(self._pull(version, landings))
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                result.append(err)
+            finally:
+                ended.append(clock())
+                landings.close()
+
+        t0 = clock()
+        puller = threading.Thread(target=pull, name="tensorhub-pull", daemon=True)
+        puller.start()
+        built: dict[Any, Any] = {}
+        landed: set[str] = set()
+        at: int | None = None  # the version the conversion in progress lands
+        build_s, failure, overlapped = 0.0, None, 0
+        self.landing_log = []
+        for kind, v, name in landings.events(puller):
+            if kind == "begin":  # (again): what was built from before may be written again
+                built.clear()
+                landed.clear()
+                at, overlapped = v, 0
+                self.landing_log.append(("begin", str(v)))
+                continue
+            if v != at:
+                continue
+            landed.add(name)
+            self.landing_log.append(("landed", name))
+            for mod in self._waiting_on.get(name, ()):
+                if failure is None and mod not in built and self._needs[mod] <= landed:
+                    overlapped += puller.is_alive()
+                    t = clock()
+                    try:
+                        lent = self.sets[self._pulled].lent
+                        built[mod] = self._build_module(mod, self.trace.modules[mod], self._info(mod), lent)
+                    except BaseException as err:  # noqa: BLE001 - raised once the pull has ended
+                        failure = err
+                    build_s += clock() - t
+                    self.landing_log.append(("built", self._names.get(id(mod), type(mod).__name__)))
+                    if puller.is_alive():
+                        # the interpreter lock, handed over between modules (a build is ~0.5 ms of
+                        # Python): the pull's copy threads take it for each piece's landing hash,
+                        # and would otherwise wait up to a switch interval (5 ms) each time
+                        time.sleep(0)
+        puller.join()
+        (got,) = result
+        if isinstance(got, BaseException):
+            raise got
+        if failure is not None:
+            raise failure
+        t1 = ended[0]  # the pull's end: what the builds took beyond it (they lagged the landings) is in the pause too
+        phases = {"pull_s": t1 - t0, "built_landing": float(len(built) if at == got else 0),
+                  "built_while_pulling": float(overlapped if at == got else 0)}  # fmt: skip
+        if self._shadow is not None and self._shadow.version == got:
+            return got, phases  # staged and built already (a prefetch's)
+        self._shadow = None
+        self._shadow = self._build_shadow(got, built if at == got else {})
+        self._shadow.seconds += build_s
+        phases.update(build_s=self._shadow.seconds, build_after_pull_s=clock() - t1)
+        return got, phases
+
+    def _info(self, mod: Any) -> Any:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        return LAYERWISE_INFO.get(mod)
+
+    @torch.no_grad()
+    def _build_shadow(self, version: int, built: dict[Any, Any] | None = None) -> _Shadow:
         """The staged ``version`` as the engine's processed layers, built beside the live ones
         (which keep serving): per traced module of a kind whose weight processing only touches the
         module itself (:func:`_shadowable`), a copy of the module with tensors of its own in the
         checkpoint layout (in the spare buffers of the last swap where they fit), filled from
         staging and processed by vLLM's own ``process_weights_after_loading`` (CPU: the GEMM
         dispatch, oneDNN/sgl packing). A module processed into another layout than its live one,
-        and the modules of other kinds, are left to :meth:`_swap`, which loads them in the pause."""
+        and the modules of other kinds, are left to :meth:`_swap`, which loads them in the pause.
+        ``built``: modules built already, as their tensors landed (:meth:`_pull_and_build`)."""
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
         assert self.trace is not None
@@ -862,12 +1069,12 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             if info is None or not _shadowable(mod):
                 shadow.pending.append(mod)
                 continue
-            built = self._build_module(mod, scatters, info, lent)
-            if built is None:
+            built_ = built.pop(mod) if built and mod in built else self._build_module(mod, scatters, info, lent)
+            if built_ is None:
                 shadow.pending.append(mod)  # processed into another layout than the live one: in the pause
                 continue
-            shadow.swaps.append(built)
-            params, buffers = built[1], built[2]
+            shadow.swaps.append(built_)
+            params, buffers = built_[1], built_[2]
             shadow.nbytes += sum(t.numel() * t.element_size() for t in (*params.values(), *buffers.values()))
         self._spare.clear()  # what no module took (another layout): freed
         shadow.seconds = time.perf_counter() - t0
@@ -1004,6 +1211,11 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
     def finish_weight_update(self) -> None:
         """Nothing left: ``update_weights`` loaded the whole model. (The version vLLM reports
         is the frontend's: ``finish_weight_update(weight_version=...)``.)"""
+        gc_time, self._gc_time = self._gc_time, _GcTime()
+        gc_time.stop()
+        if gc_time.marked is not None:  # collections between the update's end and this call
+            seconds, count = gc_time.marked
+            self.last.update(gc_after_s=gc_time.seconds - seconds, gc_after_collections=float(gc_time.count - count))
 
     def shutdown(self) -> None:
         """Close the handle (the parameters keep what they hold)."""
@@ -1014,4 +1226,5 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         self._shadow = None
         self._spare.clear()
         self._retired.clear()
+        self._gc_time.stop()
         self._close_sets()

@@ -34,6 +34,15 @@ checksums and the grant token. :class:`Conversion` then:
    left, or when nothing else runs (a task larger than the budget runs alone; the peak says so);
 3. packs the tiny tensors, hashes its own bytes (those not landed in place) and reports
    ``Converted`` with those checksums.
+
+A consumer that works on a destination tensor as soon as it is whole (vLLM's backend builds a
+layer's processed weights while later layers still land) registers a :class:`LandingListener`
+for the shard's buffers (:func:`listen`). Each conversion into them calls its ``begin`` first
+(whatever it said landed before may be written again from now on), then its ``landed`` once
+per destination tensor, when the last task or run that writes it has landed and every byte
+of its reads was verified (a unit that failed its checksum was read again first); nothing in
+that conversion writes the tensor after. The calls come from the engine's event loop: a
+listener only notes them (a queue) and does its work elsewhere.
    From then on the shard is an ordinary complete holder: its peers of the same layout pull the
    converted bytes from it, pipelined, and never convert again.
 
@@ -57,9 +66,10 @@ import bisect
 import math
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -77,7 +87,7 @@ from . import checksum, wordmix
 if TYPE_CHECKING:
     from tensorhub.transports.base import Transport
 
-__all__ = ["DEFAULT_BUDGET", "Conversion", "ConversionStats", "ConvertSpec"]
+__all__ = ["DEFAULT_BUDGET", "Conversion", "ConversionStats", "ConvertSpec", "LandingListener", "listen"]
 
 #: Temporary bytes a conversion may hold at once, by default.
 DEFAULT_BUDGET = 512 << 20
@@ -99,6 +109,41 @@ _SMALL_READ = 1 << 20
 #: Per destination buffers, the schedule of the last plan they were converted by (the same every
 #: version: built once), with the addresses of the tensors it was worked out for.
 _SCHEDULES: weakref.WeakKeyDictionary[ShardBuffers, tuple[ShardPlan, tuple[int, ...], _Schedule]] = weakref.WeakKeyDictionary()
+#: Per destination buffers, the listener told of each tensor as it lands (:func:`listen`).
+_LISTENERS: weakref.WeakKeyDictionary[ShardBuffers, LandingListener] = weakref.WeakKeyDictionary()
+
+
+class LandingListener(Protocol):
+    """Told, by each conversion into the buffers it listens to, when each destination tensor is
+    whole (:func:`listen`). Called from the engine's event loop: note, do not work."""
+
+    def begin(self, version: int) -> None:
+        """A conversion of ``version`` starts writing the buffers: tensors said landed before
+        (by an earlier conversion) may be written again from now on."""
+
+    def landed(self, version: int, tensor: str) -> None:
+        """Every byte of destination ``tensor`` is landed and verified for ``version``; this
+        conversion writes it no more."""
+
+
+def listen(buffers: ShardBuffers, listener: LandingListener | None) -> None:
+    """Tell ``listener`` of each destination tensor of ``buffers`` as a conversion lands it
+    (None: stop). One listener per buffers; a conversion takes the one set when it starts.
+
+    Raises:
+        InvalidArgument: ``buffers`` is not a shard's buffers, or ``listener`` lacks
+            ``begin``/``landed``.
+    """
+    if not isinstance(buffers, ShardBuffers):
+        what = type(buffers).__name__
+        raise InvalidArgument(f"listen() takes a shard's registered buffers (handle.buffers), got {what}")
+    if listener is None:
+        _LISTENERS.pop(buffers, None)
+        return
+    if not (callable(getattr(listener, "begin", None)) and callable(getattr(listener, "landed", None))):
+        what = type(listener).__name__
+        raise InvalidArgument(f"a landing listener needs begin(version) and landed(version, tensor), got {what}")
+    _LISTENERS[buffers] = listener
 
 
 @dataclass(frozen=True)
@@ -135,6 +180,10 @@ class ConversionStats:
     failures: int = 0  #: reads that failed or failed verification (and were tried again)
     reads: int = 0  #: transport reads made (a run of the plan's reads read as one counts once)
     sources: list[str] = field(default_factory=list)
+    #: ``time.perf_counter()`` when its ``Convert`` was taken, and when its work began (this
+    #: process's clock: for a caller's phases)
+    created: float = 0.0
+    started: float = 0.0
 
 
 class _Window(ShardBuffers):
@@ -300,7 +349,7 @@ class Conversion:
         self.source_shards = msg.source_shards
         self.sources: dict[int, _Source] = {}
         self.ready: dict[int, asyncio.Event] = {i: asyncio.Event() for i in range(msg.source_shards)}
-        self.stats = ConversionStats(msg.version, budget=spec.budget)
+        self.stats = ConversionStats(msg.version, budget=spec.budget, created=time.perf_counter())
         self.read_by_source: dict[int, int] = {}  # source shard -> bytes read from it (for the history)
         self.task: asyncio.Task | None = None
         self.done = False
@@ -314,6 +363,8 @@ class Conversion:
         #: the verified checksums of units landed in place, by (destination tensor, byte start, length)
         self._landed: dict[tuple[str, int, int], int] = {}
         self.sums: tuple[int, ...] | None = None
+        self._listener: LandingListener | None = None  # told of each destination tensor as it lands (listen())
+        self._writers: Counter[str] = Counter()  # per destination tensor, its jobs not yet landed
         self.regrant(msg)
 
     # ---- messages ------------------------------------------------------------------------------
@@ -355,7 +406,7 @@ class Conversion:
     # ---- the work ------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self.stats.started = time.perf_counter()
         b = self.buffers
         b.progress.reset(self.version, 0)
         source = ReplicaLayout(tuple(self._layouts[i] for i in range(self.source_shards)))
@@ -389,14 +440,20 @@ class Conversion:
             schedule = self._schedule(shard_plan, dest_tensors)
             _SCHEDULES[b] = (shard_plan, ptrs, schedule)
         self.stats.in_place = schedule.in_place
-        work: list[tuple[int, Callable[[], Any]]] = [
-            *((0 if r.place is not None else r.n, lambda r=r: self._land_run(r)) for r in schedule.runs),
-            *((self._cost(t), lambda t=t: self._task(t, dest_tensors)) for t in schedule.staged),
-        ]
+        work: list[tuple[int, Callable[[], Any], tuple[str, ...]]] = [
+            *((0 if r.place is not None else r.n, lambda r=r: self._land_run(r), tuple({x.tensor: 0 for x in r.members}))
+              for r in schedule.runs),
+            *((self._cost(t), lambda t=t: self._task(t, dest_tensors), tuple({o.tensor: 0 for o in t.outputs}))
+              for t in schedule.staged),
+        ]  # fmt: skip
+        self._listener = _LISTENERS.get(b)
+        if self._listener is not None:
+            self._writers = Counter(name for _, _, names in work for name in names)
+            self._tell("begin", self.version)
         try:
-            for cost, job in work:
+            for cost, job, names in work:
                 await budget.take(cost)
-                t = asyncio.ensure_future(self._job(job, budget, cost))
+                t = asyncio.ensure_future(self._job(job, budget, cost, names))
                 running.add(t)
                 t.add_done_callback(running.discard)
                 failed = [err for x in list(running) if x.done() and (err := x.exception()) is not None]
@@ -535,11 +592,25 @@ class Conversion:
         first = units[0].offset
         return units, first, units[-1].offset + units[-1].length - first
 
-    async def _job(self, job: Callable[[], Any], budget: _Budget, cost: int) -> None:
+    async def _job(self, job: Callable[[], Any], budget: _Budget, cost: int, names: tuple[str, ...]) -> None:
         try:
             await job()
         finally:
             await budget.give(cost)
+        if self._listener is not None:  # landed and verified: the tensors it was the last writer of are whole
+            for name in names:
+                self._writers[name] -= 1
+                if self._writers[name] == 0:
+                    self._tell("landed", self.version, name)
+
+    def _tell(self, what: str, *args: Any) -> None:
+        """Call the landing listener; one that raises is logged and told nothing more (the
+        conversion goes on: its bytes are not the listener's)."""
+        try:
+            getattr(self._listener, what)(*args)
+        except Exception as err:  # noqa: BLE001 - a consumer's bug must not fail the shard's conversion
+            self.log.error("landing listener failed; it is told nothing more", error=f"{type(err).__name__}: {err}")
+            self._listener = None
 
     async def _task(self, task: Task, dest: dict[str, torch.Tensor]) -> None:
         """A staged task: its reads fetched and verified in staging, then transformed into ``dest``."""
