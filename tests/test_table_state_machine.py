@@ -958,14 +958,16 @@ def test_a_primarys_eager_lease_requests_are_coalesced_and_spaced() -> None:
     reign.on_reply(m.LeaseReply(3, 9, True, 5.0, 1, None, 0))
     assert reign.epoch == 1 and reign.eager_at(0.21, 9) == 0.2 + 0.1  # the gap from the last one
     reign.lease_request(4, 0.3, 3, ("a/r/0", "a/r/1"), 9)
-    reign.unsent(4)  # the backup is not connected: retried after the gap, not at once
-    assert reign.eager_at(0.31, 9) == 0.4
+    reign.unsent(4)  # the backup went away: retried at the periodic requests' pace, not at once
+    assert reign.eager_at(0.31, 9) == 0.3 + 1.0
     assert Reign("backup", 5.0).eager_at(0.0, 3) is None and Reign("solo").eager_at(0.0, 3) is None
     assert Reign("primary", 1.0).eager_at(0.0, 0) == 0.0
     slow = Reign("primary", 1.0)
     slow.lease_request(1, 0.0, 3, (), 0)
-    slow.unsent(1)
+    slow.unsent(1)  # not heard the backup yet (it is not connected): asked again after the gap
     assert slow.eager_at(0.0, 0) == 1.0 / 25  # a short lease: a shorter gap
+    slow.lease_request(2, 0.04, 3, (), 0)
+    assert slow.eager_at(0.05, 0) is None  # sent: its answer is awaited
 
 
 def test_a_session_the_primary_kept_alive_is_not_removed_by_the_backup_taking_over(seed: int) -> None:

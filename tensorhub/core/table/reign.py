@@ -96,6 +96,7 @@ class Reign:
         "role", "lease", "lease_until", "promised_until", "epoch", "voters", "pending", "votes", "requests",
         "dropped", "spans", "reigning", "violations", "synced", "peer_epoch", "owner", "_majority_until", "_why",
         "begun", "peer_reigns", "held_since", "held_for", "confirmed", "denied", "shipped", "last_sent",
+        "unsent_last",
     )  # fmt: skip
 
     def __init__(self, role: str = "solo", lease: float = 5.0) -> None:
@@ -131,6 +132,7 @@ class Reign:
         self.denied = False  # holding: a reply said it did (or could not say)
         self.shipped = -1  # primary: the table's slot_changes when it last built a lease request
         self.last_sent = float("-inf")  # primary: when it last tried to send one (sent or not)
+        self.unsent_last = False  # primary: the last one could not be sent (the backup is not connected)
 
     # ---- the rule ----------------------------------------------------------------------------
 
@@ -206,6 +208,7 @@ class Reign:
         the table's count of slot changes that ``slots`` reflects (see :meth:`eager_at`)."""
         self.requests[req] = now
         self.last_sent = now
+        self.unsent_last = False
         while len(self.requests) > _REQUESTS_KEPT:
             self.requests.popitem(last=False)
         if not self.synced:  # first learn which membership the backup holds: epochs are numbered on
@@ -220,8 +223,10 @@ class Reign:
 
     def unsent(self, req: int) -> None:
         """Lease request ``req`` could not be sent (the backup is not connected): no answer is
-        awaited for it; the next eager one waits the gap (:meth:`eager_at`), the ticks go on."""
+        awaited for it. The next eager one waits the gap until the primary first heard the
+        backup, then a fifth of a lease, the periodic requests' pace (:meth:`eager_at`)."""
         self.requests.pop(req, None)
+        self.unsent_last = True
 
     def eager_at(self, now: float, changes: int) -> float | None:
         """When the primary should send a lease request ahead of its periodic ones (None: the
@@ -234,10 +239,12 @@ class Reign:
             return None
         if self.synced and self.pending is None and changes == self.shipped and self.peer_epoch == self.epoch:
             return None  # nothing new for the backup
-        if self.requests:
+        if self.requests and not self.unsent_last:
             sent = self.requests[next(reversed(self.requests))]
             if now - sent < self.lease / 5:
                 return None  # its answer is awaited, and with it the next look (see on_reply)
+        if self.unsent_last and self.synced:
+            return max(now, self.last_sent + self.lease / 5)  # the backup went away: no faster than the ticks
         return max(now, self.last_sent + min(self.lease * _EAGER_GAP, _EAGER_GAP_MAX))
 
     def on_reply(self, msg: m.LeaseReply) -> None:
