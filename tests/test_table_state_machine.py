@@ -957,9 +957,21 @@ def test_a_primarys_eager_lease_requests_are_coalesced_and_spaced() -> None:
     assert reign.eager_at(0.21, 9) is None  # a change on its way: the answer brings the next look
     reign.on_reply(m.LeaseReply(3, 9, True, 5.0, 1, None, 0))
     assert reign.epoch == 1 and reign.eager_at(0.21, 9) == 0.2 + 0.1  # the gap from the last one
-    reign.lease_request(4, 0.3, 3, ("a/r/0", "a/r/1"), 9)
-    reign.unsent(4)  # the backup went away: retried at the periodic requests' pace, not at once
-    assert reign.eager_at(0.31, 9) == 0.3 + 1.0
+    # a periodic request while a change is on its way repeats that change: the later slots wait
+    # for its answer, then go at once
+    request = reign.lease_request(4, 0.3, 3, ("a/r/0", "a/r/1"), 9)
+    assert request.epoch == 2 and request.voters == ("a/r/0", "a/r/1")
+    reign.lease_request(5, 0.35, 3, ("a/r/0", "a/r/1", "a/r/2"), 12)  # the tick: epoch 2 again
+    reign.on_reply(m.LeaseReply(4, 9, True, 5.0, 2, None, 0))
+    assert reign.epoch == 2 and reign.eager_at(0.5, 12) is None  # the tick's answer is awaited
+    reign.on_reply(m.LeaseReply(5, 9, True, 5.0, 2, None, 0))
+    assert reign.eager_at(0.5, 12) == 0.5  # slot change 12 still to ship: at once
+    request = reign.lease_request(6, 0.5, 3, ("a/r/0", "a/r/1", "a/r/2"), 12)
+    assert request.epoch == 3 and len(request.voters) == 3
+    reign.on_reply(m.LeaseReply(6, 9, True, 5.0, 3, None, 0))
+    reign.lease_request(7, 0.6, 3, ("a/r/0", "a/r/1", "a/r/2"), 13)
+    reign.unsent(7)  # the backup went away: retried at the periodic requests' pace, not at once
+    assert reign.eager_at(0.61, 13) is None and reign.eager_at(0.61, 14) == 0.6 + 1.0  # a change since
     assert Reign("backup", 5.0).eager_at(0.0, 3) is None and Reign("solo").eager_at(0.0, 3) is None
     assert Reign("primary", 1.0).eager_at(0.0, 0) == 0.0
     slow = Reign("primary", 1.0)

@@ -213,10 +213,11 @@ class Reign:
             self.requests.popitem(last=False)
         if not self.synced:  # first learn which membership the backup holds: epochs are numbered on
             return m.LeaseRequest(req, term, 0, None)  # from there, never reused
-        self.shipped = changes  # the slots of these changes are compared (and shipped if they differ)
-        if self.pending is None and (slots != self.voters or self.peer_epoch != self.epoch):
-            self.pending = (self.epoch + 1, slots)
-            self._majority_until = None
+        if self.pending is None:  # the slots of these changes are compared (and shipped if they differ)
+            self.shipped = changes  # (not while an older change is on its way: they go after it)
+            if slots != self.voters or self.peer_epoch != self.epoch:
+                self.pending = (self.epoch + 1, slots)
+                self._majority_until = None
         if self.pending is not None:
             return m.LeaseRequest(req, term, self.pending[0], self.pending[1])
         return m.LeaseRequest(req, term, self.epoch, None)
