@@ -65,7 +65,7 @@ import random
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import zmq
@@ -226,7 +226,6 @@ class ServerActor(Actor):
         self.table = ReferenceTable(time.monotonic, random.Random(seed), config.table, term=term, sources=SourceIndex,
                                     reign=self.reign, first_id=first_id)  # fmt: skip
         self._peer_sock: zmq.asyncio.Socket | None = None
-        self._peer_raw: zmq.Socket | None = None  # the same, without the asyncio layer: lease requests go out here
         self._lease_req = 0
         self._lease_timer: asyncio.TimerHandle | None = None  # an eager lease request due (see _lease_soon)
         self._lease_at: float | None = None
@@ -434,7 +433,6 @@ class ServerActor(Actor):
             peer.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
             peer.connect(self.config.peer)
             self._peer_sock = peer
-            self._peer_raw = zmq.Socket.shadow(peer.underlying)
             self.spawn(self._peer_reader(peer), "server-peer-reader")
             self.spawn(self._lease_ticks(self.reign.lease / 5), "server-lease")
             self._lease_soon()  # the first at once (retried until the backup is connected), not a fifth of a lease on
@@ -468,7 +466,6 @@ class ServerActor(Actor):
             self._lease_timer.cancel()
             self._lease_timer = self._lease_at = None
         if self._peer_sock is not None:  # a primary's socket to its backup (else term() waits for it forever)
-            self._peer_raw = None
             self._peer_sock.close(0)
             self._peer_sock = None
         await self._stop_auth()
@@ -635,16 +632,19 @@ class ServerActor(Actor):
         self._schedule()
 
     def _send_lease(self) -> None:
-        sock = self._peer_raw
+        sock = self._peer_sock
         if sock is None:
             return
         self._lease_req += 1
         request = self.table.lease_request(self._lease_req)
-        try:
-            # the plain socket under the asyncio one: its send raises here, where the asyncio
-            # socket's returns a future that holds the error (unseen: the request was taken as sent)
-            sock.send(encode(request), _NOBLOCK)
-        except zmq.Again:
+        # The asyncio socket's send (not the plain one under it: that would take the descriptor's
+        # edge from its reader, leaving a lease reply unread): with NOBLOCK its future is done at
+        # once, holding zmq.Again when the backup is not connected (read here, so it counts as
+        # not sent and is not reported as never retrieved).
+        sent = cast("asyncio.Future[Any]", sock.send(encode(request), flags=_NOBLOCK))
+        if not sent.done():  # pragma: no cover - a NOBLOCK send resolves at once
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+        elif not sent.cancelled() and isinstance(sent.exception(), zmq.ZMQError):
             self.reign.unsent(self._lease_req)  # the backup is not connected: no lease this time
 
     def _lease_soon(self) -> None:
