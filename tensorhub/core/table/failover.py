@@ -257,10 +257,9 @@ class ReignMixin(TableState):
         reign.forget(list(self.sessions))
         # the counters and session ids go on (an id is never given twice by one server process)
         stats, by_link, next_id, granted = self.stats, self.bytes_by_link, next(self._ids), self._grants_sent
-        changes = self.slot_changes + 1  # every slot is gone
+        reign.slot_changes += 1  # every slot is gone
         TableState.__init__(self, self.clock, self.rng, self.config, self.term + 1, sources=self.sources, reign=reign)
         self.stats, self.bytes_by_link, self._ids = stats, by_link, itertools.count(next_id)
-        self.slot_changes = changes
         self._grants_sent = granted  # counted against the reign that made them (violations if none)
         self._out = out
 
@@ -283,7 +282,7 @@ class ReignMixin(TableState):
         reign = self.reign
         # the slots only once the backup's membership is known (before, the request asks for it)
         slots = tuple(sorted(f"{model}/{replica}/{shard}" for model, replica, shard in self.by_slot)) if reign.synced else ()
-        return reign.lease_request(req, self.clock(), self.term, slots, self.slot_changes)
+        return reign.lease_request(req, self.clock(), self.term, slots, reign.slot_changes)
 
     def lease_due(self) -> float | None:
         """When the primary should send its next lease request ahead of its periodic ones, on
@@ -292,4 +291,4 @@ class ReignMixin(TableState):
         reign = self.reign
         if reign.role != "primary":
             return None
-        return reign.eager_at(self.clock(), self.slot_changes)
+        return reign.eager_at(self.clock(), reign.slot_changes)

@@ -96,7 +96,7 @@ class Reign:
         "role", "lease", "lease_until", "promised_until", "epoch", "voters", "pending", "votes", "requests",
         "dropped", "spans", "reigning", "violations", "synced", "peer_epoch", "owner", "_majority_until", "_why",
         "begun", "peer_reigns", "held_since", "held_for", "confirmed", "denied", "shipped", "last_sent",
-        "unsent_last",
+        "unsent_last", "slot_changes",
     )  # fmt: skip
 
     def __init__(self, role: str = "solo", lease: float = 5.0) -> None:
@@ -130,7 +130,10 @@ class Reign:
         self.held_for: tuple[int, int] | None = None  # the backup's (term, reigns) when it began to hold
         self.confirmed = False  # holding: a granted reply said the backup began no reign since
         self.denied = False  # holding: a reply said it did (or could not say)
-        self.shipped = -1  # primary: the table's slot_changes when it last built a lease request
+        #: how many times the table added a slot to its sessions or took one away (kept here, not
+        #: on the table: a table attribute more costs every message; see :meth:`eager_at`)
+        self.slot_changes = 0
+        self.shipped = -1  # primary: slot_changes when it last built a lease request
         self.last_sent = float("-inf")  # primary: when it last tried to send one (sent or not)
         self.unsent_last = False  # primary: the last one could not be sent (the backup is not connected)
 

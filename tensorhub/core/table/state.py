@@ -75,9 +75,6 @@ class TableState:
         self.models: dict[str, _Model] = {}
         self.sessions: dict[int, _Session] = {}
         self.by_slot: dict[tuple[str, str, int], _Session] = {}  # (model, replica, shard) -> its session
-        #: how many times a slot was added to or taken from ``by_slot`` (never reset: a primary
-        #: ships its slots to its backup when this moved; see Reign.eager_at)
-        self.slot_changes = 0
         self.fenced: OrderedDict[int, str] = OrderedDict()  # removed session id -> error code
         self.expiry: OrderedDict[int, _Session] = OrderedDict()  # sessions by last_seen
         self.grants: dict[int, _Grant] = {}  # active grants by id
