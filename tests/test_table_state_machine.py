@@ -635,6 +635,7 @@ class SplitBrainMachine(RuleBasedStateMachine):
         self.stalled: set[str] = set()  # servers standing still: nothing handled, what comes is queued
         self.queued: list[tuple[VoterClient, str, Any]] = []
         self.backup_release = "now"  # "earlier": the backup's lease replies say nothing of its reigns
+        self.eager = True  # False: lease requests only every second, as before issue 34's fix
 
     @initialize(seed=st.integers(0, 2**32 - 1))
     def start(self, seed: int) -> None:
@@ -672,6 +673,17 @@ class SplitBrainMachine(RuleBasedStateMachine):
             self.deliver(srv, t.heartbeat(c.name, msg))
         else:
             self.deliver(srv, t.handle(c.name, msg))
+        if srv == "P":
+            self.eager_lease()
+
+    def eager_lease(self) -> None:
+        """The primary's lease request ahead of the periodic ones, as its actor sends it after
+        every batch and tick: its sessions' slots changed (``lease_due``)."""
+        p = self.tables["P"]
+        if p is not None and "P" not in self.stalled and self.eager:
+            due = p.lease_due()
+            if due is not None and due <= self.clock.t:
+                self.lease_exchange()
 
     def deliver(self, srv: str, out: list) -> None:
         t = self.tables[srv]
@@ -749,6 +761,7 @@ class SplitBrainMachine(RuleBasedStateMachine):
             for srv in SERVER_NAMES:
                 if self.tables[srv] is not None and srv not in self.stalled:
                     self.deliver(srv, self.tables[srv].tick())
+            self.eager_lease()
             if self.clock.t >= self.next_beat:
                 self.next_beat = self.clock.t + 1.0
                 self.lease_exchange()
@@ -890,6 +903,83 @@ def test_split_brain_walks(seed: int) -> None:
         _, b = split_brain_walk(seed + k, 400)
         backup += b
     assert backup > 0, "the backup never reigned: the walks exercise nothing"
+
+
+def test_a_primary_killed_right_after_the_first_opens_leaves_a_backup_that_takes_over(seed: int) -> None:
+    """The backup learns who votes (the membership) from the primary's lease requests. The
+    primary sends one as soon as its sessions' slots change, so a primary that dies at once
+    after its clients opened leaves a backup that knows its voters and takes over. (Before, the
+    slots went with the next periodic request, a fifth of a lease later: killed in between,
+    the primary left a backup that said "no membership known yet" for ever; ``eager=False``
+    shows it.)"""
+    for eager in (False, True):
+        machine = SplitBrainMachine()
+        machine.eager = eager
+        machine.rng = random.Random(seed)
+        for name in SERVER_NAMES:
+            machine.tables[name] = machine.new_table(name)
+        machine.advance(2.0)  # the primary has learned the backup's (empty) membership and reigns
+        p, b = machine.tables["P"], machine.tables["B"]
+        assert p is not None and b is not None and p.reign.reigning and p.reign.synced
+        assert machine.next_beat > machine.clock.t  # no periodic request before the kill
+        for name in VOTER_NAMES:
+            machine.clients[name] = VoterClient(name)
+            machine.connect(machine.clients[name], "P")
+        assert len(p.sessions) == len(VOTER_NAMES)
+        machine.server_crash("P", restart=False)  # killed at once, before any periodic request
+        machine.advance(3 * CONFIG.heartbeat_timeout)  # the clients move; the backup takes over
+        if not eager:
+            assert not b.reign.reigning and "no membership known yet" in b.reign.why_not(), f"seed={seed}"
+            continue
+        assert b.reign.epoch >= 1 and "actor/trainer-0/0" in b.reign.voters, f"seed={seed}: {b.reign.voters}"
+        assert b.reign.reigning, f"seed={seed}: the backup did not take over: {b.reign.why_not()}"
+        assert all(c.at == "B" for c in machine.clients.values())
+        assert sorted(s.replica.name for s in b.sessions.values()) == sorted(VOTER_NAMES)
+
+
+def test_a_primarys_eager_lease_requests_are_coalesced_and_spaced() -> None:
+    """The eager requests (see :meth:`Reign.eager_at`): none while the slots are shipped and
+    acknowledged, none while the last request awaits its answer (the answer brings the next
+    look), and each at least ``min(lease / 25, 0.1)`` s after the one before, however many
+    opens came meanwhile."""
+    reign = Reign("primary", 5.0)
+    assert reign.eager_at(0.0, 0) == 0.0  # not synced yet: ask at once
+    reign.lease_request(1, 0.0, 3, (), 0)
+    assert reign.eager_at(0.01, 0) is None  # awaiting the answer
+    reign.on_reply(m.LeaseReply(1, 9, True, 5.0, 0, None, 0))
+    assert reign.synced and reign.eager_at(0.02, 0) == 0.1  # synced: the slots are looked at, after the gap
+    reign.lease_request(2, 0.1, 3, (), 0)
+    reign.on_reply(m.LeaseReply(2, 9, True, 5.0, 0, None, 0))
+    assert reign.eager_at(0.2, 0) is None  # nothing changed
+    assert reign.eager_at(0.2, 5) == 0.2  # five opens since: one request now
+    request = reign.lease_request(3, 0.2, 3, ("a/r/0",), 5)
+    assert request.epoch == 1 and request.voters == ("a/r/0",)
+    assert reign.eager_at(0.21, 9) is None  # a change on its way: the answer brings the next look
+    reign.on_reply(m.LeaseReply(3, 9, True, 5.0, 1, None, 0))
+    assert reign.epoch == 1 and reign.eager_at(0.21, 9) == 0.2 + 0.1  # the gap from the last one
+    # a periodic request while a change is on its way repeats that change: the later slots wait
+    # for its answer, then go at once
+    request = reign.lease_request(4, 0.3, 3, ("a/r/0", "a/r/1"), 9)
+    assert request.epoch == 2 and request.voters == ("a/r/0", "a/r/1")
+    reign.lease_request(5, 0.35, 3, ("a/r/0", "a/r/1", "a/r/2"), 12)  # the tick: epoch 2 again
+    reign.on_reply(m.LeaseReply(4, 9, True, 5.0, 2, None, 0))
+    assert reign.epoch == 2 and reign.eager_at(0.5, 12) is None  # the tick's answer is awaited
+    reign.on_reply(m.LeaseReply(5, 9, True, 5.0, 2, None, 0))
+    assert reign.eager_at(0.5, 12) == 0.5  # slot change 12 still to ship: at once
+    request = reign.lease_request(6, 0.5, 3, ("a/r/0", "a/r/1", "a/r/2"), 12)
+    assert request.epoch == 3 and len(request.voters) == 3
+    reign.on_reply(m.LeaseReply(6, 9, True, 5.0, 3, None, 0))
+    reign.lease_request(7, 0.6, 3, ("a/r/0", "a/r/1", "a/r/2"), 13)
+    reign.unsent(7)  # the backup went away: retried at the periodic requests' pace, not at once
+    assert reign.eager_at(0.61, 13) is None and reign.eager_at(0.61, 14) == 0.6 + 1.0  # a change since
+    assert Reign("backup", 5.0).eager_at(0.0, 3) is None and Reign("solo").eager_at(0.0, 3) is None
+    assert Reign("primary", 1.0).eager_at(0.0, 0) == 0.0
+    slow = Reign("primary", 1.0)
+    slow.lease_request(1, 0.0, 3, (), 0)
+    slow.unsent(1)  # not heard the backup yet (it is not connected): asked again after the gap
+    assert slow.eager_at(0.0, 0) == 1.0 / 25  # a short lease: a shorter gap
+    slow.lease_request(2, 0.04, 3, (), 0)
+    assert slow.eager_at(0.05, 0) is None  # sent: its answer is awaited
 
 
 def test_a_session_the_primary_kept_alive_is_not_removed_by_the_backup_taking_over(seed: int) -> None:

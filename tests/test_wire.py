@@ -509,6 +509,23 @@ def test_an_added_field_is_absent_in_an_earlier_peers_frame_and_left_out_while_n
         wire.decode(frame({**{k: v for k, v in earlier.items() if k != "epoch"}, "surprise": 1}, "lease_reply"))
 
 
+def test_the_membership_a_cluster_state_names_is_added_and_checked():
+    """``ClusterState.membership`` and ``.voters`` (the membership a primary or backup holds)
+    came after ``tensorhub status`` of an earlier release read cluster states: a server of that
+    release sends neither (None), a server alone leaves them out, and a negative count is
+    refused naming the field."""
+    earlier = {"req": 2, "term": 3, "time": 1.5, "models": [], "grants": [], "window_s": 10.0,
+               "recent_bytes_per_s": 0.0, "reigns": []}  # fmt: skip
+    msg = wire.decode(frame(earlier, "cluster_state"))
+    assert msg.membership is None and msg.voters is None
+    assert msgpack.unpackb(wire.encode(msg), raw=False)[2] == earlier
+    later = wire.decode(frame({**earlier, "membership": 4, "voters": 2}, "cluster_state"))
+    assert (later.membership, later.voters) == (4, 2)
+    for name in ("membership", "voters"):
+        with pytest.raises(MalformedMessage, match=name):
+            wire.decode(frame({**earlier, "membership": 4, "voters": 2, name: -1}, "cluster_state"))
+
+
 def test_an_added_field_must_default_to_none():
     @wire.struct
     class Later:
@@ -1134,6 +1151,8 @@ BY_FIELD: dict[tuple[type, str], st.SearchStrategy] = {
     (m.LeaseReply, "epoch"): NONNEG,
     (m.LeaseReply, "lease"): st.floats(min_value=0, max_value=1e4),
     (m.LeaseReply, "reigns"): st.none() | NONNEG,
+    (m.ClusterState, "membership"): st.none() | NONNEG,
+    (m.ClusterState, "voters"): st.none() | NONNEG,
     (m.DeclareChecksumsPart, "first"): NONNEG,
     (m.DeclareChecksumsPart, "checksums"): st.lists(U64S, min_size=1, max_size=5).map(tuple),
     (m.ChecksumsPartReady, "first"): NONNEG,

@@ -996,6 +996,16 @@ class ClusterState:
     window_s: float
     recent_bytes_per_s: float
     reigns: tuple[ReignSpan, ...] = ()  #: this server's reigns, oldest first (bounded)
+    #: a primary's or backup's voters (None: a server alone): the epoch of the membership it holds
+    #: (a primary: the one its backup acknowledged; 0: none known yet) and how many slots it has
+    membership: int | None = field(default=None, metadata={"added": True})
+    voters: int | None = field(default=None, metadata={"added": True})
+
+    def __post_init__(self) -> None:
+        if self.membership is not None:
+            _nonneg("membership", self.membership)
+        if self.voters is not None:
+            _nonneg("voters", self.voters)
 
 
 # --- between a primary and its backup; stepping down (issue 23) -----------------------------------

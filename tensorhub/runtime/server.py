@@ -65,7 +65,7 @@ import random
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import zmq
@@ -227,6 +227,8 @@ class ServerActor(Actor):
                                     reign=self.reign, first_id=first_id)  # fmt: skip
         self._peer_sock: zmq.asyncio.Socket | None = None
         self._lease_req = 0
+        self._lease_timer: asyncio.TimerHandle | None = None  # an eager lease request due (see _lease_soon)
+        self._lease_at: float | None = None
         self.sock: zmq.asyncio.Socket | None = None
         self._raw: zmq.Socket | None = None  # the same socket without the asyncio layer: reads and sends
         self._fd: int | None = None
@@ -433,6 +435,7 @@ class ServerActor(Actor):
             self._peer_sock = peer
             self.spawn(self._peer_reader(peer), "server-peer-reader")
             self.spawn(self._lease_ticks(self.reign.lease / 5), "server-lease")
+            self._lease_soon()  # the first at once (retried until the backup is connected), not a fifth of a lease on
         if self.collector is not None:
             self.collector.start()
         self.log.info("server listening", address=self.address, term=self.table.term, curve=keys is not None,
@@ -459,6 +462,9 @@ class ServerActor(Actor):
                     pass
                 self._monitor.close(0)
             self.sock.close(0)
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = self._lease_at = None
         if self._peer_sock is not None:  # a primary's socket to its backup (else term() waits for it forever)
             self._peer_sock.close(0)
             self._peer_sock = None
@@ -622,16 +628,55 @@ class ServerActor(Actor):
                 self.on__LeaseTick(_LeaseTick())
 
     def on__LeaseTick(self, _: _LeaseTick) -> None:
+        self._send_lease()
+        self._schedule()
+
+    def _send_lease(self) -> None:
         sock = self._peer_sock
         if sock is None:
             return
         self._lease_req += 1
         request = self.table.lease_request(self._lease_req)
-        try:
-            sock.send(encode(request), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the backup is not connected: no lease this time
-        self._schedule()
+        # The asyncio socket's send (not the plain one under it: that would take the descriptor's
+        # edge from its reader, leaving a lease reply unread): with NOBLOCK its future is done at
+        # once, holding zmq.Again when the backup is not connected (read here, so it counts as
+        # not sent and is not reported as never retrieved).
+        sent = cast("asyncio.Future[Any]", sock.send(encode(request), flags=_NOBLOCK))
+        if not sent.done():  # pragma: no cover - a NOBLOCK send resolves at once
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+        elif not sent.cancelled() and isinstance(sent.exception(), zmq.ZMQError):
+            self.reign.unsent(self._lease_req)  # the backup is not connected: no lease this time
+
+    def _lease_soon(self) -> None:
+        """Send a lease request now, or arm a timer for it, when the table wants one ahead of the
+        periodic ones (its sessions' slots changed, or it has yet to hear the backup: see
+        :meth:`~tensorhub.core.table.ReferenceTable.lease_due`). Checked after every batch, tick
+        and lease reply: a few comparisons when nothing changed."""
+        if self._peer_sock is None or self.stopped:
+            return
+        when = self.table.lease_due()
+        if when is None:
+            return
+        now = time.monotonic()
+        if when <= now:
+            self._send_lease()
+            when = self.table.lease_due()  # one not sent (the backup is not connected) is retried after the gap
+            if when is None:
+                return
+            now = time.monotonic()
+            when = max(when, now + 0.001)
+        if self._lease_at is not None and self._lease_at <= when:
+            return
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+        self._lease_at = when
+        assert self.loop is not None
+
+        def fire() -> None:
+            self._lease_timer = self._lease_at = None
+            self._lease_soon()
+
+        self._lease_timer = self.loop.call_later(when - now, fire)
 
     def on__PeerFrames(self, msg: _PeerFrames) -> None:
         try:
@@ -897,7 +942,10 @@ class ServerActor(Actor):
             self.log.warning(what, peer=peer.hex(), kind=kind, reason=reason)
 
     def _schedule(self) -> None:
-        """Wake the table at its next deadline (the periodic tick covers the rest)."""
+        """Wake the table at its next deadline (the periodic tick covers the rest); send the
+        backup a lease request now if the membership changed (a primary's)."""
+        if self._peer_sock is not None:
+            self._lease_soon()
         when = self.table.next_deadline()
         if when is None or (self._wake_at is not None and self._wake_at <= when):
             return
@@ -1044,6 +1092,8 @@ def cluster_state(table: Any, req: int, recent_bytes_per_s: float, window_s: flo
             gid, r.session.model.name, r.version, r.shard_idx, r.replica.name, src.replica.name, src.kind,
             src.state is not _P, r.verified, total, round(age, 3), round(moved / age, 1) if age > 0 else 0.0,
         ))  # fmt: skip
-    reigns = tuple(m.ReignSpan(*span) for span in table.reign.spans)
+    reign = table.reign
+    reigns = tuple(m.ReignSpan(*span) for span in reign.spans)
+    solo = reign.role == "solo"
     return m.ClusterState(req, table.term, time.time(), tuple(models), tuple(grants), window_s, round(recent_bytes_per_s, 1),
-                          reigns)  # fmt: skip
+                          reigns, None if solo else reign.epoch, None if solo else len(reign.voters))  # fmt: skip

@@ -257,6 +257,7 @@ class ReignMixin(TableState):
         reign.forget(list(self.sessions))
         # the counters and session ids go on (an id is never given twice by one server process)
         stats, by_link, next_id, granted = self.stats, self.bytes_by_link, next(self._ids), self._grants_sent
+        reign.slot_changes += 1  # every slot is gone
         TableState.__init__(self, self.clock, self.rng, self.config, self.term + 1, sources=self.sources, reign=reign)
         self.stats, self.bytes_by_link, self._ids = stats, by_link, itertools.count(next_id)
         self._grants_sent = granted  # counted against the reign that made them (violations if none)
@@ -278,5 +279,16 @@ class ReignMixin(TableState):
 
     def lease_request(self, req: int) -> m.LeaseRequest:
         """The primary's next request to its backup (the server actor sends it)."""
-        slots = tuple(sorted(f"{model}/{replica}/{shard}" for model, replica, shard in self.by_slot))
-        return self.reign.lease_request(req, self.clock(), self.term, slots)
+        reign = self.reign
+        # the slots only once the backup's membership is known (before, the request asks for it)
+        slots = tuple(sorted(f"{model}/{replica}/{shard}" for model, replica, shard in self.by_slot)) if reign.synced else ()
+        return reign.lease_request(req, self.clock(), self.term, slots, reign.slot_changes)
+
+    def lease_due(self) -> float | None:
+        """When the primary should send its next lease request ahead of its periodic ones, on
+        the table's clock (None: the periodic ones suffice): its sessions' slots changed, or it
+        has yet to learn the backup's membership (see :meth:`Reign.eager_at`)."""
+        reign = self.reign
+        if reign.role != "primary":
+            return None
+        return reign.eager_at(self.clock(), reign.slot_changes)

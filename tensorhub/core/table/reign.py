@@ -17,6 +17,11 @@ _DRIFT = 0.02  # the primary counts its lease this much shorter: clock rates may
 _REQUESTS_KEPT = 64  # lease requests whose send time the primary remembers
 _SPANS_KEPT = 64  # reigns remembered (for the cluster state and the partition harness)
 _DROPPED_KEPT = 65536  # session ids remembered after a step-down (answered with StepDown)
+#: the primary's eager lease requests (a membership change, its first) are at least this much of
+#: a lease apart, and at most _EAGER_GAP_MAX s: a storm of opens ships its slots a few times a
+#: second, not once per open
+_EAGER_GAP = 1 / 25
+_EAGER_GAP_MAX = 0.1
 
 
 class Reign:
@@ -29,14 +34,19 @@ class Reign:
     it holds one of:
 
     1. *the lease* (primary only): the backup's promise not to reign. The primary asks every
-       ``lease / 5`` s (:class:`~tensorhub.core.messages.LeaseRequest`); the backup, which
+       ``lease / 5`` s (:class:`~tensorhub.core.messages.LeaseRequest`), and at once when its
+       sessions' slots changed (see 2.) or it has not heard the backup yet; the backup, which
        always yields to the primary (if it reigns, it steps down first: "clients move back to
        the primary when it returns"), promises not to reign until ``lease`` s after the request
        *arrived*; the primary counts the lease from when it *sent* the request, shortened by
        ``_DRIFT``, so it always ends first.
     2. *a majority of the voters*: the shard slots (``model/replica/shard``) of the last
        membership both servers hold. The primary ships its sessions' slots with its lease
-       requests (one change outstanding at a time, numbered by ``epoch``); a change counts once
+       requests (one change outstanding at a time, numbered by ``epoch``), sending one as soon
+       as the slots changed (:meth:`eager_at`: coalesced, the next once the last is answered, and
+       at most one per ``min(lease / 25, 0.1)`` s), so that a backup knows the voters a round trip
+       after an open, not up to a fifth of a lease later (a primary killed in between left a
+       backup that could never decide); a change counts once
        the backup acknowledged it, and until then the primary needs a majority of both the old
        and the new membership; a primary that starts first learns the backup's membership and
        numbers its changes from there. While the servers cannot talk, the membership is frozen. A slot
@@ -85,7 +95,8 @@ class Reign:
     __slots__ = (
         "role", "lease", "lease_until", "promised_until", "epoch", "voters", "pending", "votes", "requests",
         "dropped", "spans", "reigning", "violations", "synced", "peer_epoch", "owner", "_majority_until", "_why",
-        "begun", "peer_reigns", "held_since", "held_for", "confirmed", "denied",
+        "begun", "peer_reigns", "held_since", "held_for", "confirmed", "denied", "shipped", "last_sent",
+        "unsent_last", "slot_changes",
     )  # fmt: skip
 
     def __init__(self, role: str = "solo", lease: float = 5.0) -> None:
@@ -119,6 +130,12 @@ class Reign:
         self.held_for: tuple[int, int] | None = None  # the backup's (term, reigns) when it began to hold
         self.confirmed = False  # holding: a granted reply said the backup began no reign since
         self.denied = False  # holding: a reply said it did (or could not say)
+        #: how many times the table added a slot to its sessions or took one away (kept here, not
+        #: on the table: a table attribute more costs every message; see :meth:`eager_at`)
+        self.slot_changes = 0
+        self.shipped = -1  # primary: slot_changes when it last built a lease request
+        self.last_sent = float("-inf")  # primary: when it last tried to send one (sent or not)
+        self.unsent_last = False  # primary: the last one could not be sent (the backup is not connected)
 
     # ---- the rule ----------------------------------------------------------------------------
 
@@ -189,19 +206,50 @@ class Reign:
 
     # ---- the primary's side ------------------------------------------------------------------
 
-    def lease_request(self, req: int, now: float, term: int, slots: tuple[str, ...]) -> m.LeaseRequest:
-        """The next lease request (with the membership ``slots`` when it changed)."""
+    def lease_request(self, req: int, now: float, term: int, slots: tuple[str, ...], changes: int = -1) -> m.LeaseRequest:
+        """The next lease request (with the membership ``slots`` when it changed). ``changes``:
+        the table's count of slot changes that ``slots`` reflects (see :meth:`eager_at`)."""
         self.requests[req] = now
+        self.last_sent = now
+        self.unsent_last = False
         while len(self.requests) > _REQUESTS_KEPT:
             self.requests.popitem(last=False)
         if not self.synced:  # first learn which membership the backup holds: epochs are numbered on
             return m.LeaseRequest(req, term, 0, None)  # from there, never reused
-        if self.pending is None and (slots != self.voters or self.peer_epoch != self.epoch):
-            self.pending = (self.epoch + 1, slots)
-            self._majority_until = None
+        if self.pending is None:  # the slots of these changes are compared (and shipped if they differ)
+            self.shipped = changes  # (not while an older change is on its way: they go after it)
+            if slots != self.voters or self.peer_epoch != self.epoch:
+                self.pending = (self.epoch + 1, slots)
+                self._majority_until = None
         if self.pending is not None:
             return m.LeaseRequest(req, term, self.pending[0], self.pending[1])
         return m.LeaseRequest(req, term, self.epoch, None)
+
+    def unsent(self, req: int) -> None:
+        """Lease request ``req`` could not be sent (the backup is not connected): no answer is
+        awaited for it. The next eager one waits the gap until the primary first heard the
+        backup, then a fifth of a lease, the periodic requests' pace (:meth:`eager_at`)."""
+        self.requests.pop(req, None)
+        self.unsent_last = True
+
+    def eager_at(self, now: float, changes: int) -> float | None:
+        """When the primary should send a lease request ahead of its periodic ones (None: the
+        ticks suffice): it has not learned the backup's membership yet, or its sessions' slots
+        changed (``changes``: the table's count of slot changes) or the backup holds another
+        epoch, and no change is on its way. Coalesced: nothing while the latest request awaits
+        its answer (for a fifth of a lease: then the ticks carry on), and each at least
+        ``min(lease / 25, 0.1)`` s after the one before."""
+        if self.role != "primary":
+            return None
+        if self.synced and self.pending is None and changes == self.shipped and self.peer_epoch == self.epoch:
+            return None  # nothing new for the backup
+        if self.requests and not self.unsent_last:
+            sent = self.requests[next(reversed(self.requests))]
+            if now - sent < self.lease / 5:
+                return None  # its answer is awaited, and with it the next look (see on_reply)
+        if self.unsent_last and self.synced:
+            return max(now, self.last_sent + self.lease / 5)  # the backup went away: no faster than the ticks
+        return max(now, self.last_sent + min(self.lease * _EAGER_GAP, _EAGER_GAP_MAX))
 
     def on_reply(self, msg: m.LeaseReply) -> None:
         sent = self.requests.pop(msg.req, None)

@@ -117,6 +117,7 @@ class SessionMixin(TableState):
         s = _Session(next(self._ids), peer, model, replica, msg, self.clock())
         self.sessions[s.id] = s
         self.by_slot[slot] = s
+        self.reign.slot_changes += 1
         self.expiry[s.id] = s
         replica.shards[s.shard_idx] = s
         if msg.retain is not None:
@@ -221,6 +222,7 @@ class SessionMixin(TableState):
         slot = (s.model.name, s.replica.name, s.shard_idx)
         if self.by_slot.get(slot) is s:
             del self.by_slot[slot]
+            self.reign.slot_changes += 1
         replica = s.replica
         if replica.shards.get(s.shard_idx) is s:
             del replica.shards[s.shard_idx]
