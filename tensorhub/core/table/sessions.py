@@ -49,7 +49,7 @@ class SessionMixin(TableState):
     """Sessions, layouts, heartbeats, replica removal. Mixed into
     :class:`~tensorhub.core.table.ReferenceTable`. State
     (:class:`~tensorhub.core.table.state.TableState`): ``clock``, ``config``, ``term``, ``models``,
-    ``sessions``, ``by_slot``, ``fenced``, ``expiry``, ``bucket_memory``, ``_ids``, ``_out``."""
+    ``sessions``, ``by_slot``, ``fenced``, ``expiry``, ``bucket_memory``, ``reign``, ``_ids``, ``_out``."""
 
     def _session(self, peer: Hashable, sid: int) -> _Session:
         s = self.sessions.get(sid)
