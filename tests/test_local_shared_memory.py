@@ -27,8 +27,7 @@ from tensorhub.transports.buffers import WORD_BYTES, ShardBuffers, layout_of
 from tensorhub.transports.local import LocalTransport
 from tensorhub.transports.sidechannel import SideServer
 
-from .procs import InprocServer
-from .test_local_same_process import _Spy
+from .test_local_same_process import _Spy, _weights, server  # noqa: F401 (server: a fixture)
 from .test_transport_local import VERSION, content, same, specs, write
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -74,6 +73,22 @@ class Served:
     async def __aexit__(self, *exc: object) -> None:
         self.side.close()
         await self.holder.close()
+
+
+def read_whole(buf: ShardBuffers, into: ShardBuffers) -> dict[str, int]:
+    """One read of all of ``buf`` (served from this process as another) into ``into``; the
+    reading transport's stats."""
+
+    async def main() -> dict[str, int]:
+        async with Served(buf) as served:
+            reader = LocalTransport()
+            try:
+                await reader.read(served.endpoint, 1, VERSION, 0, buf.total_bytes, into, None)
+                return reader.stats()
+            finally:
+                await reader.close()
+
+    return run(main())
 
 
 def test_shared_memory_moves_the_cpu_regions_in_place_and_describes_them(seed: int) -> None:
@@ -154,17 +169,8 @@ def test_a_reused_descriptor_naming_another_file_is_refused(seed: int) -> None:
     other.truncate(buf.shared[k].size)
     os.dup2(other.fileno(), fd)  # the same number now names another file
 
-    async def main() -> dict[str, int]:
-        async with Served(buf) as served:
-            reader = LocalTransport()
-            try:
-                await reader.read(served.endpoint, 1, VERSION, 0, buf.total_bytes, into, None)
-                return reader.stats()
-            finally:
-                await reader.close()
-
     try:
-        stats = run(main())
+        stats = read_whole(buf, into)
     finally:
         os.dup2(keep, fd)
         os.close(keep)
@@ -178,17 +184,7 @@ def test_a_file_that_cannot_be_opened_falls_back_to_process_vm_readv(seed: int, 
     into = shared_buffers(3 << 20, shared=False)
     monkeypatch.setattr(local, "_PROC_FD", "/nonexistent/{pid}/fd/{fd}")
     spy = _Spy(monkeypatch)
-
-    async def main() -> dict[str, int]:
-        async with Served(buf) as served:
-            reader = LocalTransport()
-            try:
-                await reader.read(served.endpoint, 1, VERSION, 0, buf.total_bytes, into, None)
-                return reader.stats()
-            finally:
-                await reader.close()
-
-    stats = run(main())
+    stats = read_whole(buf, into)
     assert same(into, data)
     assert stats["shared_fallbacks"] == 3 and stats["shared_mapped"] == 0, stats
     assert spy.memmoved == 0 and sum(spy.vm_calls) > buf.total_bytes
@@ -235,18 +231,6 @@ def test_bad_shared_memory_fields_are_refused_naming_the_field(change: dict | No
 # --- through the engine: register(shared_memory=True), verification --------------------------------
 
 
-@pytest.fixture
-def server():
-    s = InprocServer()
-    yield s
-    s.close()
-
-
-def _weights(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {"w1": torch.randn(1536, 1024, generator=g), "w2": torch.randn(1536, 1024, generator=g)}
-    out.update({f"n{i}": torch.randn(64, generator=g) for i in range(4)})
-    return out
 
 
 def test_a_damaged_byte_in_the_shared_segment_is_refused_and_read_again(server, seed, monkeypatch) -> None:
