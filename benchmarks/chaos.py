@@ -63,7 +63,7 @@ MODEL = "actor"
 HEARTBEAT_INTERVAL = 0.1
 HEARTBEAT_TIMEOUT = 1.0
 #: errors update() may raise while processes and servers die around it (not corruption)
-LEGIT_UPDATE_ERRORS = {"UpdateAborted", "VersionUnavailable", "ServerUnavailable", "TransportError",
+LEGIT_UPDATE_ERRORS = {"UpdateAborted", "VersionLost", "VersionUnavailable", "ServerUnavailable", "TransportError",
                        "ChecksumMismatch", "ConnectionFailure", "StaleGrant", "Timeout"}  # fmt: skip
 
 #: what an UpdateAborted says when the version it moved to went away (a VersionUnavailable cause)
@@ -73,7 +73,7 @@ GONE = ("unavailable", "no holder can serve", "is gone", "lost its last complete
 
 def _version_went_away(err: tuple[str, str]) -> bool:
     kind, message = err
-    return kind == "VersionUnavailable" or (kind == "UpdateAborted" and any(g in message for g in GONE))
+    return kind in ("VersionUnavailable", "VersionLost") or (kind == "UpdateAborted" and any(g in message for g in GONE))
 
 
 def _mp() -> Any:
@@ -566,7 +566,7 @@ class Chaos:
                 self.restarted_empty.discard(name)
             elif name in self.restarted_empty:
                 self.s.empty_after_own_kill += 1
-            elif res["error"] is not None and res["error"][0] == "UpdateAborted" and any(
+            elif res["error"] is not None and res["error"][0] in ("UpdateAborted", "VersionLost") and any(
                     t <= done_at for n, t in (deliberate or {}).items() if n != name):  # fmt: skip
                 # Documented: an update that began moving and lost every holder of its version (or
                 # the server) aborts and leaves the handle empty. That no live holder was left is

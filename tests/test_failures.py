@@ -139,10 +139,11 @@ def test_an_update_to_latest_whose_version_dies_mid_pull_moves_on_to_the_newest(
     assert reader.call("state") == (2, False)
     assert reader.call("holds", 2)
     assert reader.call("last_sources") == ["trainer-b/0"]
-    # An update to a numbered version has nothing to move on to: it says so, typed.
+    # With no newer version to move on to, it says so, typed: the handle is empty (a False, "did
+    # not move", would say it still held version 2; the chaos test caught that).
     new.call("unpublish")
     publish_and_wait_checksums(srv, new, 3)
-    reader.send("update", 3, 60.0)
+    reader.send("update", "latest", 60.0)
     wait_until(lambda: _landed(srv, "rollout", 3) > 0, 30, "the reader to land bytes of version 3")
     new.kill()
     with pytest.raises(RemoteError) as err:

@@ -97,4 +97,4 @@ def test_partition_harness_bounded_run():
     rep = run(SEED % 1000, faults=7, call_timeout=15.0, log=lambda s: None)
     assert rep.faults == 7
     assert rep.corruptions == [] and rep.hangs == [] and rep.leaks == [] and rep.split_brain == [], rep.line()
-    assert rep.versions >= 1 or set(rep.errors) <= {"ReplicaRemoved", "ServerUnavailable", "UpdateAborted"}, rep.line()
+    assert rep.versions >= 1 or set(rep.errors) <= {"ReplicaRemoved", "ServerUnavailable", "UpdateAborted", "VersionLost"}, rep.line()

@@ -84,7 +84,7 @@ def _run(handles, server: ServerProcess) -> dict:
                     try:
                         s.result(90)
                     except RemoteError as err:
-                        if err.kind != "UpdateAborted":
+                        if err.kind not in ("UpdateAborted", "VersionLost"):
                             raise
                         r["aborts"] += 1
                 states = [s.call("state") for s in (s0, s1)]

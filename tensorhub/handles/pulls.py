@@ -164,19 +164,26 @@ async def _update_moving_on(h: ShardSession, version: int | str, timeout: float 
     its last complete holder mid-pull (:class:`~tensorhub.errors.VersionLost`: every shard of
     the replica is told alike, each left empty, so all of them ask again, with the same next
     call number) asks again for the newest version then, at most :data:`LOST_RETRIES` times and
-    within the call's time. An update to a numbered version raises it: that version is gone."""
+    within the call's time; where there is none to move to, it raises the loss (the handle is
+    empty). An update to a numbered version raises it: that version is gone."""
     relative = parse_version_spec(version, **h.ctx).relative
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
-    left = timeout
+    left, lost = timeout, None
     for attempt in range(LOST_RETRIES + 1):
         try:
-            return await pull(h, m.Update, version, left)
+            reply = await pull(h, m.Update, version, left)
         except VersionLost as err:
             left = None if deadline is None else deadline - loop.time()
             if not relative or attempt == LOST_RETRIES or (left is not None and left <= 0):
                 raise
             h.log.warning("the update's version was lost mid-pull; asking for the newest", lost=err.version, attempt=attempt + 1)
+            lost = err
+            continue
+        if lost is not None and not reply.moved and reply.deltas is None:
+            # Nothing to move on to: the handle is still empty, which "did not move" would hide.
+            raise lost
+        return reply
     raise AssertionError("unreachable")
 
 
