@@ -14,20 +14,11 @@ import torch
 
 import tensorhub
 from tensorhub.core.errors import InvalidArgument
-from tensorhub.core.placement import Replicate, TensorPlacement
 from tensorhub.runtime import convert
 
-from .procs import InprocServer
-from .test_reshard_in_place import DEST, MAPPING, _expect, _publish, _source
+from .test_reshard_in_place import DEST, MAPPING, _expect, _publish, _register_dest, _source, server  # noqa: F401 (server: a fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-def server():
-    srv = InprocServer()
-    yield srv
-    srv.close()
 
 
 class _Recorder:
@@ -59,9 +50,7 @@ def test_each_tensor_is_said_landed_once_with_its_verified_bytes_even_after_a_da
     h = tensorhub.open("dst", "infer-1", server=server.address, convert_from="src", mapping=MAPPING, transports=damaged)
     trainer: list = []
     try:
-        dest = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt) in DEST.items()}
-        h.register(dest, placements={n: TensorPlacement.of(n, str(dt).removeprefix("torch."), shape, Replicate(), 1)
-                                     for n, (shape, dt) in DEST.items()})  # fmt: skip
+        dest = _register_dest(h)
         full = _source(5)
         rec = _Recorder(dest, _expected(full))
         convert.listen(h.buffers, rec)

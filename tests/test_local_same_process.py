@@ -16,15 +16,9 @@ from tensorhub.transports import local
 from tensorhub.transports.buffers import WORD_BYTES
 
 from .procs import InprocServer
+from .test_reshard_in_place import server  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-def server():
-    s = InprocServer()
-    yield s
-    s.close()
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:

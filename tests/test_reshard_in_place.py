@@ -8,6 +8,7 @@ unit against them), and a unit damaged on the way is caught where it landed and 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -67,12 +68,17 @@ def _publish(server: InprocServer, full: dict[str, torch.Tensor], version: int) 
     return trainer
 
 
-def _converted(server: InprocServer, replica: str) -> tuple:
-    h = tensorhub.open("dst", replica, server=server.address, convert_from="src", mapping=MAPPING)
+def _register_dest(h: Any) -> dict[str, torch.Tensor]:
+    """Register zeroed destination tensors (DEST, each replicated) on converting handle ``h``."""
     dest = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt) in DEST.items()}
     h.register(dest, placements={n: TensorPlacement.of(n, str(dt).removeprefix("torch."), shape, Replicate(), 1)
                                   for n, (shape, dt) in DEST.items()})  # fmt: skip
-    return h, dest
+    return dest
+
+
+def _converted(server: InprocServer, replica: str) -> tuple:
+    h = tensorhub.open("dst", replica, server=server.address, convert_from="src", mapping=MAPPING)
+    return h, _register_dest(h)
 
 
 def _expect(dest: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> None:
@@ -118,9 +124,7 @@ def test_a_unit_damaged_on_the_way_is_caught_where_it_landed_and_read_again(serv
     conv = tensorhub.open("dst", "infer-1", server=server.address, convert_from="src", mapping=MAPPING, transports=damaged)
     trainer: list = []
     try:
-        dest = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt) in DEST.items()}
-        conv.register(dest, placements={n: TensorPlacement.of(n, str(dt).removeprefix("torch."), shape, Replicate(), 1)
-                                         for n, (shape, dt) in DEST.items()})  # fmt: skip
+        dest = _register_dest(conv)
         trainer = _publish(server, full, 1)
         assert conv.replicate(1, timeout=30) == 1
         _expect(dest, full)
