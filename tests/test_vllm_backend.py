@@ -613,6 +613,19 @@ def test_info_and_trainer_bad_input_and_calls(tmp_path, server):
         assert client.calls[-1] == ("finish", "4")
     finally:
         trainer.shutdown()
+    # shared_memory: the same tensors, moved into shared-memory files (a same-host engine in
+    # another process maps them); a value that is not a bool is refused, naming the option
+    shm = {"c.weight": torch.ones(1024, 1024)}  # 4 MiB, not packed (tiny tensors stay packed in place)
+    info = TensorHubTrainerInitInfo(rank=0, model="tiny-shm", num_shards=1, shard_idx=0, server=server.address, shared_memory=True)
+    trainer = TensorHubTrainerWeightTransferEngine.trainer_init(info, tensors=shm)
+    try:
+        assert shm["c.weight"].is_shared() and trainer.tensors["c.weight"] is shm["c.weight"]
+        assert trainer.publish() == 1 and latest_version("tiny-shm", server.address) == 1
+    finally:
+        trainer.shutdown()
+    bad = TensorHubTrainerInitInfo(rank=0, model="tiny-bad", num_shards=1, shard_idx=0, server=server.address, shared_memory="yes")
+    with pytest.raises(InvalidArgument, match="shared_memory"):
+        TensorHubTrainerWeightTransferEngine.trainer_init(bad, tensors={"d": torch.ones(2)})
 
 
 ASYNC_SCRIPT = r"""

@@ -59,6 +59,12 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
         engine: the ``init_info`` to send the inference engines (``source_model`` defaults to
             ``model``); None: do not initialize them (they were).
         first_version: the version the first ``send_weights`` publishes.
+        shared_memory: register the tensors in shared memory (``ShardHandle.register(...,
+            shared_memory=True)``: moved there once, in place): an engine on the same host, in
+            another process (``vllm serve``, vLLM's multiprocess engine), then copies them with
+            ``memmove`` out of a mapping of the trainer's files instead of ``process_vm_readv``
+            (``benchmarks/bench_vllm.py --serve --trainer-shared-memory``). The tensors stay the
+            same objects (views of them follow); their ``data_ptr()`` changes.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -70,6 +76,7 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
     server: str | None = None
     engine: dict[str, Any] | None = None
     first_version: int = 1
+    shared_memory: bool = False
 
 
 class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHubTrainerInitInfo]):
@@ -122,7 +129,7 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         self.handle = tensorhub.open(init_info.model, init_info.replica, num_shards=init_info.num_shards,
                                      shard_idx=init_info.shard_idx, server=init_info.server)  # fmt: skip
         try:
-            self.handle.register(tensors, placements=placements)
+            self.handle.register(tensors, placements=placements, shared_memory=init_info.shared_memory)
         except BaseException:
             self.handle.close()
             raise
