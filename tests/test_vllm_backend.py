@@ -628,6 +628,38 @@ def test_info_and_trainer_bad_input_and_calls(tmp_path, server):
         TensorHubTrainerWeightTransferEngine.trainer_init(bad, tensors={"d": torch.ones(2)})
 
 
+def test_dispatch_kept_only_for_the_linear_fallback(monkeypatch):
+    """A build skips a module's processing only where vLLM's CPU GEMM dispatch fell back to
+    F.linear (nothing packed); a dispatch that packed the weight into a handle is redone."""
+    from vllm.model_executor.layers import utils as lu
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from tensorhub.integrations.vllm_shadow import _dispatch_kept
+
+    def layer() -> torch.nn.Module:
+        mod = torch.nn.Module()
+        mod.weight = torch.nn.Parameter(torch.randn(64, 32).to(torch.bfloat16), requires_grad=False)
+        return mod
+
+    monkeypatch.setattr(lu, "check_cpu_sgl_kernel", lambda *a: False)
+    fallback = layer()
+    assert not _dispatch_kept(fallback, UnquantizedLinearMethod())  # not dispatched yet
+    monkeypatch.setattr(lu.ops, "_supports_onednn", False)
+    lu.dispatch_cpu_unquantized_gemm(fallback, remove_weight=True)
+    assert _dispatch_kept(fallback, UnquantizedLinearMethod()) and _dispatch_kept(fallback, UnquantizedEmbeddingMethod())
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    assert torch.equal(fallback.cpu_linear(x, fallback.weight, None), torch.nn.functional.linear(x, fallback.weight))
+    assert not _dispatch_kept(fallback, object())  # another method: processed again
+
+    # oneDNN's dispatch closes over its handle (a packed copy of the weight): built again
+    monkeypatch.setattr(lu.ops, "_supports_onednn", True)
+    monkeypatch.setattr(lu.ops, "create_onednn_mm", lambda weight, cache: ("handle", weight.shape))
+    packed = layer()
+    lu.dispatch_cpu_unquantized_gemm(packed, remove_weight=True)
+    assert packed.cpu_linear.__code__.co_freevars and not _dispatch_kept(packed, UnquantizedLinearMethod())
+
+
 ASYNC_SCRIPT = r"""
 import asyncio, itertools, json, sys
 import vllm

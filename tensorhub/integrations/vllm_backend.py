@@ -127,6 +127,7 @@ from tensorhub.integrations.vllm_shadow import (
     _MISSING,
     _MODULE_STATE,
     _copy_module,
+    _dispatch_kept,
     _materialize,
     _over,
     _same_layout,
@@ -625,6 +626,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         #: build each module as the conversion says its tensors landed, during the pull; False: the
         #: whole build after the pull (what bench_vllm.py's ``tensorhub-serial`` route compares with)
         self.build_while_landing = True
+        #: modules of the last build whose processing was skipped: vLLM's F.linear fallback stands (:func:`_dispatch_kept`)
+        self._kept = 0
         self._shadow: _Shadow | None = None
         #: the storages the last swap replaced, by (module, kind, name): the next build's buffers
         #: (freeing them in the pause cost ~0.1 ms per MiB; reusing them saves the page faults too)
@@ -966,6 +969,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             error (once the pull has ended: nothing writes staging behind the caller).
         """
         clock = time.perf_counter
+        self._kept = 0
         if not (self.swap and self.build_while_landing):  # the pull, then (swap) the build
             t = clock()
             got = self._pull(version)
@@ -974,7 +978,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             if self.swap and (self._shadow is None or self._shadow.version != got):
                 self._shadow = None
                 self._shadow = self._build_shadow(got)
-                phases.update(build_s=self._shadow.seconds, build_after_pull_s=clock() - t1)
+                phases.update(build_s=self._shadow.seconds, build_after_pull_s=clock() - t1, kept_dispatch=float(self._kept))
             return got, phases
         assert self.trace is not None
         landings = _Landings()
@@ -1039,7 +1043,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         self._shadow = None
         self._shadow = self._build_shadow(got, built if at == got else {})
         self._shadow.seconds += build_s
-        phases.update(build_s=self._shadow.seconds, build_after_pull_s=clock() - t1)
+        phases.update(build_s=self._shadow.seconds, build_after_pull_s=clock() - t1, kept_dispatch=float(self._kept))
         return got, phases
 
     def _info(self, mod: Any) -> Any:
@@ -1118,7 +1122,10 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         before = dict(vars(copy))
         quant = getattr(copy, "quant_method", None)
         if isinstance(quant, QuantizeMethodBase):
-            quant.process_weights_after_loading(copy)
+            if _dispatch_kept(mod, quant):
+                self._kept += 1  # the live module's F.linear fallback stands (the copy shares it)
+            else:
+                quant.process_weights_after_loading(copy)
             if hasattr(copy, "update_param_tp_status"):
                 copy.update_param_tp_status()
         params, buffers = get_layer_params_buffers(copy)

@@ -1,7 +1,8 @@
 """The shadow of a vLLM worker's model: the next version's processed layers, built beside the
 live ones while the engine serves (:mod:`tensorhub.integrations.vllm_backend`'s BUILD and SWAP).
 
-What is here decides which modules may be built beside the live ones (:func:`_shadowable`), makes
+What is here decides which modules may be built beside the live ones (:func:`_shadowable`) and
+which need not be processed again (:func:`_dispatch_kept`), makes
 their tensors real in the storages a previous swap retired (:func:`_materialize`, never one that a
 view still shares: :func:`_unshared`), copies a module without its tensors (:func:`_copy_module`)
 and compares layouts (:func:`_same_layout`); it builds a parameter over a staging set's memory
@@ -20,8 +21,8 @@ import torch
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 _MISSING = object()
 
-__all__ = ["_MISSING", "_MODULE_STATE", "_Shadow", "_copy_module", "_materialize", "_over", "_same_layout",
-           "_shadowable", "_unshared", "_use_count"]
+__all__ = ["_MISSING", "_MODULE_STATE", "_Shadow", "_copy_module", "_dispatch_kept", "_materialize", "_over",
+           "_same_layout", "_shadowable", "_unshared", "_use_count"]
 
 
 @dataclass
@@ -80,6 +81,30 @@ def _experts_alone(quant: Any) -> bool:
     return (type(quant) is UnquantizedFusedMoEMethod and getattr(quant, "moe_kernel", None) is not None
             and getattr(quant, "unquantized_backend", None) == UnquantizedMoeBackend.CPU
             and not is_weights_pre_processed())  # fmt: skip
+
+
+def _dispatch_kept(mod: torch.nn.Module, quant: Any) -> bool:
+    """Whether processing ``mod`` again would set only what it holds now, so that its copy may
+    skip ``process_weights_after_loading``: vLLM's (0.32) unquantized linear and embedding
+    methods on CPU do nothing but ``dispatch_cpu_unquantized_gemm``, and for ``mod`` that
+    dispatch fell back to ``torch.nn.functional.linear`` (its lambda, which closes over nothing:
+    no packed copy of the weight, the weight kept as it is; oneDNN's, sgl's and zentorch's
+    close over their packed weight or handle and are built again). The dispatch decides by the
+    platform and the weight's shape and dtype, which an update keeps (the swap checks the
+    layout), so the fallback it chose stays the answer; on a CPU where oneDNN cannot build the
+    matmul (AVX2 with bf16) every attempt costs about 0.7 ms and fails again."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+
+    if type(quant) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod) or not current_platform.is_cpu():
+        return False
+    fn = vars(mod).get("cpu_linear")
+    code = getattr(fn, "__code__", None)
+    weight = getattr(mod, "weight", None)
+    return (code is not None and not code.co_freevars and getattr(fn, "__module__", None) == "vllm.model_executor.layers.utils"
+            and getattr(fn, "__qualname__", "") == "dispatch_cpu_unquantized_gemm.<locals>.<lambda>"
+            and isinstance(weight, torch.Tensor) and weight.numel() > 0)  # fmt: skip
 
 
 def _over(meta: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
