@@ -20,6 +20,10 @@ same run, interleaved round by round, the copies a replicate is made of:
   else: no description, no progress words, no engine);
 - ``vm read + xxh3``: the same, each piece hashed (xxh3-64) right after it landed: the floor of
   a verified copy;
+- ``vmT+xxh3@1M`` (not by default): the same on the copy threads in 1 MiB pieces, the
+  ``local`` transport's own piece (``piece_bytes``): the floor of exactly what its copy
+  workers do, without the engine (``vmT+xxh3`` keeps 4 MiB pieces, so that its figures compare
+  with earlier runs; its hash reads a piece back from L3, which a 1 MiB piece mostly is not);
 - ``tensorhub-shm``: TensorHub with the holder's and the readers' tensors registered in shared
   memory (``register(..., shared_memory=True)``, a second set of tensors under a second model
   name in the same processes): a reader maps the holder's files and copies with ``memmove``
@@ -28,7 +32,11 @@ same run, interleaved round by round, the copies a replicate is made of:
   transport per reader process serves both TensorHub rows);
 - ``tensorhub-whole`` (not by default): TensorHub with the publisher's checksums declared whole
   once it has hashed the shard, not in parts as it hashes (``$TENSORHUB_CHECKSUM_PART_BYTES=0``
-  in the holder for that round): the A/B of the parts, in the same processes.
+  in the holder for that round): the A/B of the parts, in the same processes;
+- ``tensorhub-hash1`` (not by default): TensorHub with the publisher's hash on one thread
+  (``$TENSORHUB_HASH_THREADS=1`` in the holder for that round), not one per core: whether the
+  publisher's hash threads, competing with the reader's copy threads for the same cores, cost
+  the round anything.
 
 Each round starts at one instant in every process (the holder publishes then, the readers
 replicate then); a reader's time ends when ``replicate`` returns. Figures per row: the median
@@ -78,7 +86,8 @@ if str(_HERE.parent) not in sys.path:
 from benchmarks.harness import BenchmarkError, Child, median, process_cpu, start_server, stop_process  # noqa: E402
 from benchmarks.harness.shards import WORKLOADS, allocate, fill_seeded, hashes_of, spec_bytes, workload_spec  # noqa: E402
 
-PIECE = 4 << 20  # bytes per process_vm_readv in the raw rows (the local transport's piece)
+PIECE = 4 << 20  # bytes per process_vm_readv in the raw rows (a checksum unit; kept so that figures compare across runs)
+PIECE_1M = 1 << 20  # ... in the ``@1M`` rows: the local transport's piece (``piece_bytes``), hashed while it is in L2
 
 
 # ---- profiling every thread of a process --------------------------------------------------------
@@ -363,13 +372,13 @@ def _spans(tensors: dict) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors.values()]
 
 
-def _pieces(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> list[tuple[list, list]]:
-    """The shard cut into pieces of at most ``PIECE`` bytes: ``(local spans, remote spans)`` each
+def _pieces(local: list[tuple[int, int]], remote: list[tuple[int, int]], size: int = PIECE) -> list[tuple[list, list]]:
+    """The shard cut into pieces of at most ``size`` bytes: ``(local spans, remote spans)`` each
     (the layouts are equal, so the tensors pair up one to one)."""
     out: list[tuple[list, list]] = []
     cur_l: list = []
     cur_r: list = []
-    room = PIECE
+    room = size
     for (la, n), (ra, rn) in zip(local, remote, strict=True):
         assert n == rn
         pos = 0
@@ -381,7 +390,7 @@ def _pieces(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> list
             room -= k
             if room == 0:
                 out.append((cur_l, cur_r))
-                cur_l, cur_r, room = [], [], PIECE
+                cur_l, cur_r, room = [], [], size
     if cur_l:
         out.append((cur_l, cur_r))
     return out
@@ -411,7 +420,7 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
         handle = tensorhub.open("bench-local-path", "trainer", server=server, retain=None,
                                 transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
         handle.register(tensors)
-        handles = {"tensorhub": handle, "tensorhub-whole": handle}
+        handles = {"tensorhub": handle, "tensorhub-whole": handle, "tensorhub-hash1": handle}
         if shm:  # a second set of the same bytes, in shared memory, under a second model name
             shared = allocate(spec)
             fill_seeded(shared, seed)
@@ -438,6 +447,10 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
                     os.environ["TENSORHUB_CHECKSUM_PART_BYTES"] = "0"
                 else:
                     os.environ.pop("TENSORHUB_CHECKSUM_PART_BYTES", None)
+                if kind == "tensorhub-hash1":  # the publisher's hash on one thread
+                    os.environ["TENSORHUB_HASH_THREADS"] = "1"
+                else:
+                    os.environ.pop("TENSORHUB_HASH_THREADS", None)
                 _sleep_until(start)
                 c0, t0, f0 = _cpu(), _thread_cpu(), _faults()
                 handle.publish(version)
@@ -478,14 +491,15 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
         handle = tensorhub.open("bench-local-path", f"reader-{index}", server=server, retain=None,
                                 transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
         handle.register(tensors)
-        handles = {"tensorhub": handle, "tensorhub-whole": handle}
-        into = {"tensorhub": tensors, "tensorhub-whole": tensors}
+        handles = {"tensorhub": handle, "tensorhub-whole": handle, "tensorhub-hash1": handle}
+        into = {"tensorhub": tensors, "tensorhub-whole": tensors, "tensorhub-hash1": tensors}
         if shm:  # its tensors in shared memory too: the next reader of a chain maps them
             into["tensorhub-shm"] = allocate(spec)
             handles["tensorhub-shm"] = tensorhub.open("bench-local-path-shm", f"reader-{index}", server=server, retain=None,
                                                       transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
             handles["tensorhub-shm"].register(into["tensorhub-shm"], shared_memory=True)
         pieces = _pieces(_spans(tensors), remote)
+        pieces_1m = _pieces(_spans(tensors), remote, PIECE_1M)
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raw")
         source: dict | None = None
 
@@ -532,6 +546,8 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                         raw(kind.endswith("xxh3"), p)
                 elif kind in ("vmT", "vmT+xxh3"):
                     list(pool.map(lambda p, h=kind.endswith("xxh3"): raw(h, p), pieces))
+                elif kind == "vmT+xxh3@1M":
+                    list(pool.map(lambda p: raw(True, p), pieces_1m))
                 else:
                     raise ValueError(f"unknown kind {kind!r}")
                 end = time.monotonic()
@@ -685,7 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     readers = [int(x) for x in args.readers.split(",") if x.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    known = ("tensorhub", "tensorhub-shm", "tensorhub-whole", "memcpy", "vm1", "vmT", "vm1+xxh3", "vmT+xxh3")
+    known = ("tensorhub", "tensorhub-shm", "tensorhub-whole", "tensorhub-hash1", "memcpy", "vm1", "vmT", "vm1+xxh3", "vmT+xxh3",
+             "vmT+xxh3@1M")
     if any(k not in known for k in kinds) or not kinds:
         raise SystemExit(f"--kinds: choose from {', '.join(known)}")
     if not readers or any(not 1 <= n <= 16 for n in readers) or not 1 <= args.size_mib <= 65536:
