@@ -696,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
                          "verified, and how long they waited, copied and idled")  # fmt: skip
     ap.add_argument("--local-options", type=json.loads, default={},
                     help='options of the local transport, as JSON (e.g. \'{"piece_bytes": 4194304}\')')  # fmt: skip
+    ap.add_argument("--no-pipeline", action="store_true",
+                    help="start the server with --no-pipeline: only complete holders serve, so every reader reads the "
+                         "holder (a star) instead of a chain of partial readers")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0)
     args = ap.parse_args(argv)
@@ -714,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the suite: tensors on huge pages
     spec = workload_spec(args.workload, args.size_mib << 20, args.seed)
     gb = spec_bytes(spec) / 1e9
-    proc, server = start_server(args.timeout, echo_all=False)
+    proc, server = start_server(args.timeout, *(["--no-pipeline"] if args.no_pipeline else []), echo_all=False)
     args.server_pid = proc.pid
     try:
         print(f"{args.workload}, {spec_bytes(spec) / 2**20:.0f} MiB, {args.repeats} timed rounds (+{args.warmup}), "
