@@ -6,7 +6,12 @@ Baseline: in the same processes and run, memcpy and ``process_vm_readv`` (with a
 Goal: none of its own: it says where the suite's ``vs_memcpy`` goal (>= 0.7x) is lost.
 
 ``python benchmarks/bench_local_path.py [--size-mib 1024] [--readers 1,4] [--repeats 3]
-[--workload 64x16MiB] [--profile DIR]``
+[--workload 64x16MiB] [--kinds ...] [--profile DIR] [--events] [--threads-cpu] [--no-pipeline]``
+
+``--no-pipeline`` starts the server so that only complete holders serve: every reader reads the
+holder (a star) instead of the chain of partial readers the server otherwise builds (the same
+processes cannot run both, so compare two runs by their ratios to an in-run raw row).
+``--threads-cpu`` prints each round's CPU seconds per thread kind (``schedstat``, nanoseconds).
 
 One reference server, one holder process (``tensorhub.open`` + ``register`` + ``publish``, as a
 trainer) and N reader processes (``replicate`` into their registered tensors, with verification),
