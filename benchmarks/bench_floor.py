@@ -23,8 +23,10 @@ source, interleaved round by round; medians of wall and CPU seconds per GB):
   (``2 threads`` over ``1``: the cores this machine gives a copy, at most 2 here).
 
 ``--questions`` adds, interleaved with those rows, the alternatives that could lower the floor:
-the reader's copy + hash in 256 KiB and 4 MiB pieces (does a piece that stays in L2 save the
-hash's reads?), xxh3 of a buffer that stays in L2 (the hash's own cost: what one fused pass
+the reader's copy + hash in 256 KiB and 4 MiB pieces, and the copy alone at those sizes (does a
+piece that stays in L2 save the hash's reads, and what do smaller pieces cost the copy?), a
+reader's copy trailing the publisher's hash of the same bytes on the other core against the two
+sharing nothing (does the shared L3 let one DRAM read serve both?), xxh3 of a buffer that stays in L2 (the hash's own cost: what one fused pass
 could at best leave), the copy with the hash on a second thread one piece behind, the
 publisher's hash on 2 threads (does xxh3 release the GIL?), and ``wordmix-64`` on the CPU (the
 other algorithm the checksum module allows).
@@ -113,6 +115,7 @@ class Passes:
         self.units = _cut(_spans(self.cold), UNIT)
         self.units_dst = _cut(_spans(self.dest), UNIT)  # the reader's units (``local``'s streams)
         self.units_src = _cut(remote, UNIT)
+        self.units_src_local = _cut(_spans(self.source), UNIT)  # the same bytes in this process
         self.total = sum(n for _, n in self.local)
         self.pool = ThreadPoolExecutor(2)
 
@@ -166,9 +169,10 @@ class Passes:
 
     # ---- the questions of the floor (``--questions``) ----
 
-    def _vm_pieces(self, piece: int) -> None:
+    def _vm_pieces(self, piece: int, hash_it: bool = True) -> None:
         """vm copy + hash as ``local`` does it, in ``piece``-byte pieces: each 4 MiB unit a stream
-        of xxh3 updates, one per piece, right after it landed (the loop kept minimal)."""
+        of xxh3 updates, one per piece, right after it landed (the loop kept minimal); without
+        ``hash_it``, the same copies alone (what the hash adds at that piece size is the difference)."""
         import xxhash
 
         from tensorhub.transports.local import _vm_read
@@ -179,7 +183,8 @@ class Passes:
             for off in range(0, n, piece):
                 k = min(piece, n - off)
                 _vm_read(self.pid, [(dst + off, k)], [(src + off, k)])
-                state.update(view[off : off + k])
+                if hash_it:
+                    state.update(view[off : off + k])
             state.intdigest()
 
     def vm_copy_hash_256k(self) -> None:
@@ -187,6 +192,56 @@ class Passes:
 
     def vm_copy_hash_4m(self) -> None:
         self._vm_pieces(4 << 20)
+
+    def vm_copy_256k(self) -> None:
+        self._vm_pieces(256 << 10, False)
+
+    def vm_copy_4m(self) -> None:
+        self._vm_pieces(4 << 20, False)
+
+    def _copy_beside_hash(self, trail: bool) -> None:
+        """A reader's copy + hash (``memmove`` of ``source`` into ``dest``, 1 MiB pieces, each
+        hashed as it landed) on this thread while the publisher's hash runs on a second one. With
+        ``trail``, the publisher hashes ``source`` itself, unit by unit, and the copy of a unit
+        waits until the hash has passed it (so the copy reads bytes the other core has just
+        brought in, from the shared L3, if they are still there); without, the publisher hashes
+        another shard (``cold``) and the two passes share nothing. Same work either way: the
+        CPU difference is what a publisher's hash that stays just ahead of a same-host reader
+        could save."""
+        import threading
+
+        import xxhash
+
+        done = [0]
+        units = self.units_src_local if trail else self.units
+        ready = threading.Event()
+
+        def publisher() -> None:
+            for k, (a, n) in enumerate(units):
+                xxhash.xxh3_64(memoryview((ctypes.c_char * n).from_address(a)).cast("B")).intdigest()
+                done[0] = k + 1
+            ready.set()
+
+        f = self.pool.submit(publisher)
+        for k, ((dst, n), (src, _)) in enumerate(zip(self.units_dst, self.units_src_local, strict=True)):
+            for _ in range(1_000_000):  # bounded: the hash passes each unit in microseconds to milliseconds
+                if not trail or done[0] > k or ready.is_set():
+                    break
+                time.sleep(20e-6)
+            view = memoryview((ctypes.c_char * n).from_address(dst)).cast("B")
+            state = xxhash.xxh3_64()
+            for off in range(0, n, PIECE):
+                m = min(PIECE, n - off)
+                ctypes.memmove(dst + off, src + off, m)
+                state.update(view[off : off + m])
+            state.intdigest()
+        f.result()
+
+    def copy_beside_hash(self) -> None:
+        self._copy_beside_hash(False)
+
+    def copy_trailing_hash(self) -> None:
+        self._copy_beside_hash(True)
 
     def hash_in_l2(self) -> None:
         """xxh3 of one 256 KiB buffer (it stays in L2), as many times as the shard has bytes:
@@ -264,6 +319,10 @@ ROWS = (
 QUESTIONS = (
     ("vm copy + hash, 256 KiB pieces", "vm_copy_hash_256k"),
     ("vm copy + hash, 4 MiB pieces", "vm_copy_hash_4m"),
+    ("vm copy, 256 KiB pieces", "vm_copy_256k"),
+    ("vm copy, 4 MiB pieces", "vm_copy_4m"),
+    ("copy + hash | publisher hash", "copy_beside_hash"),
+    ("copy + hash trailing publisher", "copy_trailing_hash"),
     ("hash from L2 (256 KiB, again)", "hash_in_l2"),
     ("copy | hash on 2nd thread", "vm_copy_hash_pipelined"),
     ("publisher hash, 2 threads", "publisher_hash_2t"),
@@ -362,7 +421,9 @@ def questions(rows: dict[str, tuple[float, float]], gil: tuple[float, float] | N
     copy, serial = cpu["vm copy"], cpu["vm copy + hash"]
     landed = max(0.0, serial - copy)
     sizes = {"256 KiB": cpu["vm copy + hash, 256 KiB pieces"], "1 MiB": serial, "4 MiB": cpu["vm copy + hash, 4 MiB pieces"]}
+    alone = {"256 KiB": cpu["vm copy, 256 KiB pieces"], "1 MiB": copy, "4 MiB": cpu["vm copy, 4 MiB pieces"]}
     best = min(sizes, key=lambda k: sizes[k])
+    beside, trailing = cpu["copy + hash | publisher hash"], cpu["copy + hash trailing publisher"]
     l2 = cpu["hash from L2 (256 KiB, again)"]
     piped = cpu["copy | hash on 2nd thread"]
     two = wall["publisher hash"] / wall["publisher hash, 2 threads"] if wall["publisher hash, 2 threads"] > 0 else 0.0
@@ -370,6 +431,10 @@ def questions(rows: dict[str, tuple[float, float]], gil: tuple[float, float] | N
     return [
         "could the floor be lower? (CPU s/GB, same rounds)",
         "  pieces: copy + hash " + "   ".join(f"{k} {v:.3f}" for k, v in sizes.items()) + f"   -> least CPU: {best} pieces",
+        "  pieces: the copy alone " + "   ".join(f"{k} {v:.3f}" for k, v in alone.items()) + ";  the hash's share (h/c) "
+        + "   ".join(f"{k} {sizes[k] - alone[k]:.3f} ({(sizes[k] - alone[k]) / alone[k]:.2f})" for k in sizes if alone[k] > 0),
+        f"  the publisher's hash just ahead of a reader's copy (two cores, shared L3): {trailing:.3f} CPU s/GB for both "
+        f"against {beside:.3f} when they share nothing ({trailing / beside - 1:+.0%})" if beside > 0 else "",
         f"  one pass: the hash of a landed piece costs {landed:.3f} over the copy; xxh3 from L2 alone {l2:.3f}: "
         f"a copy fused with the hash in one pass could save at most {max(0.0, landed - l2):.3f} "
         f"({max(0.0, landed - l2) / serial:.0%} of a reader's copy + hash)" if serial > 0 else "",

@@ -6,7 +6,12 @@ Baseline: in the same processes and run, memcpy and ``process_vm_readv`` (with a
 Goal: none of its own: it says where the suite's ``vs_memcpy`` goal (>= 0.7x) is lost.
 
 ``python benchmarks/bench_local_path.py [--size-mib 1024] [--readers 1,4] [--repeats 3]
-[--workload 64x16MiB] [--profile DIR]``
+[--workload 64x16MiB] [--kinds ...] [--profile DIR] [--events] [--threads-cpu] [--no-pipeline]``
+
+``--no-pipeline`` starts the server so that only complete holders serve: every reader reads the
+holder (a star) instead of the chain of partial readers the server otherwise builds (the same
+processes cannot run both, so compare two runs by their ratios to an in-run raw row).
+``--threads-cpu`` prints each round's CPU seconds per thread kind (``schedstat``, nanoseconds).
 
 One reference server, one holder process (``tensorhub.open`` + ``register`` + ``publish``, as a
 trainer) and N reader processes (``replicate`` into their registered tensors, with verification),
@@ -20,6 +25,10 @@ same run, interleaved round by round, the copies a replicate is made of:
   else: no description, no progress words, no engine);
 - ``vm read + xxh3``: the same, each piece hashed (xxh3-64) right after it landed: the floor of
   a verified copy;
+- ``vmT+xxh3@1M`` (not by default): the same on the copy threads in 1 MiB pieces, the
+  ``local`` transport's own piece (``piece_bytes``): the floor of exactly what its copy
+  workers do, without the engine (``vmT+xxh3`` keeps 4 MiB pieces, so that its figures compare
+  with earlier runs; its hash reads a piece back from L3, which a 1 MiB piece mostly is not);
 - ``tensorhub-shm``: TensorHub with the holder's and the readers' tensors registered in shared
   memory (``register(..., shared_memory=True)``, a second set of tensors under a second model
   name in the same processes): a reader maps the holder's files and copies with ``memmove``
@@ -28,7 +37,11 @@ same run, interleaved round by round, the copies a replicate is made of:
   transport per reader process serves both TensorHub rows);
 - ``tensorhub-whole`` (not by default): TensorHub with the publisher's checksums declared whole
   once it has hashed the shard, not in parts as it hashes (``$TENSORHUB_CHECKSUM_PART_BYTES=0``
-  in the holder for that round): the A/B of the parts, in the same processes.
+  in the holder for that round): the A/B of the parts, in the same processes;
+- ``tensorhub-hash1`` (not by default): TensorHub with the publisher's hash on one thread
+  (``$TENSORHUB_HASH_THREADS=1`` in the holder for that round), not one per core: whether the
+  publisher's hash threads, competing with the reader's copy threads for the same cores, cost
+  the round anything.
 
 Each round starts at one instant in every process (the holder publishes then, the readers
 replicate then); a reader's time ends when ``replicate`` returns. Figures per row: the median
@@ -78,7 +91,8 @@ if str(_HERE.parent) not in sys.path:
 from benchmarks.harness import BenchmarkError, Child, median, process_cpu, start_server, stop_process  # noqa: E402
 from benchmarks.harness.shards import WORKLOADS, allocate, fill_seeded, hashes_of, spec_bytes, workload_spec  # noqa: E402
 
-PIECE = 4 << 20  # bytes per process_vm_readv in the raw rows (the local transport's piece)
+PIECE = 4 << 20  # bytes per process_vm_readv in the raw rows (a checksum unit; kept so that figures compare across runs)
+PIECE_1M = 1 << 20  # ... in the ``@1M`` rows: the local transport's piece (``piece_bytes``), hashed while it is in L2
 
 
 # ---- profiling every thread of a process --------------------------------------------------------
@@ -329,23 +343,25 @@ def _faults() -> int:
 
 def _thread_cpu() -> dict[str, float]:
     """CPU seconds of this process's threads so far, by kind: the Python thread's name without
-    its number (``local-copy``, ``asyncio``...), else the kernel's name of the thread (ZeroMQ's)."""
+    its number (``local-copy``, ``asyncio``...), else the kernel's name of the thread (ZeroMQ's).
+    From ``/proc/self/task/*/schedstat`` (nanoseconds; ``stat``'s clock ticks are 10 ms, as much
+    as a reader's event loop spends in a round)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                text = f.read()
-        except OSError:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            name = names.get(int(tid))
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+        except (OSError, ValueError, IndexError):
             continue
-        comm = text[text.index("(") + 1 : text.rindex(")")]
-        fields = text.rsplit(")", 1)[1].split()
-        name = names.get(int(tid), comm)
         kind = name.rstrip("0123456789_").split(" (")[0].rstrip("-_") or name
         if kind.startswith("Thread-"):
             kind = "Thread"
-        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[kind] = out.get(kind, 0.0) + ns / 1e9
     return out
 
 
@@ -363,13 +379,13 @@ def _spans(tensors: dict) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors.values()]
 
 
-def _pieces(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> list[tuple[list, list]]:
-    """The shard cut into pieces of at most ``PIECE`` bytes: ``(local spans, remote spans)`` each
+def _pieces(local: list[tuple[int, int]], remote: list[tuple[int, int]], size: int = PIECE) -> list[tuple[list, list]]:
+    """The shard cut into pieces of at most ``size`` bytes: ``(local spans, remote spans)`` each
     (the layouts are equal, so the tensors pair up one to one)."""
     out: list[tuple[list, list]] = []
     cur_l: list = []
     cur_r: list = []
-    room = PIECE
+    room = size
     for (la, n), (ra, rn) in zip(local, remote, strict=True):
         assert n == rn
         pos = 0
@@ -381,7 +397,7 @@ def _pieces(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> list
             room -= k
             if room == 0:
                 out.append((cur_l, cur_r))
-                cur_l, cur_r, room = [], [], PIECE
+                cur_l, cur_r, room = [], [], size
     if cur_l:
         out.append((cur_l, cur_r))
     return out
@@ -411,7 +427,7 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
         handle = tensorhub.open("bench-local-path", "trainer", server=server, retain=None,
                                 transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
         handle.register(tensors)
-        handles = {"tensorhub": handle, "tensorhub-whole": handle}
+        handles = {"tensorhub": handle, "tensorhub-whole": handle, "tensorhub-hash1": handle}
         if shm:  # a second set of the same bytes, in shared memory, under a second model name
             shared = allocate(spec)
             fill_seeded(shared, seed)
@@ -438,6 +454,10 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
                     os.environ["TENSORHUB_CHECKSUM_PART_BYTES"] = "0"
                 else:
                     os.environ.pop("TENSORHUB_CHECKSUM_PART_BYTES", None)
+                if kind == "tensorhub-hash1":  # the publisher's hash on one thread
+                    os.environ["TENSORHUB_HASH_THREADS"] = "1"
+                else:
+                    os.environ.pop("TENSORHUB_HASH_THREADS", None)
                 _sleep_until(start)
                 c0, t0, f0 = _cpu(), _thread_cpu(), _faults()
                 handle.publish(version)
@@ -478,14 +498,15 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
         handle = tensorhub.open("bench-local-path", f"reader-{index}", server=server, retain=None,
                                 transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
         handle.register(tensors)
-        handles = {"tensorhub": handle, "tensorhub-whole": handle}
-        into = {"tensorhub": tensors, "tensorhub-whole": tensors}
+        handles = {"tensorhub": handle, "tensorhub-whole": handle, "tensorhub-hash1": handle}
+        into = {"tensorhub": tensors, "tensorhub-whole": tensors, "tensorhub-hash1": tensors}
         if shm:  # its tensors in shared memory too: the next reader of a chain maps them
             into["tensorhub-shm"] = allocate(spec)
             handles["tensorhub-shm"] = tensorhub.open("bench-local-path-shm", f"reader-{index}", server=server, retain=None,
                                                       transports={"local": {"host": "127.0.0.1", **local}})  # fmt: skip
             handles["tensorhub-shm"].register(into["tensorhub-shm"], shared_memory=True)
         pieces = _pieces(_spans(tensors), remote)
+        pieces_1m = _pieces(_spans(tensors), remote, PIECE_1M)
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raw")
         source: dict | None = None
 
@@ -532,6 +553,8 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                         raw(kind.endswith("xxh3"), p)
                 elif kind in ("vmT", "vmT+xxh3"):
                     list(pool.map(lambda p, h=kind.endswith("xxh3"): raw(h, p), pieces))
+                elif kind == "vmT+xxh3@1M":
+                    list(pool.map(lambda p: raw(True, p), pieces_1m))
                 else:
                     raise ValueError(f"unknown kind {kind!r}")
                 end = time.monotonic()
@@ -680,12 +703,16 @@ def main(argv: list[str] | None = None) -> int:
                          "verified, and how long they waited, copied and idled")  # fmt: skip
     ap.add_argument("--local-options", type=json.loads, default={},
                     help='options of the local transport, as JSON (e.g. \'{"piece_bytes": 4194304}\')')  # fmt: skip
+    ap.add_argument("--no-pipeline", action="store_true",
+                    help="start the server with --no-pipeline: only complete holders serve, so every reader reads the "
+                         "holder (a star) instead of a chain of partial readers")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0)
     args = ap.parse_args(argv)
     readers = [int(x) for x in args.readers.split(",") if x.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    known = ("tensorhub", "tensorhub-shm", "tensorhub-whole", "memcpy", "vm1", "vmT", "vm1+xxh3", "vmT+xxh3")
+    known = ("tensorhub", "tensorhub-shm", "tensorhub-whole", "tensorhub-hash1", "memcpy", "vm1", "vmT", "vm1+xxh3", "vmT+xxh3",
+             "vmT+xxh3@1M")
     if any(k not in known for k in kinds) or not kinds:
         raise SystemExit(f"--kinds: choose from {', '.join(known)}")
     if not readers or any(not 1 <= n <= 16 for n in readers) or not 1 <= args.size_mib <= 65536:
@@ -697,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the suite: tensors on huge pages
     spec = workload_spec(args.workload, args.size_mib << 20, args.seed)
     gb = spec_bytes(spec) / 1e9
-    proc, server = start_server(args.timeout, echo_all=False)
+    proc, server = start_server(args.timeout, *(["--no-pipeline"] if args.no_pipeline else []), echo_all=False)
     args.server_pid = proc.pid
     try:
         print(f"{args.workload}, {spec_bytes(spec) / 2**20:.0f} MiB, {args.repeats} timed rounds (+{args.warmup}), "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.bench_floor import arithmetic
+from benchmarks.bench_floor import arithmetic, questions
 from benchmarks.harness import BenchmarkError
 from benchmarks.suite_systems import FLOOR_PIECE, VerifiedCopyHolder, VerifiedCopyReader, floor_pieces
 
@@ -79,6 +79,20 @@ def test_floor_arithmetic_adds_the_passes() -> None:
     assert any("= 1.00x memcpy's rate" in line for line in lines)  # 0.20 CPU s of memcpy against a 0.20 s floor on 2 cores
     rows["vm copy + hash, 2 threads"] = (0.05, 0.30)  # a faster 2-thread run than 2 cores allow is capped at 2
     assert arithmetic(rows, [1])[1]["cores"] == 2.0
+
+
+def test_the_questions_split_the_hash_from_the_copy_per_piece_size() -> None:
+    # (wall, CPU) seconds per GB, made up: the hash adds 0.05 at 256 KiB, 0.03 at 1 MiB, 0.08 at 4 MiB
+    rows = {"vm copy": (0.20, 0.20), "vm copy + hash": (0.23, 0.23), "vm copy + hash, 256 KiB pieces": (0.30, 0.30),
+            "vm copy + hash, 4 MiB pieces": (0.28, 0.28), "vm copy, 256 KiB pieces": (0.25, 0.25),
+            "vm copy, 4 MiB pieces": (0.20, 0.20), "copy + hash | publisher hash": (0.40, 0.40),
+            "copy + hash trailing publisher": (0.30, 0.30), "hash from L2 (256 KiB, again)": (0.02, 0.02),
+            "copy | hash on 2nd thread": (0.20, 0.25), "publisher hash": (0.10, 0.10), "publisher hash, 2 threads": (0.05, 0.10),
+            "wordmix-64 hash (CPU)": (2.0, 2.0)}  # fmt: skip
+    text = "\n".join(questions(rows))
+    assert "256 KiB 0.050 (0.20)   1 MiB 0.030 (0.15)   4 MiB 0.080 (0.40)" in text  # h and h/c per piece size
+    assert "least CPU: 1 MiB pieces" in text
+    assert "0.300 CPU s/GB for both against 0.400 when they share nothing (-25%)" in text
 
 
 def test_the_goals_say_how_far_the_verified_copy_gets() -> None:
