@@ -514,7 +514,8 @@ def test_a_primary_ships_a_new_slot_to_its_backup_at_once_and_spaces_a_storm_of_
     from tensorhub.core.topology import Location
     from tensorhub.runtime.actor import LoopThread
     from tensorhub.runtime.server import ServerActor, ServerConfig
-    from tensorhub.tools.admin import cluster_state
+    from tensorhub.tools.admin import cluster_state, cluster_status
+    from tensorhub.tools.status import render
 
     slow = TableConfig(heartbeat_interval=1.0, heartbeat_timeout=60.0)
     loop = LoopThread("test-lease")
@@ -541,6 +542,14 @@ def test_a_primary_ships_a_new_slot_to_its_backup_at_once_and_spaces_a_storm_of_
                    "the backup to learn the new slot")  # fmt: skip
         assert time.monotonic() - t0 < 4.0  # well before the first periodic request
         assert cluster_state(backup.address, timeout=5.0, keys=None).membership == 1
+        # ``tensorhub status --json`` says it too: the backup holds epoch 1's one voter and does
+        # not reign (its primary holds the lease); the primary reigns, its backup's epoch acknowledged.
+        doc = cluster_status(backup.address, timeout=5.0, keys=None)
+        assert doc["membership"] == {"epoch": 1, "voters": 1} and doc["reigning"] is False and doc["reigns"] == []
+        doc = cluster_status(primary.address, timeout=5.0, keys=None)
+        assert doc["reigning"] is True and doc["membership"]["voters"] == 1
+        assert [r["end"] for r in doc["reigns"]] == [None] and doc["reigns"][0]["term"] == primary.table.term
+        assert "not reigning (0 reigns, 0 grants in them); membership epoch 1, 1 voters" in render(cluster_status(backup.address, timeout=5.0, keys=None))
         sent, start = primary._lease_req, time.monotonic()
         for n in range(2, 42):  # 40 opens over about 0.4 s
             open_slot(n)
