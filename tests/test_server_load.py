@@ -74,7 +74,7 @@ def test_recv_stamped_gives_the_kernel_s_receive_time_on_loopback_tcp():
         asked = time.time()
         data, stamp = recv_stamped(client, 100)
         assert data == b"ping" and stamp is not None
-        assert sent - 0.001 <= stamp < asked - 0.1, (sent, stamp, asked)
+        assert sent - 0.001 <= stamp < asked, (sent, stamp, asked)  # stamped on arrival, not when read
         server.sendall(b"x" * 3000)
         server.sendall(b"y" * 10)
         time.sleep(0.05)
