@@ -493,6 +493,8 @@ class Shard:
         self.call = itertools.count(1)
         #: req -> (kind, sent (monotonic), its send() call (wall clock), the answer's future)
         self.pending: dict[int, tuple[str, float, float, asyncio.Future | None]] = {}
+        #: req -> (its builder, kind, times refused so far) of each report awaiting its answer
+        self.reports: dict[int, tuple[Any, str, int]] = {}
         self.pulls: dict[int, _Pull] = {}
         self.alive = False
         self.reigning = True
@@ -501,13 +503,29 @@ class Shard:
 
     # -- plumbing
 
-    def send(self, build: Any, kind: str, want: bool = True) -> asyncio.Future | None:
+    def send(self, build: Any, kind: str, want: bool = True, refused: int = 0) -> asyncio.Future | None:
         req = next(self.req)
         msg = build(req)
         fut = asyncio.get_running_loop().create_future() if want else None
         sent = time.monotonic()
         self.pending[req] = (kind, sent, self.tell(msg), fut)
+        if not want and kind != "heartbeat":  # a report: sent again if the server does not decide now
+            self.reports[req] = (build, kind, refused)
         return fut
+
+    def _report_refused(self, req: int, code: str) -> None:
+        """As the client does (``tensorhub.runtime.client._REPORT_RETRIES``): a report the server
+        refused because it does not decide now goes again in 0.25 s, 40 times at most."""
+        from tensorhub.runtime.client import _REPORT_RETRIES, _REPORT_RETRY_S
+
+        build, kind, refused = self.reports.pop(req)
+        if code == "server_unavailable" and refused < _REPORT_RETRIES:
+            self.gen.count(f"{kind} sent again")
+            asyncio.get_running_loop().call_later(_REPORT_RETRY_S, self._resend, build, kind, refused + 1)
+
+    def _resend(self, build: Any, kind: str, refused: int) -> None:
+        if self.alive:
+            self.send(build, kind, want=False, refused=refused)
 
     def tell(self, msg: Any) -> float:
         """Send ``msg``; returns the wall time of the ``send()`` call."""
@@ -549,6 +567,7 @@ class Shard:
             if fut is not None and not fut.done():
                 fut.cancel()
         self.pending.clear()
+        self.reports.clear()
         if self.conn is not None and self.conn.transport is not None:
             self.conn.transport.abort()  # as the kernel closes a dead process's connection
         self.conn = None
@@ -597,6 +616,11 @@ class Shard:
                 return
             if t is m.Failed:
                 gen.count(f"{kind} failed: {msg.code}")
+            if req in self.reports:
+                if t is m.Failed:
+                    self._report_refused(req, msg.code)
+                else:
+                    del self.reports[req]
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             return
