@@ -31,8 +31,11 @@ versions in a row, the paper's burst:
    old incarnation; a slow one finds it expired), then take part in the next burst.
 
 It prints, per session count: the server's CPU (cores, from ``/proc`` of its pid, over the
-measured window), its resident memory (peak), heartbeat round-trip p50/p99 (send to ack, as
-the generator saw it, so the generator's own latency is in it), the time from the publish to
+measured window), its resident memory (peak), heartbeat round-trip p50/p99 twice: as the
+generator's loop saw it (send to ack read, so the generator's own latency is in it), and on the
+wire (from the heartbeat's ``send()`` call to the kernel's receive timestamp of its ack,
+``SO_TIMESTAMPNS`` on each TCP connection: :class:`StampedConnection`; without the time the ack
+then waited for the generator's loop, which is printed too), the time from the publish to
 the last grant and to the last completion of each burst (worst burst), the last grant after
 the last request, and false removals (a session that did not crash told it was removed, or
 unknown in a heartbeat ack; each session counted once). With ``--backup`` (the default runs both), the same with a backup
@@ -62,6 +65,8 @@ import asyncio
 import itertools
 import os
 import random
+import socket
+import struct
 import sys
 import time
 import traceback
@@ -251,17 +256,160 @@ def _ready(identity: bytes) -> bytes:
     return _frame(b"\x05READY" + props, command=True)
 
 
+# ---- kernel receive timestamps: the heartbeat's round trip as the wire sees it -----------------
+
+#: Linux's SO_TIMESTAMPNS (the control message it adds is SCM_TIMESTAMPNS, the same number)
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+_TIMESPEC = struct.Struct("@ll")  # struct timespec: tv_sec, tv_nsec (native longs)
+_ANCILLARY = socket.CMSG_SPACE(_TIMESPEC.size)
+
+
+def enable_rx_timestamps(sock: socket.socket) -> None:
+    """Ask the kernel to stamp what ``sock`` receives with the wall-clock time it arrived
+    (software receive timestamps, ``CLOCK_REALTIME``, ns); :func:`recv_stamped` reads them.
+
+    Raises:
+        BenchmarkError: the kernel refused the option (no receive timestamps on this system)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    except OSError as err:
+        raise BenchmarkError(f"SO_TIMESTAMPNS refused on a {sock.type.name} socket ({err}): "
+                             "no kernel receive timestamps here") from err
+
+
+def recv_stamped(sock: socket.socket, size: int) -> tuple[bytes, float | None]:
+    """One ``recvmsg`` of at most ``size`` bytes, with the kernel's receive time (wall-clock
+    seconds, as ``time.time()``), or None where the kernel gave none (timestamps not enabled).
+    On TCP a read may take several packets: the time is the last one's (Linux stamps the read
+    with its newest segment), so for every message the read completes it is an upper bound."""
+    data, ancillary, _, _ = sock.recvmsg(size, _ANCILLARY)
+    stamp = None
+    for level, kind, raw in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(raw) >= _TIMESPEC.size:
+            sec, ns = _TIMESPEC.unpack_from(raw)
+            stamp = sec + ns * 1e-9
+    return data, stamp
+
+
+class StampedConnection:
+    """A non-blocking TCP connection driven from the event loop (``add_reader``), read with
+    :func:`recv_stamped`, that hands its protocol each read's bytes with the kernel's receive
+    time (``protocol.data_received(data, stamp)``) and tells, for each write, the wall time of
+    its ``send()`` call. The two ends of a round trip as the wire sees them, without the
+    generator's own loop lateness (a ready ack unread while the loop runs other sessions' work:
+    on a machine shared with the server, that is most of a heartbeat's RTT). What asyncio's
+    transports offer the protocol here: ``write`` and ``abort``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol: "Zmtp") -> None:
+        self.loop = loop
+        self.sock: socket.socket | None = sock
+        self.protocol = protocol
+        self.out = bytearray()  # what the kernel did not take yet
+        loop.add_reader(sock.fileno(), self._readable)
+        protocol.connection_made(self)  # type: ignore[arg-type]  # write and abort: what Zmtp uses
+
+    def write(self, data: bytes) -> float:
+        """Send ``data`` (what the kernel does not take now goes when it can); returns the wall
+        time just before the ``send()`` call (or, behind earlier bytes, when it was queued)."""
+        now = time.time()
+        sock = self.sock
+        if sock is None:
+            raise ConnectionError("the connection is closed")
+        if self.out:
+            self.out += data
+            return now
+        try:
+            n = sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as err:
+            self._lost(err)
+            return now
+        if n < len(data):
+            self.out += data[n:]
+            self.loop.add_writer(sock.fileno(), self._writable)
+        return now
+
+    def _writable(self) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        try:
+            n = sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            self._lost(err)
+            return
+        del self.out[:n]
+        if not self.out:
+            self.loop.remove_writer(sock.fileno())
+
+    def _readable(self) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        try:
+            data, stamp = recv_stamped(sock, 1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            self._lost(err)
+            return
+        if not data:  # the server closed it
+            self._lost(None)
+            return
+        try:
+            self.protocol.data_received(data, stamp)
+        except Exception as err:  # noqa: BLE001 - as asyncio does: the connection is closed, the reason kept
+            self._lost(err)
+
+    def abort(self) -> None:
+        self._lost(None)
+
+    def _lost(self, exc: Exception | None) -> None:
+        sock, self.sock = self.sock, None
+        if sock is None:
+            return
+        self.loop.remove_reader(sock.fileno())
+        if self.out:
+            self.loop.remove_writer(sock.fileno())
+        sock.close()
+        self.protocol.connection_lost(exc)
+
+
+async def open_stamped(protocol: "Zmtp", host: str, port: int) -> StampedConnection:
+    """Connect ``protocol`` to ``host:port`` over a :class:`StampedConnection` (receive
+    timestamps on, Nagle off as asyncio's transports have it)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        enable_rx_timestamps(sock)
+        await loop.sock_connect(sock, (host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return StampedConnection(loop, sock, protocol)
+
+
 class Zmtp(asyncio.Protocol):
     """One emulated worker's connection to the server, speaking ZMTP 3.0 (what a ZeroMQ DEALER
     speaks: the greeting, the NULL mechanism's READY with the routing id, then frames) straight
     from the event loop. A pyzmq DEALER per session costs each send a wake of ZeroMQ's I/O thread
     and each receive two more descriptors to watch: thousands of them in a generator took the
-    cores the server was to be measured on. The server sees the same bytes either way."""
+    cores the server was to be measured on. The server sees the same bytes either way.
+
+    Over a :class:`StampedConnection` (:func:`open_stamped`, what the generator uses) each
+    frame is handed on with the kernel's receive time of the read that completed it, and
+    :meth:`write` returns the wall time of its ``send()`` call; over an asyncio transport
+    (``create_connection``) the stamp is None."""
 
     def __init__(self, identity: bytes, on_frame: Any) -> None:
         self.identity = identity
-        self.on_frame = on_frame  # called with each message frame's body
-        self.transport: asyncio.Transport | None = None
+        self.on_frame = on_frame  # called with each message frame's body and its kernel receive time (or None)
+        self.transport: asyncio.Transport | StampedConnection | None = None
         self.buf = bytearray()
         self.greeted = False  # the server's greeting was read
         #: the server's READY was read: the handshake is over. Nothing may be sent before (libzmq
@@ -272,7 +420,7 @@ class Zmtp(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
         transport.write(_GREETING + _ready(self.identity))  # both at once: libzmq reads them in turn
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes, stamp: float | None = None) -> None:  # the stamp: see the class
         buf = self.buf
         buf += data
         pos = 0
@@ -295,7 +443,7 @@ class Zmtp(asyncio.Protocol):
             if end > n:
                 break
             if not flags & 0x04:  # a message frame (the DEALER's messages are one frame each)
-                self.on_frame(bytes(buf[pos + head : end]))
+                self.on_frame(bytes(buf[pos + head : end]), stamp)
             elif buf[pos + head : pos + head + 6] == b"\x05READY":
                 if not self.ready.done():
                     self.ready.set_result(None)
@@ -304,9 +452,12 @@ class Zmtp(asyncio.Protocol):
             pos = end
         del buf[:pos]
 
-    def write(self, body: bytes) -> None:
+    def write(self, body: bytes) -> float:
+        """Send one frame; returns the wall time of the ``send()`` call (:class:`StampedConnection`),
+        else of this call."""
         assert self.transport is not None
-        self.transport.write(_frame(body))
+        sent = self.transport.write(_frame(body))
+        return sent if sent is not None else time.time()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -340,7 +491,10 @@ class Shard:
         self.stamp = (0, 0.0)
         self.req = itertools.count(1)
         self.call = itertools.count(1)
-        self.pending: dict[int, tuple[str, float, asyncio.Future | None]] = {}
+        #: req -> (kind, sent (monotonic), its send() call (wall clock), the answer's future)
+        self.pending: dict[int, tuple[str, float, float, asyncio.Future | None]] = {}
+        #: req -> (its builder, kind, times refused so far) of each report awaiting its answer
+        self.reports: dict[int, tuple[Any, str, int]] = {}
         self.pulls: dict[int, _Pull] = {}
         self.alive = False
         self.reigning = True
@@ -349,25 +503,42 @@ class Shard:
 
     # -- plumbing
 
-    def send(self, build: Any, kind: str, want: bool = True) -> asyncio.Future | None:
+    def send(self, build: Any, kind: str, want: bool = True, refused: int = 0) -> asyncio.Future | None:
         req = next(self.req)
         msg = build(req)
         fut = asyncio.get_running_loop().create_future() if want else None
-        self.pending[req] = (kind, time.monotonic(), fut)
-        self.tell(msg)
+        sent = time.monotonic()
+        self.pending[req] = (kind, sent, self.tell(msg), fut)
+        if not want and kind != "heartbeat":  # a report: sent again if the server does not decide now
+            self.reports[req] = (build, kind, refused)
         return fut
 
-    def tell(self, msg: Any) -> None:
+    def _report_refused(self, req: int, code: str) -> None:
+        """As the client does (``tensorhub.runtime.client._REPORT_RETRIES``): a report the server
+        refused because it does not decide now goes again in 0.25 s, 40 times at most."""
+        from tensorhub.runtime.client import _REPORT_RETRIES, _REPORT_RETRY_S
+
+        build, kind, refused = self.reports.pop(req)
+        if code == "server_unavailable" and refused < _REPORT_RETRIES:
+            self.gen.count(f"{kind} sent again")
+            asyncio.get_running_loop().call_later(_REPORT_RETRY_S, self._resend, build, kind, refused + 1)
+
+    def _resend(self, build: Any, kind: str, refused: int) -> None:
+        if self.alive:
+            self.send(build, kind, want=False, refused=refused)
+
+    def tell(self, msg: Any) -> float:
+        """Send ``msg``; returns the wall time of the ``send()`` call."""
         conn = self.conn
         if conn is None or conn.transport is None:
             raise ConnectionError(f"{self.replica}/{self.idx}: not connected")
-        conn.write(encode(msg))
+        return conn.write(encode(msg))
 
     async def start(self, address: str) -> None:
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         identity = bytes((1 + random.randrange(255),)) + os.urandom(11)  # a routing id never starts with 0
         conn = Zmtp(identity, self._frame)
-        await asyncio.get_running_loop().create_connection(lambda: conn, host, int(port))
+        await open_stamped(conn, host, int(port))
         await asyncio.wait_for(conn.ready, 300)  # as long as an open may take
         self.conn = conn
         self.alive = True
@@ -392,10 +563,11 @@ class Shard:
             for h in p.handles:
                 h.cancel()
         self.pulls.clear()
-        for _, _, fut in self.pending.values():
+        for _, _, _, fut in self.pending.values():
             if fut is not None and not fut.done():
                 fut.cancel()
         self.pending.clear()
+        self.reports.clear()
         if self.conn is not None and self.conn.transport is not None:
             self.conn.transport.abort()  # as the kernel closes a dead process's connection
         self.conn = None
@@ -409,7 +581,7 @@ class Shard:
 
     # -- replies and pushed messages
 
-    def _frame(self, frame: bytes) -> None:
+    def _frame(self, frame: bytes, stamp: float | None) -> None:
         if not self.alive:
             return
         now = time.monotonic()
@@ -418,17 +590,24 @@ class Shard:
         except Exception as err:  # noqa: BLE001 - count it, go on
             self.gen.count(f"undecodable: {err}")
             return
-        self.on(msg, now)
+        self.on(msg, now, stamp)
 
-    def on(self, msg: Any, now: float) -> None:
+    def on(self, msg: Any, now: float, stamp: float | None = None) -> None:
+        """``now``: when the generator read it (monotonic); ``stamp``: when the kernel received
+        it (wall clock, None where unknown)."""
         gen = self.gen
         t = type(msg)
         req = getattr(msg, "req", None)
         if req is not None and t is not m.Grant:
-            kind, sent, fut = self.pending.pop(req, ("?", now, None))
+            kind, sent, sent_wall, fut = self.pending.pop(req, ("?", now, 0.0, None))
             if t is m.HeartbeatAck:
                 if gen.measuring:
                     gen.rtt.append((now - sent) * 1000)
+                    if stamp is None or not sent_wall:
+                        gen.count("heartbeat ack without a kernel receive timestamp")
+                    else:  # the wire's round trip, and how long the ack then waited for this loop
+                        gen.wire_rtt.append((stamp - sent_wall) * 1000)
+                        gen.unread.append(max(0.0, time.time() - stamp) * 1000)
                 self.stamp = (msg.term, msg.stamp)
                 self.reigning = msg.reigning
                 self.acked = True
@@ -437,6 +616,11 @@ class Shard:
                 return
             if t is m.Failed:
                 gen.count(f"{kind} failed: {msg.code}")
+            if req in self.reports:
+                if t is m.Failed:
+                    self._report_refused(req, msg.code)
+                else:
+                    del self.reports[req]
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             return
@@ -522,7 +706,9 @@ class Generator:
             r: [Shard(self, r, i, 0 if r == "trainer" else None) for i in range(SHARDS)] for r in replicas
         }
         self.measuring = False
-        self.rtt = array("d")
+        self.rtt = array("d")  # ms from a heartbeat's send to its ack read by this loop
+        self.wire_rtt = array("d")  # ms from its send() call to the kernel's receive time of its ack
+        self.unread = array("d")  # ms an ack waited in the kernel before this loop read it
         self.late = array("d")  # ms each heartbeat slot fired after its time: this process's own loop lag
         self.counts: dict[str, int] = {}
         self.false: list[str] = []  # the first few, for the report
@@ -726,8 +912,7 @@ async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float
         elif cmd == "measure":
             gen.measuring = bool(args[0])
             if gen.measuring:
-                gen.rtt = array("d")
-                gen.late = array("d")
+                gen.rtt, gen.wire_rtt, gen.unread, gen.late = array("d"), array("d"), array("d"), array("d")
             conn.send(("measure",))
         elif cmd == "publish":
             try:
@@ -745,7 +930,8 @@ async def _generator(conn: Any, address: str, replicas: list[str], pull_s: float
             await gen.rejoin(args[0])
             conn.send(("rejoined",))
         elif cmd == "stats":
-            conn.send(("stats", gen.rtt.tobytes(), gen.false, gen.false_count, gen.counts, gen.late.tobytes()))
+            conn.send(("stats", gen.rtt.tobytes(), gen.false, gen.false_count, gen.counts, gen.late.tobytes(),
+                       gen.wire_rtt.tobytes(), gen.unread.tobytes()))  # fmt: skip
         elif cmd == "close":
             await gen.close()
             conn.send(("closed",))
@@ -876,6 +1062,8 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str,
         gen_cpu = sum(cpu_seconds(c.proc.pid) for c in children) - gen_cpu0
         mem = [memory_mib(p.pid) for p in servers]
         rtt: list[float] = []
+        wire_rtt: list[float] = []
+        unread: list[float] = []
         late: list[float] = []
         false: list[str] = []
         false_count = 0
@@ -883,16 +1071,14 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str,
         for c in children:
             c.send("stats")
             try:
-                _, raw, f, nf, cnt, late_raw = c.expect("stats")
+                _, raw, f, nf, cnt, late_raw, wire_raw, unread_raw = c.expect("stats")
             except OSError as err:
                 c.proc.join(5)
                 raise BenchmarkError(f"generator {c.name} died (exit code {c.proc.exitcode}): {err}") from err
-            a = array("d")
-            a.frombytes(raw)
-            rtt.extend(a)
-            a = array("d")
-            a.frombytes(late_raw)
-            late.extend(a)
+            for into, got in ((rtt, raw), (late, late_raw), (wire_rtt, wire_raw), (unread, unread_raw)):
+                a = array("d")
+                a.frombytes(got)
+                into.extend(a)
             false.extend(f)
             false_count += nf
             for key, n in cnt.items():
@@ -911,6 +1097,9 @@ def run_once(sessions: int, backup: bool, args: argparse.Namespace, run_id: str,
             "backup_rss_mib": mem[1][0] if backup else None,
             "generator_cores": gen_cpu / window, "server_cpu_wait": waited / window, "loadavg": load, "generator_procs": len(children),
             "hb_count": len(rtt), "hb_p50_ms": pct(rtt, 0.5), "hb_p99_ms": pct(rtt, 0.99), "hb_max_ms": max(rtt, default=float("nan")),
+            "hb_wire_count": len(wire_rtt), "hb_wire_p50_ms": pct(wire_rtt, 0.5), "hb_wire_p99_ms": pct(wire_rtt, 0.99),
+            "hb_wire_max_ms": max(wire_rtt, default=float("nan")),
+            "ack_unread_p50_ms": pct(unread, 0.5), "ack_unread_p99_ms": pct(unread, 0.99),
             "gen_late_p50_ms": pct(late, 0.5), "gen_late_p99_ms": pct(late, 0.99),
             "server_ms": {kind: (bucket_pct(h, 0.5), bucket_pct(h, 0.99), h[-1]) for kind, h in handled.items() if kind != "paused"},
             "server_paused": handled.get("paused", [0])[0],
@@ -927,7 +1116,8 @@ def verdict(r: dict) -> dict[str, bool]:
     worst = max((b["grant_after_request_s"] for b in r["bursts"]), default=float("inf"))
     return {
         "0 false removals": r["false_removals"] == 0,
-        f"heartbeat p99 <= {GOALS['hb_p99_ms']:g} ms": r["hb_p99_ms"] <= GOALS["hb_p99_ms"],
+        f"heartbeat p99 <= {GOALS['hb_p99_ms']:g} ms (as the generator's loop saw it)": r["hb_p99_ms"] <= GOALS["hb_p99_ms"],
+        f"heartbeat p99 <= {GOALS['hb_p99_ms']:g} ms (on the wire)": r["hb_wire_p99_ms"] <= GOALS["hb_p99_ms"],
         f"<= {GOALS['cores']:g} server core": r["server_cores"] <= GOALS["cores"],
         f"last (first) grant <= {GOALS['grant_after_request_s']:g} s after last request": worst <= GOALS["grant_after_request_s"],
         "every update answered": r["aborted"] is None and all(b["failed"] == 0 and b["timed_out"] == 0 for b in r["bursts"]),
@@ -958,7 +1148,15 @@ def report(r: dict) -> None:
     print(f"  server's event loop runnable but waiting for a CPU {r['server_cpu_wait']:.0%} of the time "
           f"(machine load average {r['loadavg']:.1f} on {os.cpu_count()} CPUs)")
     print(f"  generator {r['generator_cores']:.2f} cores in {r['generator_procs']} processes (on the same machine)")
-    print(f"  heartbeat RTT p50 {r['hb_p50_ms']:.1f} ms, p99 {r['hb_p99_ms']:.1f} ms, max {r['hb_max_ms']:.0f} ms ({r['hb_count']:,} acks)")
+    print(f"  heartbeat RTT as the generator's loop saw it (sent -> ack read): p50 {r['hb_p50_ms']:.1f} ms, "
+          f"p99 {r['hb_p99_ms']:.1f} ms, max {r['hb_max_ms']:.0f} ms ({r['hb_count']:,} acks)")  # fmt: skip
+    if r["hb_wire_count"]:
+        print(f"  heartbeat RTT on the wire (its send() call -> the kernel's receive timestamp of the ack, SO_TIMESTAMPNS; "
+              f"an upper bound): p50 {r['hb_wire_p50_ms']:.1f} ms, p99 {r['hb_wire_p99_ms']:.1f} ms, max {r['hb_wire_max_ms']:.0f} ms "
+              f"({r['hb_wire_count']:,} acks); each ack then waited unread for the generator's loop p50 "
+              f"{r['ack_unread_p50_ms']:.1f} ms, p99 {r['ack_unread_p99_ms']:.1f} ms")  # fmt: skip
+    else:
+        print("  heartbeat RTT on the wire: no ack carried a kernel receive timestamp")
     served = r["server_ms"]
     hb = served.get("heartbeat")
     if hb is not None:

@@ -514,7 +514,8 @@ def test_a_primary_ships_a_new_slot_to_its_backup_at_once_and_spaces_a_storm_of_
     from tensorhub.core.topology import Location
     from tensorhub.runtime.actor import LoopThread
     from tensorhub.runtime.server import ServerActor, ServerConfig
-    from tensorhub.tools.admin import cluster_state
+    from tensorhub.tools.admin import cluster_state, cluster_status
+    from tensorhub.tools.status import render
 
     slow = TableConfig(heartbeat_interval=1.0, heartbeat_timeout=60.0)
     loop = LoopThread("test-lease")
@@ -541,6 +542,14 @@ def test_a_primary_ships_a_new_slot_to_its_backup_at_once_and_spaces_a_storm_of_
                    "the backup to learn the new slot")  # fmt: skip
         assert time.monotonic() - t0 < 4.0  # well before the first periodic request
         assert cluster_state(backup.address, timeout=5.0, keys=None).membership == 1
+        # ``tensorhub status --json`` says it too: the backup holds epoch 1's one voter and does
+        # not reign (its primary holds the lease); the primary reigns, its backup's epoch acknowledged.
+        doc = cluster_status(backup.address, timeout=5.0, keys=None)
+        assert doc["membership"] == {"epoch": 1, "voters": 1} and doc["reigning"] is False and doc["reigns"] == []
+        doc = cluster_status(primary.address, timeout=5.0, keys=None)
+        assert doc["reigning"] is True and doc["membership"]["voters"] == 1
+        assert [r["end"] for r in doc["reigns"]] == [None] and doc["reigns"][0]["term"] == primary.table.term
+        assert "not reigning (0 reigns, 0 grants in them); membership epoch 1, 1 voters" in render(cluster_status(backup.address, timeout=5.0, keys=None))
         sent, start = primary._lease_req, time.monotonic()
         for n in range(2, 42):  # 40 opens over about 0.4 s
             open_slot(n)
@@ -585,3 +594,63 @@ def test_a_primary_killed_right_after_its_clients_opened_leaves_a_backup_that_ta
     assert rollout.call("holds", 1)
     state = cluster_state(backup.address, timeout=5.0, keys=None)
     assert state.membership is not None and state.membership >= 1 and state.voters == 1
+
+
+# ---- a report refused while the server does not decide is sent again (issue 34) -------------
+
+
+def test_a_report_refused_while_the_server_holds_is_sent_again_boundedly():
+    """A holding primary refuses a reader's ``Complete`` (``ServerUnavailable``: it decides
+    nothing until its backup answers). Lost, the grant would hang until revoked and the update
+    could abort (server_load: 2,544 completions refused, 192 updates aborted); a version's
+    ``DeclareChecksums`` refused so would never be declared. The client sends the report again
+    every 0.25 s while it stays on that server, at most ``_REPORT_RETRIES`` times; not after
+    another error, not once the server is lost or left."""
+    import asyncio
+    import itertools
+
+    from tensorhub.core.errors import ServerUnavailable, UnknownGrant
+    from tensorhub.runtime.client import _REPORT_RETRIES, _REPORT_RETRY_S, Send
+
+    def stub():
+        client = ClientActor.__new__(ClientActor)
+        client.lost, client.stopped, client.address = None, False, "tcp://127.0.0.1:1"
+        client.pending, client._req, client.log = {}, itertools.count(1), structlog.get_logger()
+        sent: list = []
+        later: list = []
+        client._send = sent.append  # type: ignore[method-assign]
+        client._outgoing = lambda msg: msg  # type: ignore[method-assign]
+        client.after = lambda delay, msg: later.append((delay, msg))  # type: ignore[method-assign]
+        return client, sent, later
+
+    async def refuse(client, req: int, err: Exception) -> None:
+        fut, _, _ = client.pending.pop(req)
+        fut.set_exception(err)
+        await asyncio.sleep(0)  # its done callbacks run
+
+    holding = ServerUnavailable("this server does not decide now: it holds its sessions")
+
+    async def main() -> None:
+        client, sent, later = stub()
+        client.on_Send(Send(lambda req: m.Complete(req, 5, 9, 1)))
+        await refuse(client, 1, holding)
+        ((delay, again),) = later
+        assert delay == _REPORT_RETRY_S and again.refused == 1
+        client.on_Send(again)
+        assert [(type(x), x.req, x.grant) for x in sent] == [(m.Complete, 1, 9), (m.Complete, 2, 9)]
+        client.pending.pop(2)[0].set_result(m.Ack(2))  # answered: nothing more
+        await asyncio.sleep(0)
+        assert len(later) == 1
+
+        for change in ("lost", "moved", "other error", "bound"):
+            client, sent, later = stub()
+            send = Send(lambda req: m.DeclareChecksums(req, 5, 1, (1, 2)), refused=_REPORT_RETRIES if change == "bound" else 0)
+            client.on_Send(send)
+            if change == "lost":
+                client.lost = ServerUnavailable("no word from the server")
+            elif change == "moved":
+                client.address = "tcp://127.0.0.1:2"
+            await refuse(client, 1, UnknownGrant("no such grant") if change == "other error" else holding)
+            assert later == [], change
+
+    asyncio.run(main())

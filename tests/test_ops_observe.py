@@ -140,8 +140,15 @@ def test_status_json_matches_the_known_state(server, pipeline):
     assert child["replica"] == "r1" and child["verified"] == 8
     assert [g["replica"] for g in child["readers"]] == ["r2"] and child["readers"][0]["readers"] == []
     assert set(doc["rates"]) == {"recent_bytes_per_s", "window_s", "active_bytes_per_s"}
+    # Who decides: a server alone reigns from its start (one open reign that made both grants)
+    # and has no membership (it has no backup to share voters with).
+    (reign,) = doc["reigns"]
+    assert reign["term"] == doc["term"] and reign["end"] is None and reign["grants"] == 2
+    assert reign["first_grant"] is not None and reign["start"] <= reign["first_grant"] <= reign["last_grant"]
+    assert doc["reigning"] is True and doc["membership"] is None
     view = render(doc, server.address)
     assert "model ops" in view and "v1" in view and "shard 0: v1 partial 50%" in view
+    assert "  reigning (1 reigns, 2 grants in them)" in view.splitlines()
     lines = view.splitlines()
     i = lines.index("    trainer")
     assert lines[i + 1].startswith("      └─ r1  50%") and lines[i + 2].startswith("        └─ r2  0%")

@@ -1051,6 +1051,44 @@ def test_a_primary_that_stood_still_past_its_lease_keeps_its_sessions_when_the_b
     assert p.reign.violations == 0 and b.reign.violations == 0
 
 
+def test_a_holding_primary_removes_no_replica_on_a_close_or_a_new_incarnation_s_open(seed: int) -> None:
+    """While a primary holds (it stood still past its lease and waits for its backup's word), a
+    close and a new incarnation's open would each remove a replica at once: its holders, the
+    grants they serve. Both are refused (``ServerUnavailable``) and change nothing; a retried
+    open of the same incarnation is still answered. Once the primary reigns again, both go
+    through. (Before: both removed the replica while it held.)"""
+    machine, p, b, sessions = _primary_reigning_with_every_session(seed)
+    for name in VOTER_NAMES:
+        machine.call(name)
+    machine.advance(1.0)
+    machine.stall("P")
+    machine.advance(LEASE + 2.0)
+    machine.wake("P")
+    assert p.reign.held_since is not None, f"seed={seed}: {p.reign.why_not()}"
+    trainer, rollout = machine.clients["trainer-0"], machine.clients["rollout-0"]
+    before = {sid: (s.replica.name, s.holder.state if s.holder is not None else None) for sid, s in p.sessions.items()}
+    assert before[trainer.session][1] is HolderState.COMPLETE
+    loc = _loc("rollout-0")
+    refused = [
+        p.handle("trainer-0", m.CloseShard(machine.new_req(), trainer.session)),
+        p.handle("rollout-0", m.OpenShard(machine.new_req(), "actor", "rollout-0", 1, 0, "i99", loc, False, None)),
+    ]
+    for out in refused:
+        (peer, failed), = out
+        assert isinstance(failed, m.Failed) and failed.code == "server_unavailable", f"seed={seed}: {failed}"
+        assert "waits for that answer" in failed.message
+    assert {sid: (s.replica.name, s.holder.state if s.holder is not None else None) for sid, s in p.sessions.items()} == before
+    assert p.stats["revoked"] == 0 and set(p.sessions) == set(sessions)
+    same = p.handle("rollout-0", m.OpenShard(machine.new_req(), "actor", "rollout-0", 1, 0, f"i{rollout.incarnation}", loc, False, None))
+    assert [type(x) for _, x in same] == [m.Opened] and same[0][1].session == rollout.session  # a retried open: answered
+    machine.advance(2.0)  # the next lease exchange: the backup did not reign, the primary reigns again
+    assert p.reign.reigning, f"seed={seed}: {p.reign.why_not()}"
+    closed = p.handle("trainer-0", m.CloseShard(machine.new_req(), trainer.session))
+    assert any(isinstance(x, m.Ack) for _, x in closed) and trainer.session not in p.sessions
+    fenced = p.handle("rollout-0", m.OpenShard(machine.new_req(), "actor", "rollout-0", 1, 0, "i99", loc, False, None))
+    assert any(isinstance(x, m.Opened) for _, x in fenced) and rollout.session not in p.sessions
+
+
 def test_a_primary_past_its_lease_forgets_its_sessions_when_the_backup_reigned_meanwhile(seed: int) -> None:
     """The old rule where it is needed: the primary stands still long enough for its clients to
     move to the backup, which reigns. On waking, the backup's reply counts a reign the primary

@@ -1503,3 +1503,47 @@ def test_a_convert_sources_layout_is_decoded_once_and_bad_bytes_are_still_refuse
     body["sources"][0]["layout"]["tensors"][0]["dtype"] = "no-such-dtype"
     with pytest.raises(MalformedMessage):
         wire.decode(msgpack.packb([WIRE_VERSION, "convert", body]))
+
+
+# ---- a field packed once per value (a version's checksums in every reader's Grant; issue 34) ---
+
+
+def _whole(msg: Any) -> bytes:
+    """The frame as packing the whole message at once makes it."""
+    return msgpack.packb([WIRE_VERSION, type(msg).KIND, wire.to_plain(msg)], use_bin_type=True)
+
+
+def test_a_field_packed_once_gives_the_bytes_of_packing_it_whole():
+    """``Grant.checksums`` is packed once per tuple and spliced in: each frame equals, byte for
+    byte, packing the message whole, and decodes to the message, whether the tuple was packed
+    before (the same object), is equal but another object, or is None."""
+    src = m.SourceInfo(1, "trainer", 0, m.KIND_NORMAL, True, Location("dc0", "h", ""), {})
+    sums = tuple(range(2**64 - 300, 2**64 - 44))  # 256 uint64, the biggest msgpack ints
+    grants = [m.Grant(1, 2, 3, 4, 5, 0, src, sums, b"t" * 32), m.Grant(9, 8, 7, 6, 5, 1, src, sums, None),
+              m.Grant(1, 2, 3, 4, 5, 0, src, tuple(list(sums)), None), m.Grant(1, 2, 3, 4, 5, 0, src, None, None),
+              m.Grant(1, 2, 3, 4, 5, 0, src, (), None), m.Grant(1, 2, 3, 4, 5, 0, src, (7,), None)]  # fmt: skip
+    for g in grants:
+        frame = wire.encode(g)
+        assert wire.decode(frame) == g
+        assert frame == _whole(g)
+        assert frame.endswith(msgpack.packb("checksums") + msgpack.packb(g.checksums))  # the field last
+    ready = m.ChecksumsReady(1, 2, 3, 4, sums)
+    assert wire.decode(wire.encode(ready)) == ready and wire.encode(ready) == _whole(ready)
+
+
+def test_the_packed_values_kept_are_bounded_and_never_mistaken_for_another():
+    src = m.SourceInfo(1, "trainer", 0, m.KIND_NORMAL, True, Location("dc0", "h", ""), {})
+    for i in range(200):  # fresh tuples, each dropped after its frame: a reused id must not hit
+        sums = (i, i + 1, i + 2)
+        assert wire.decode(wire.encode(m.Grant(1, 2, 3, 4, 5, 0, src, sums, None))).checksums == (i, i + 1, i + 2)
+    kind, _, name, _, kept, most = wire._ONCE[m.Grant]
+    assert (kind, name, most) == ("grant", "checksums", 64) and 0 < len(kept) <= most
+
+
+def test_pack_once_is_refused_where_it_cannot_be_spliced():
+    @wire.struct
+    class NotAMessage:  # nested in another struct, its bytes are not the frame's last
+        sums: tuple[int, ...] = field(metadata={"pack_once": 4})
+
+    with pytest.raises(TypeError, match="pack_once"):
+        wire.to_plain(NotAMessage((1,)))

@@ -585,7 +585,8 @@ class Grant:
     version: int
     shard_idx: int
     source: SourceInfo
-    checksums: tuple[int, ...] | None
+    #: the version's checksums of the shard: the same for every reader, so packed once per version
+    checksums: tuple[int, ...] | None = field(metadata={"pack_once": 64})
     token: bytes | None = field(default=None, metadata={"max_len": 256})  #: to show the source (None: it checks none)
 
 
@@ -641,7 +642,7 @@ class ChecksumsReady:
     grant: int
     term: int
     version: int
-    checksums: tuple[int, ...]
+    checksums: tuple[int, ...] = field(metadata={"pack_once": 64})  # the same for every reader waiting
 
 
 @message("checksums_part_ready")

@@ -25,6 +25,13 @@ message (a source shard's layout in every ``Convert``) may ask for its decoded v
 by their encoded bytes, with ``field(metadata={"memo": N})`` (the last ``N``): equal bytes decode
 to an equal frozen value, so a repeat is checked and built once.
 
+A message field whose value (a tuple) is sent unchanged to many peers (a version's checksums,
+in every reader's ``Grant``) may ask for its packed bytes to be kept with
+``field(metadata={"pack_once": N})``: its map puts that field last, and :func:`encode` packs
+the message with it None, then puts in place of that None the value's bytes, packed once per
+value (kept by identity, the last ``N``). The frame is byte for byte what packing the message
+whole makes (msgpack packs each value on its own), and no decoder can tell.
+
 A field added to a message after peers of an earlier release shipped it is marked
 ``field(default=None, metadata={"added": True})`` (its type ``X | None``): the encoder leaves it
 out of the map while it is None, and the decoder takes its absence as None. So an earlier peer's
@@ -96,7 +103,7 @@ class _Schema:
     struct's fields and builds it; ``encode(value)`` makes the map. Both are generated for the
     class (:func:`_compile_build`, :func:`_compile_encode`)."""
 
-    __slots__ = ("cls", "kind", "names", "decoders", "nameset", "build", "encode", "added")
+    __slots__ = ("cls", "kind", "names", "decoders", "nameset", "build", "encode", "added", "pack_once", "encode_head")
 
     def __init__(self, cls: type, kind: str | None) -> None:
         self.cls = cls
@@ -119,7 +126,19 @@ class _Schema:
                 self.decoders[f.name] = _memoized(self.decoders[f.name], int(f.metadata["memo"]))
             encoders[f.name] = _compile_encoder(hints[f.name])
         self.build: Callable[[Any, str], Any] = _compile_build(self, [(f.name, hints[f.name], f.metadata.get("max_len")) for f in fields])
+        once = [f for f in fields if f.metadata.get("pack_once")]
+        if once:  # that field last in the map, always: the frame is then what packing it whole makes
+            encoders[once[0].name] = encoders.pop(once[0].name)
         self.encode: Callable[[Any], dict[str, Any]] = _compile_encode(self, encoders)
+        #: the field packed once per value (see the module docstring): its name, its encoder and
+        #: how many packed values are kept; and the encoder that leaves it None
+        self.pack_once: tuple[str, Callable[[Any], Any], int] | None = None
+        self.encode_head: Callable[[Any], dict[str, Any]] | None = None
+        if once:
+            if len(once) > 1 or kind is None or self.added:
+                raise TypeError(f"{cls.__qualname__}: pack_once is for one field of a message without added fields")
+            self.pack_once = (once[0].name, encoders[once[0].name], int(once[0].metadata["pack_once"]))
+            self.encode_head = _compile_encode(self, encoders, last_none=once[0].name)
 
 
 def _memoized(conv: _Conv, kept: int) -> _Conv:
@@ -568,13 +587,18 @@ def _identity(v: Any) -> Any:
     return v
 
 
-def _compile_encode(schema: _Schema, encoders: dict[str, Callable[[Any], Any]]) -> Callable[[Any], dict[str, Any]]:
+def _compile_encode(
+    schema: _Schema, encoders: dict[str, Callable[[Any], Any]], last_none: str | None = None
+) -> Callable[[Any], dict[str, Any]]:
     """Generate the struct's encoder: one dict display of its fields, converting only those
-    that need it (nested structs, and tuples or maps of them); None stays None."""
+    that need it (nested structs, and tuples or maps of them); None stays None. ``last_none``:
+    that field is put last, as None (its packed bytes go in after: :func:`encode`)."""
     env: dict[str, Any] = {}
     items = []
     later = []  # fields added after earlier peers shipped the message: left out while None
     for i, (name, enc) in enumerate(encoders.items()):
+        if name == last_none:
+            continue
         value = f"v.{name}" if enc is _identity else f"_e{i}(v.{name})"
         if enc is not _identity:
             env[f"_e{i}"] = enc
@@ -584,6 +608,8 @@ def _compile_encode(schema: _Schema, encoders: dict[str, Callable[[Any], Any]]) 
             items.append(f"{name!r}: v.{name}")
         else:
             items.append(f"{name!r}: None if v.{name} is None else {value}")
+    if last_none is not None:
+        items.append(f"{last_none!r}: None")
     if later:
         src = "def encode(v):\n    d = {" + ", ".join(items) + "}\n" + "\n".join(later) + "\n    return d"
     else:
@@ -614,6 +640,9 @@ def _pack(obj: Any) -> bytes:
 
 #: message class -> (its kind, its schema's encoder): filled on a class's first frame
 _ENCODERS: dict[type, tuple[str, Callable[[Any], dict[str, Any]]]] = {}
+#: message class -> (its kind, the encoder leaving its pack_once field last and None, the field,
+#: its encoder, the packed values kept: id -> (value, bytes), how many): for classes that have one
+_ONCE: dict[type, tuple[str, Callable[[Any], dict[str, Any]], str, Callable[[Any], Any], dict[int, tuple[Any, bytes]], int]] = {}
 
 
 def encode(msg: Any) -> bytes:
@@ -624,9 +653,30 @@ def encode(msg: Any) -> bytes:
         kind = getattr(cls, "KIND", None)
         if kind is None or _KINDS.get(kind) is not cls:
             raise TypeError(f"{cls.__name__} is not a registered wire message")
-        found = _ENCODERS[cls] = (kind, _schema(cls).encode)
-    kind, body = found
-    return _pack([WIRE_VERSION, kind, body(msg)])
+        schema = _schema(cls)
+        if schema.pack_once is not None and schema.encode_head is not None:
+            name, field_encoder, most = schema.pack_once
+            _ONCE[cls] = (kind, schema.encode_head, name, field_encoder, {}, most)
+        found = _ENCODERS[cls] = (kind, schema.encode)
+    once = _ONCE.get(cls) if _ONCE else None
+    if once is None:
+        kind, body = found
+        return _pack([WIRE_VERSION, kind, body(msg)])
+    kind, head, name, field_encoder, kept, most = once
+    value = getattr(msg, name)
+    frame = _pack([WIRE_VERSION, kind, head(msg)])
+    if value is None:  # packed as it is: None
+        return frame
+    hit = kept.get(id(value))
+    if hit is None or hit[0] is not value:
+        hit = kept[id(value)] = (value, _pack(field_encoder(value)))  # holding the value: its id is not reused meanwhile
+        if len(kept) > most:
+            try:
+                del kept[next(iter(kept))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread evicted at once: it is bounded either way
+                pass
+    # the frame ends with the map's last value, that field's None (0xc0): its packed bytes go there
+    return frame[:-1] + hit[1]
 
 
 def kind_prefix(cls: type) -> bytes:

@@ -122,6 +122,13 @@ _LOOK_BACK_EVERY = 2.0  # seconds between probes of the earlier servers while pa
 #: the longest a move back to a server that decides waits for the calls in flight to be answered
 #: (moving fails them with ServerUnavailable: a ``register`` sent just before the move was lost so)
 _HOLD_MOVE_S = 10.0
+#: A report (a completion, a source failure, declared checksums...) that the server refused
+#: because it does not decide now (a primary holding its state until its backup answers) is sent
+#: again this often, this many times at most (two default leases: a hold lasts no longer), while
+#: the client stays on that server: the fact it states stays true, and lost, its grant would hang
+#: until revoked and a version's checksums would never be declared.
+_REPORT_RETRY_S = 0.25
+_REPORT_RETRIES = 40
 
 #: ``send(build)`` as a handle's ``restore`` gets it: one request to the new server, bounded in time.
 Exchange = Callable[[Callable[[int], Any]], Awaitable[Any]]
@@ -155,6 +162,7 @@ class Send:
 
     build: Callable[[int], Any]
     unanswered: bool = False
+    refused: int = 0  #: how many times the server refused it so far (``ServerUnavailable``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,7 +415,7 @@ class ClientActor(Actor):
             return
         self._send(msg)
         fut = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(_log_failure(self, msg))
+        fut.add_done_callback(_log_failure(self, msg, send, self.address))
         self.pending[req] = (fut, getattr(built, "session", None), None)
 
     def drop_session(self, local: int) -> None:
@@ -763,10 +771,21 @@ class ClientActor(Actor):
                 fut.set_exception(err)
 
 
-def _log_failure(client: ClientActor, msg: Any) -> Callable[[asyncio.Future], None]:
+def _log_failure(client: ClientActor, msg: Any, send: Send | None = None, address: str = "") -> Callable[[asyncio.Future], None]:
     def done(fut: asyncio.Future) -> None:
         err = None if fut.cancelled() else fut.exception()
-        if err is not None and not isinstance(err, ServerUnavailable):  # a lost server is logged once
-            client.log.warning("server refused a message", kind=type(msg).__name__, error=str(fut.exception()))
+        if err is None:
+            return
+        if not isinstance(err, ServerUnavailable):
+            client.log.warning("server refused a message", kind=type(msg).__name__, error=str(err))
+            return
+        # A lost server is logged once (and what was sent there is moot). The server itself said
+        # it does not decide now, still connected to it: send the report again shortly.
+        if send is not None and client.lost is None and client.address == address and not client.stopped:
+            if send.refused < _REPORT_RETRIES:
+                client.after(_REPORT_RETRY_S, dataclasses.replace(send, refused=send.refused + 1))
+            else:
+                client.log.warning("server refused a report every time; given up", kind=type(msg).__name__,
+                                   tries=send.refused + 1, error=str(err))  # fmt: skip
 
     return done

@@ -21,7 +21,12 @@ __all__ = ["as_json", "render"]
 def as_json(status: m.ServerStatus, cluster: m.ClusterState) -> dict[str, Any]:
     """One JSON document: the server's counters (``term``, ``counts``, ``stats``,
     ``bytes_by_link``, ``seeding``, as before) and the cluster state (``models``, ``grants``
-    with a ``tree`` per (model, version, shard), transfer ``rates``)."""
+    with a ``tree`` per (model, version, shard), transfer ``rates``), and who decides:
+    ``reigns`` (this server's reigns, oldest first: ``term``, ``start``, ``end`` (null while it
+    reigns), ``first_grant``, ``last_grant`` on the server's monotonic clock, and ``grants``),
+    ``reigning`` (its last reign is open), and ``membership``: a primary's or backup's voters
+    (``{"epoch", "voters"}``: the epoch of the membership it holds, 0 while none is known, and
+    how many slots it has), null for a server alone."""
     out: dict[str, Any] = {k: v for k, v in dataclasses.asdict(status).items() if k != "req"}
     c = dataclasses.asdict(cluster)
     out["time"] = c["time"]
@@ -33,6 +38,9 @@ def as_json(status: m.ServerStatus, cluster: m.ClusterState) -> dict[str, Any]:
         "window_s": cluster.window_s,
         "active_bytes_per_s": round(sum(g.bytes_per_s for g in cluster.grants), 1),
     }
+    out["reigns"] = c["reigns"]
+    out["reigning"] = bool(cluster.reigns) and cluster.reigns[-1].end is None
+    out["membership"] = None if cluster.membership is None else {"epoch": cluster.membership, "voters": cluster.voters}
     return json.loads(json.dumps(out))  # plain JSON types (lists, not tuples), as a script reads it
 
 
@@ -75,6 +83,10 @@ def _size(n: float) -> str:
 def render(doc: dict[str, Any], address: str = "") -> str:
     """The terminal view of :func:`as_json`'s document."""
     lines = [f"tensorhub server {address}  term {doc['term']}  " + time.strftime("%H:%M:%S", time.localtime(doc["time"]))]
+    grants = sum(r["grants"] for r in doc["reigns"])
+    member = doc["membership"]
+    voters = f"; membership epoch {member['epoch']}, {member['voters']} voters" if member is not None else ""
+    lines.append(f"  {'reigning' if doc['reigning'] else 'not reigning'} ({len(doc['reigns'])} reigns, {grants} grants in them){voters}")
     c = doc["counts"]
     lines.append(f"  {c['models']} models, {c['sessions']} shards open, {c['holders']} holders, {c['grants']} active grants")
     s = doc["stats"]

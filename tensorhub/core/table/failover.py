@@ -171,7 +171,23 @@ class ReignMixin(TableState):
             self._voting = tuple(sid for sid in msg.sessions if owner.get(sid) == peer)
         if not reign.reigning and not isinstance(msg, _SESSION_KINDS):
             raise ServerUnavailable(f"this server does not decide now: {reign.why_not()}")
+        if reign.held_since is not None and self._removes_while_holding(msg):
+            # A holding primary decides nothing until its backup says whether it reigned
+            # meanwhile: a close or a new incarnation's open would remove a replica at once
+            # (its holders, the grants they serve, retention), a decision like any other.
+            raise ServerUnavailable(f"this server does not decide now: {reign.why_not()}; "
+                                    f"a close or a new incarnation's open waits for that answer")  # fmt: skip
         return msg
+
+    def _removes_while_holding(self, msg: Any) -> bool:
+        """Whether a session message would remove a replica's state: a close, or an open of a
+        new incarnation of a shard that is open (it fences the old one)."""
+        if isinstance(msg, m.CloseShard):
+            return msg.session in self.sessions
+        if isinstance(msg, m.OpenShard):
+            old = self.by_slot.get((msg.model, msg.replica, msg.shard_idx))
+            return old is not None and old.incarnation != msg.incarnation
+        return False
 
     def _reign_after(self, peer: Hashable, msg: Any, out: Outbox) -> Outbox:
         """After a message reached a primary or backup: record a heartbeat's votes, stamp

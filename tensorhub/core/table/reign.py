@@ -80,7 +80,8 @@ class Reign:
     reply in that time, and the primary steps down as above. A majority of votes alone
     does not end the hold: it says nothing about whether the backup reigned meanwhile. While it
     holds, the table decides nothing, time-driven decisions included (they come due once it
-    reigns again).
+    reigns again), and neither does a session message: a close, or an open of a new incarnation
+    of an open shard (it would fence the old one), is refused with ``ServerUnavailable``.
 
     A server that does not reign accepts sessions (open, register, announce, heartbeats: votes)
     and refuses every call with ``ServerUnavailable``.
