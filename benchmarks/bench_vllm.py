@@ -23,7 +23,9 @@ pause: the time during which the engine cannot generate:
 layers' processing is part of each route).
 
 After each round the engine's greedy tokens must equal the ``vllm-reload`` ones of that version
-(checked). Prints the median pause of each and their ratios to ``vllm-reload`` measured in the
+(checked). ``--warmup`` rounds (default 1) of every route run first and are not counted: the first
+update after an engine starts faults in the second staging set's memory, which every later one
+reuses, and vLLM's first reload warms its own paths. Prints the median pause of each and their ratios to ``vllm-reload`` measured in the
 same run. Run it with the vLLM environment: ``bash scripts/vllm_env.sh python benchmarks/bench_vllm.py``.
 
 ``--serve``: the same through vLLM's OpenAI-compatible server (what ``vllm serve`` runs, with
@@ -126,6 +128,17 @@ def _scratch() -> str:
     return tempfile.mkdtemp(prefix="bench_vllm-")
 
 
+def _round(rnd: int) -> str:
+    """A round's label: ``round N``, or ``warm-up`` (its pauses are not in the medians)."""
+    return f"round {rnd}" if rnd >= 0 else "warm-up"
+
+
+def _drop_warmup(pauses: dict[str, list[float]], warmup: int, *more: list[float]) -> None:
+    """Each route's first ``warmup`` pauses (and of ``more``) out: the warm-up rounds'."""
+    for xs in (*pauses.values(), *more):
+        del xs[:warmup]
+
+
 def _load() -> str:
     """The machine's load averages (1, 5, 15 min): timings here are shared with whatever else runs."""
     return "load " + "/".join(f"{x:.1f}" for x in os.getloadavg())
@@ -147,12 +160,17 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE with this many experts per layer (0: dense Qwen3)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed rounds of every route first (the first update after an engine starts faults in "
+                         "memory that every later one reuses; vLLM's first reload warms its own paths)")
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (default: vLLM's compiled mode)")
     ap.add_argument("--serve", action="store_true", help="through vLLM's HTTP server and its RL routes")
     ap.add_argument("--trainer-shared-memory", action="store_true",
                     help="register the trainer's tensors with shared_memory=True (a reader in another process maps them "
                          "and copies with memmove instead of process_vm_readv)")  # fmt: skip
     args = ap.parse_args()
+    if args.rounds < 1 or args.warmup < 0:
+        ap.error("--rounds must be >= 1 and --warmup >= 0")
     if args.serve:
         return serve_main(args)
 
@@ -188,7 +206,7 @@ def main() -> int:
     pauses: dict[str, list[float]] = {"vllm-reload": [], "tensorhub": [], "tensorhub-prefetch": []}
     version = 0
     try:
-        for rnd in range(args.rounds):
+        for rnd in range(-args.warmup, args.rounds):  # rounds < 0: warm-up, not counted
             for route in pauses:
                 version += 1
                 path = _next_version(trainer, weights, version, tmp)
@@ -223,13 +241,14 @@ def main() -> int:
                 shutil.rmtree(path, ignore_errors=True)  # its round is over
                 pauses[route].append(pause)
                 phases = "" if route == "vllm-reload" else _phases(_backend(llm).last)
-                print(f"round {rnd} {route:>19} v{version}: pause {pause * 1000:8.1f} ms{phases} [{_load()}]", flush=True)
+                print(f"{_round(rnd)} {route:>19} v{version}: pause {pause * 1000:8.1f} ms{phases} [{_load()}]", flush=True)
     finally:
         llm.shutdown_weight_transfer_engine()
         trainer.close()
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # the model folder and what a failed round left
-    _print_medians(pauses, f"({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same engine, same run)", 19)
+    _drop_warmup(pauses, args.warmup)
+    _print_medians(pauses, f"({nbytes / 2**20:.0f} MiB, {args.rounds} rounds after {args.warmup} warm-up; same engine, same run)", 19)
     return 0
 
 
@@ -361,7 +380,7 @@ def serve_main(args: argparse.Namespace) -> int:
                                           "tensorhub-live": [], "pause-resume": []}  # fmt: skip
         excess: list[float] = []  # tensorhub-live: the longest gap across the calls less the stream's typical gap
         version = 0
-        for rnd in range(args.rounds):
+        for rnd in range(-args.warmup, args.rounds):  # rounds < 0: warm-up, not counted
             order = list(pauses)
             if rnd % 2:  # the A/B's two routes in the other order every other round (the earlier one ran first)
                 a, b = order.index("tensorhub"), order.index("tensorhub-serial")
@@ -372,7 +391,7 @@ def serve_main(args: argparse.Namespace) -> int:
                     post("/pause", mode="wait")
                     post("/resume")
                     pauses[route].append(time.perf_counter() - t0)
-                    print(f"round {rnd} {route:>16}: pause {pauses[route][-1] * 1000:8.1f} ms [{_load()}]", flush=True)
+                    print(f"{_round(rnd)} {route:>16}: pause {pauses[route][-1] * 1000:8.1f} ms [{_load()}]", flush=True)
                     continue
                 version += 1
                 path = _next_version(trainer, weights, version, tmp)
@@ -450,7 +469,7 @@ def serve_main(args: argparse.Namespace) -> int:
                 shutil.rmtree(path, ignore_errors=True)  # its round is over
                 pauses[route].append(pause)
                 phases = "" if route == "vllm-reload" else _phases(backends()[0]["last"])
-                print(f"round {rnd} {route:>16} v{version}: pause {pause * 1000:8.1f} ms{timed}{live}{phases} [{_load()}]", flush=True)
+                print(f"{_round(rnd)} {route:>16} v{version}: pause {pause * 1000:8.1f} ms{timed}{live}{phases} [{_load()}]", flush=True)
         post("/shutdown_weight_transfer_engine")
     finally:
         proc.terminate()
@@ -463,7 +482,9 @@ def serve_main(args: argparse.Namespace) -> int:
         trainer.close()
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # the model folder and what a failed round left
-    _print_medians(pauses, f"through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds; same server, same run)", 16)
+    _drop_warmup(pauses, args.warmup, excess)
+    _print_medians(pauses, f"through the HTTP server ({nbytes / 2**20:.0f} MiB, {args.rounds} rounds after {args.warmup} warm-up; "
+                           "same server, same run)", 16)  # fmt: skip
     print("  (tensorhub-live: no /pause; the longest gap between a streamed completion's tokens across the calls,")
     print(f"   one engine step included; less the stream's typical gap, median {median(excess) * 1000:.1f} ms: "
           f"ratio to vllm-reload {median(excess) / median(pauses['vllm-reload']):.3f})")  # fmt: skip
