@@ -88,7 +88,7 @@ _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path:
     sys.path.insert(0, str(_HERE.parent))
 
-from benchmarks.harness import BenchmarkError, Child, median, process_cpu, start_server, stop_process  # noqa: E402
+from benchmarks.harness import BenchmarkError, Child, median, process_cpu, start_server, stop_process, thread_cpu  # noqa: E402
 from benchmarks.harness.shards import WORKLOADS, allocate, fill_seeded, hashes_of, spec_bytes, workload_spec  # noqa: E402
 
 PIECE = 4 << 20  # bytes per process_vm_readv in the raw rows (a checksum unit; kept so that figures compare across runs)
@@ -341,30 +341,6 @@ def _faults() -> int:
     return r.ru_minflt + r.ru_majflt
 
 
-def _thread_cpu() -> dict[str, float]:
-    """CPU seconds of this process's threads so far, by kind: the Python thread's name without
-    its number (``local-copy``, ``asyncio``...), else the kernel's name of the thread (ZeroMQ's).
-    From ``/proc/self/task/*/schedstat`` (nanoseconds; ``stat``'s clock ticks are 10 ms, as much
-    as a reader's event loop spends in a round)."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-            name = names.get(int(tid))
-            if name is None:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    name = f.read().strip()
-        except (OSError, ValueError, IndexError):
-            continue
-        kind = name.rstrip("0123456789_").split(" (")[0].rstrip("-_") or name
-        if kind.startswith("Thread-"):
-            kind = "Thread"
-        out[kind] = out.get(kind, 0.0) + ns / 1e9
-    return out
-
-
 def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0}
 
@@ -459,11 +435,11 @@ def holder_main(conn: Any, spec: list, seed: int, server: str, profile: bool, lo
                 else:
                     os.environ.pop("TENSORHUB_HASH_THREADS", None)
                 _sleep_until(start)
-                c0, t0, f0 = _cpu(), _thread_cpu(), _faults()
+                c0, t0, f0 = _cpu(), thread_cpu(), _faults()
                 handle.publish(version)
                 conn.send(("published", c0))
             elif msg[0] == "cpu":
-                conn.send(("cpu", _cpu(), _diff(_thread_cpu(), t0), marks.take(start) if marks is not None else None,
+                conn.send(("cpu", _cpu(), _diff(thread_cpu(), t0), marks.take(start) if marks is not None else None,
                            _faults() - f0, calls.take(start) if calls is not None else None))  # fmt: skip
             elif msg[0] == "profile":
                 stats = profiles.snapshot()
@@ -540,7 +516,7 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
             elif msg[0] == "run":
                 _, kind, version, start = msg
                 _sleep_until(start)
-                c0, t0, f0 = _cpu(), _thread_cpu(), _faults()
+                c0, t0, f0 = _cpu(), thread_cpu(), _faults()
                 if kind.startswith("tensorhub"):
                     handles[kind].replicate(version, timeout=300)
                 elif kind == "memcpy":
@@ -558,7 +534,7 @@ def reader_main(conn: Any, spec: list, seed: int, server: str, index: int, holde
                 else:
                     raise ValueError(f"unknown kind {kind!r}")
                 end = time.monotonic()
-                c1, t1, f1 = _cpu(), _thread_cpu(), _faults()
+                c1, t1, f1 = _cpu(), thread_cpu(), _faults()
                 ok = hashes_of(into.get(kind, tensors)) == expected  # untimed
                 stats = handles[kind].last_pull if kind.startswith("tensorhub") else None
                 extra: dict[str, Any] = {}

@@ -29,7 +29,6 @@ import argparse
 import ctypes
 import os
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,7 +40,7 @@ if str(_HERE.parent) not in sys.path:
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
-from benchmarks.harness import median  # noqa: E402
+from benchmarks.harness import median, thread_cpu  # noqa: E402
 
 PART = 4 << 20  # the local transport's parts (queued on its copy threads)
 PIECE = 1 << 20  # ... and pieces (one copy, then the landing hash)
@@ -88,26 +87,6 @@ def staging(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for n in names:
             out[n] = buf[at : at + weights[n].numel()].view(weights[n].shape)
             at += weights[n].numel()
-    return out
-
-
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of this process's threads so far, by kind (the Python thread name without its
-    number; else the kernel's name)."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-            name = names.get(int(tid))
-            if name is None:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    name = f.read().strip()
-        except (OSError, ValueError, IndexError):
-            continue
-        kind = name.rstrip("0123456789_").rstrip("-_") or name
-        out[kind] = out.get(kind, 0.0) + ns / 1e9
     return out
 
 

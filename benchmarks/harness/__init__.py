@@ -32,6 +32,7 @@ from benchmarks.harness.measure import (
     process_cpu,
     ratio,
     status_bytes,
+    thread_cpu,
     timings,
     verdict,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "ratio",
     "start_server",
     "status_bytes",
+    "thread_cpu",
     "stop_process",
     "timings",
     "verdict",

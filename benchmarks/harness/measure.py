@@ -16,7 +16,7 @@ from typing import Any
 
 from benchmarks.harness.processes import BenchmarkError
 
-__all__ = ["PeakRss", "cuda_sync", "meets", "median", "process_cpu", "ratio", "status_bytes", "timings", "verdict"]
+__all__ = ["PeakRss", "cuda_sync", "meets", "median", "process_cpu", "ratio", "status_bytes", "thread_cpu", "timings", "verdict"]
 
 
 # ---- timing, medians, ratios --------------------------------------------------------------------
@@ -138,3 +138,27 @@ def process_cpu(pid: int | None) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, by kind: the Python thread's name without
+    its number (``local-copy``, ``asyncio``...), else the kernel's name of the thread (ZeroMQ's).
+    From ``/proc/self/task/*/schedstat`` (nanoseconds; ``stat``'s clock ticks are 10 ms, as much
+    as a reader's event loop spends in a round)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            name = names.get(int(tid))
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        kind = name.rstrip("0123456789_").split(" (")[0].rstrip("-_") or name
+        if kind.startswith("Thread-"):
+            kind = "Thread"
+        out[kind] = out.get(kind, 0.0) + ns / 1e9
+    return out
